@@ -1,0 +1,26 @@
+"""The project's exception hierarchy.
+
+Everything the runtime raises on purpose derives from :class:`DistRuntimeError`, so a caller can
+catch one type.  The subclasses say *where* the problem is:
+
+* :class:`ModelFormatError` -- the bytes on disk (or on the wire, for a graph blob) are malformed:
+  truncated, a count that runs past the end, an unknown tag, invalid UTF-8, overlapping tensors...
+* :class:`GraphValidationError` -- the bytes were well formed, but the graph they describe is not
+  valid: a name consumed before it is produced, a cycle, a shape mismatch, too little memory...
+
+Messages name what is wrong and where (byte offset, node id, tensor name), so a person can act.
+"""
+
+from __future__ import annotations
+
+
+class DistRuntimeError(Exception):
+    """Base class of every error the runtime raises deliberately."""
+
+
+class ModelFormatError(DistRuntimeError):
+    """Malformed bytes: a .model container, a ~~~graph blob, a tensors index or a TOML section."""
+
+
+class GraphValidationError(DistRuntimeError):
+    """A well-formed graph that breaks an invariant (ordering, naming, shapes, memory)."""
