@@ -1,0 +1,35 @@
+# Everything runs from a project-local virtualenv, created on first use from python3 (>= 3.11).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
+MODEL  := out/tiny-llama.model
+
+.PHONY: setup demo test docs clean help
+help:
+	@echo "make demo   set up .venv and run the main job (build an example model, validate, inspect)"
+	@echo "make test   set up .venv and run the whole test suite"
+	@echo "make docs   regenerate the generated tables in docs/ from the op table"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is required"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/dist-runtime example -o $(MODEL)
+	$(BIN)/dist-runtime validate $(MODEL)
+	$(BIN)/dist-runtime inspect $(MODEL)
+
+test: setup
+	$(BIN)/python -m pytest -n 2 -q
+
+docs: setup
+	$(BIN)/python -m dist_runtime.ir.docgen
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .hypothesis
