@@ -24,3 +24,8 @@ class ModelFormatError(DistRuntimeError):
 
 class GraphValidationError(DistRuntimeError):
     """A well-formed graph that breaks an invariant (ordering, naming, shapes, memory)."""
+
+
+class InfeasiblePlanError(DistRuntimeError):
+    """No pipeline plan satisfies the request: a node larger than every budget, budgets that fit
+    the total but no contiguous split, a context too long for the budgets, more stages than nodes."""
