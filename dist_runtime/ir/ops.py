@@ -253,7 +253,8 @@ class SdpaCross(OpPayload):
 
 
 @op(22, inputs=(3, 4), shape=rules.sdpa,
-    doc="Sliding-window attention: each query sees at most `window` keys ending at itself.")
+    doc="Sliding-window attention: each query sees at most `window` keys ending at itself "
+        "(causal); non-causal: keys less than `window` away on either side.")
 class SdpaWindow(OpPayload):
     num_heads: U32
     kv_heads: U32
@@ -281,7 +282,7 @@ class KvDecompress(OpPayload):
 
 
 @op(26, inputs=(2, 2), shape=rules.rope,
-    doc="Rotary embedding, HF rotate-half, first rope_dim dims of each head rotated; input 2 = pos.")
+    doc="Rotary embedding, HF rotate-half, first rope_dim dims of each head rotated; inputs x, pos.")
 class Rope(OpPayload):
     head_dim: U32
     rope_dim: U32
@@ -481,7 +482,7 @@ class DepthwiseConv(OpPayload):
 
 
 @op(86, inputs=(1, 1), shape=rules.pool,
-    doc="2-D max/avg pooling over the last two dims; avg excludes padding (ONNX default).")
+    doc="Max/avg pooling over H, W of [N, C, H, W] (or L of [N, C, L]); avg excludes padding.")
 class Pool(OpPayload):
     mode: U8  # 0 = max, 1 = avg
     kernel_h: U32
