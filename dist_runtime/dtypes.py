@@ -2,8 +2,10 @@
 
 Using GGML's ids (``ggml_type`` in ggml.h, ``GGMLQuantizationType`` in the ``gguf`` package) means a
 GGUF tensor maps to ours with no conversion, and the quantized formats keep GGML's exact block
-layouts.  GGML has no unsigned-byte or boolean type; we add them as project extensions in a range
-GGML does not use (200 and up).
+layouts.  GGML's Q8_1 (id 9) is left out on purpose: it is GGML's internal format for
+activations, never stored in model files, and its size differs between GGML (36 bytes) and the
+``gguf`` package's table (40).  GGML has no unsigned-byte or boolean type; we add them as
+project extensions in a range GGML does not use (200 and up).
 
 Quantized (block) types group ``block_size`` consecutive elements of the *last* dimension (the
 contiguous one) into ``block_bytes`` bytes, so a tensor of such a type needs its last dimension to
@@ -37,7 +39,6 @@ class DType(enum.IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
-    Q8_1 = 9
     Q2_K = 10
     Q3_K = 11
     Q4_K = 12
@@ -147,7 +148,6 @@ _LAYOUTS: dict[DType, _Layout] = {
     DType.Q5_0: _Layout(32, 22, None),  # f16 scale + 4 bytes of high bits + 16 bytes of nibbles
     DType.Q5_1: _Layout(32, 24, None),  # f16 scale, f16 min + 4 + 16
     DType.Q8_0: _Layout(32, 34, None),  # f16 scale + 32 int8
-    DType.Q8_1: _Layout(32, 40, None),  # f32 scale, f32 sum + 32 int8
     DType.Q2_K: _Layout(256, 84, None),
     DType.Q3_K: _Layout(256, 110, None),
     DType.Q4_K: _Layout(256, 144, None),

@@ -63,7 +63,7 @@ def test_payload_value_kinds():
         (ops.LayerNorm(eps=1e-6), "LayerNorm(eps=1e-06)"),
         (ops.Clamp(min=0.0), "Clamp(min=0.0)"),
         (ops.Clamp(min=-math.inf, max=6.0), "Clamp(max=6.0)"),
-        (ops.NanToNum(nan=math.nan, posinf=math.inf), "NanToNum(nan=nan, posinf=inf)"),
+        (ops.NanToNum(nan=0.5, posinf=math.inf), "NanToNum(nan=0.5, posinf=inf)"),
         (ops.NanToNum(), "NanToNum"),
         (ops.Reshape(shape=(0, -1, 64)), "Reshape(shape=[0,-1,64])"),
         (ops.Quantize(dtype=DType.Q4_0), "Quantize(dtype=q4_0)"),

@@ -76,6 +76,8 @@ def _check_field(payload: OpPayload, f: Field, value: object) -> object:
     if wire.name == "f32":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise GraphValidationError(f"{where} must be a number, got {value!r}")
+        if math.isnan(value):  # meaningless in every payload, and NaN bits do not round-trip
+            raise GraphValidationError(f"{where} must not be NaN")
         return _f32(float(value))
     if wire.name == "dtype":
         try:

@@ -46,18 +46,17 @@ import difflib
 import math
 import reprlib
 import struct
-import tomllib
 
 import tomli_w
 
 from ..dtypes import DType
 from ..errors import GraphValidationError, ModelFormatError
+from ..safe_toml import MAX_TOML_BYTES, parse_toml  # noqa: F401  (the limit is part of this API)
 from .codec import MAX_RANK
 from .graph import POS, AttrValue, Graph, Node, TensorSpec
 from .ops import OPS_BY_NAME, Wire
 
 #: A TOML text larger than this (in UTF-8 bytes) is rejected before it is parsed.
-MAX_TOML_BYTES = 64 * 1024 * 1024
 
 _U8 = (0, 2**8 - 1)
 _U32 = (0, 2**32 - 1)
@@ -449,45 +448,7 @@ class _Reader:
         return graph
 
 
-def _decode_text(text: str | bytes, what: str) -> str:
-    """The text as a str, after the size check (which comes before any parsing)."""
-    if isinstance(text, (bytes, bytearray, memoryview)):
-        data = bytes(text)
-        if len(data) > MAX_TOML_BYTES:
-            raise ModelFormatError(
-                f"{what}: {len(data)} bytes exceeds the TOML limit of {MAX_TOML_BYTES} bytes"
-            )
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ModelFormatError(f"{what}: not valid UTF-8 ({e.reason} at byte {e.start})") \
-                from None
-    if not isinstance(text, str):
-        raise TypeError(f"graph_from_toml takes str or bytes, not {type(text).__name__}")
-    if len(text) > MAX_TOML_BYTES:  # every character is at least one UTF-8 byte
-        raise ModelFormatError(
-            f"{what}: {len(text)} characters exceeds the TOML limit of {MAX_TOML_BYTES} bytes"
-        )
-    try:  # also rejects lone surrogates, which no name may carry
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError as e:
-        raise ModelFormatError(f"{what}: not valid Unicode ({e.reason} at character {e.start})") \
-            from None
-    if size > MAX_TOML_BYTES:
-        raise ModelFormatError(
-            f"{what}: {size} bytes (UTF-8) exceeds the TOML limit of {MAX_TOML_BYTES} bytes"
-        )
-    return text
-
-
 def graph_from_toml(text: str | bytes, *, what: str = "graph.toml") -> Graph:
     """Parse the TOML form.  Raises :class:`ModelFormatError` for anything malformed; ``what``
     names the source in messages."""
-    source = _decode_text(text, what)
-    try:
-        doc = tomllib.loads(source)
-    except RecursionError:
-        raise ModelFormatError(f"{what}: invalid TOML: nested too deeply to parse") from None
-    except ValueError as e:  # includes tomllib.TOMLDecodeError
-        raise ModelFormatError(f"{what}: invalid TOML: {e}") from None
-    return _Reader(what).graph(doc)
+    return _Reader(what).graph(parse_toml(text, what))

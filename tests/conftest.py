@@ -1,0 +1,78 @@
+"""Shared fixtures: small valid example graphs, weights and .model files.
+
+``tiny_decoder()`` is a 1-layer Llama-style decoder (TokenEmbed -> RmsNorm -> Matmul q/k/v ->
+Rope -> KvCache -> Sdpa -> Matmul o -> Add -> RmsNorm -> Matmul gate/up -> SwiGlu -> Matmul down
+-> Add -> RmsNorm -> Matmul lm_head -> Sample) with seeded random f32 weights and tiny dims
+(vocab 32, hidden 16, 2 heads of 8, 1 KV head, FFN 32), built by ``dist_runtime.examples``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dist_runtime.dtypes import DType
+from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
+from dist_runtime.ir.graph import Graph, Node, TensorSpec
+from dist_runtime.ir.ops import Matmul, RmsNorm, Sample, TokenEmbed
+from dist_runtime.tensor import QuantizedArray
+
+#: The tiny decoder's dimensions.
+TINY_CONFIG = LlamaConfig(vocab=32, hidden=16, layers=1, heads=2, kv_heads=1, ffn=32)
+#: A memory budget the tiny decoder fits comfortably.
+TINY_MAX_MEMORY = 16 * 2**20
+
+
+def tiny_decoder(seed: int = 0) -> tuple[Graph, dict[str, np.ndarray], dict]:
+    """(graph, weights, metadata) of the 1-layer tiny decoder; weights in insertion order."""
+    graph = llama_graph(TINY_CONFIG)
+    weights = llama_weights(TINY_CONFIG, seed=seed)
+    metadata = llama_metadata(TINY_CONFIG) | {"max_memory": TINY_MAX_MEMORY}
+    return graph, weights, metadata
+
+
+def q8_0_blocks(x: np.ndarray) -> QuantizedArray:
+    """``x`` (f32, last dim a multiple of 32) quantized to GGML Q8_0 blocks by the gguf package."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    data = gguf.quants.quantize(np.ascontiguousarray(x, np.float32), GGMLQuantizationType.Q8_0)
+    return QuantizedArray(data, DType.Q8_0, tuple(x.shape))
+
+
+def mini_graph(seed: int = 0) -> tuple[Graph, dict[str, object], dict]:
+    """A 4-node graph (TokenEmbed -> RmsNorm -> Matmul with a Q8_0 lm_head -> Sample) with three
+    small weights: the smallest file with every section, for fuzzing."""
+    rng = np.random.default_rng(seed)
+    vocab, hidden = 8, 32
+    nodes = [
+        Node(0, TokenEmbed(), ["tokens", "model.embed_tokens.weight"], ["h"]),
+        Node(1, RmsNorm(eps=1e-5), ["h", "model.norm.weight"], ["n"], backend_hint=0),
+        Node(2, Matmul(), ["n", "lm_head.weight"], ["logits"]),
+        Node(3, Sample(method=0), ["logits"], ["next_token"]),
+    ]
+    graph = Graph(nodes, [TensorSpec((-1,), DType.I32)], ["logits", "next_token"], {})
+    weights = {
+        "model.embed_tokens.weight": rng.standard_normal((vocab, hidden)).astype(np.float32),
+        "model.norm.weight": np.ones(hidden, np.float32),
+        "lm_head.weight": q8_0_blocks(rng.standard_normal((vocab, hidden)).astype(np.float32)),
+    }
+    metadata = {"name": "mini", "architecture": "test", "max_memory": 2**20}
+    return graph, weights, metadata
+
+
+@pytest.fixture
+def decoder():
+    """(graph, weights, metadata) of the tiny decoder."""
+    return tiny_decoder()
+
+
+@pytest.fixture
+def decoder_path(tmp_path):
+    """Path of the tiny decoder saved as a .model file (binary graph)."""
+    from dist_runtime.model import save_model
+
+    graph, weights, metadata = tiny_decoder()
+    path = tmp_path / "tiny.model"
+    save_model(path, graph, weights, metadata).close()
+    return path
