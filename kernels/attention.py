@@ -1,0 +1,333 @@
+"""Attention kernels (Sdpa, SdpaCross, SdpaWindow, FlashAttention) and the KV cache (KvCache).
+
+docs/ops.md, "Attention and positions": ``q`` is ``[..., Tq, H*hd]``, ``k`` and ``v`` are
+``[..., Tk, KV*hd]``; query head ``h`` reads kv head ``h // (H / KV)``.  Causal and window masks
+are aligned to the *end* of the keys: query ``i`` sits at key position ``i + Tk - Tq``.
+
+Grouped-query attention is computed without repeating K and V: the ``G = H / KV`` query heads of
+one kv head are stacked as ``G * Tq`` rows, so each kv head is one ``[G*Tq, hd] @ [hd, Tk]``
+product (a decode step is KV matrix-vector-like products, not H of them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dist_runtime.ir.ops import FlashAttention, KvCache, Sdpa, SdpaCross, SdpaWindow
+from dist_runtime.tensor import Array, QuantizedArray, dtype_of
+
+from ._common import as_compute, cast_back, check_broadcastable_to, compute_dtype, fail
+from .registry import register
+
+
+# -- the shared layout -------------------------------------------------------------------------
+def _check(name: str, q, k, v, mask, num_heads: int) -> tuple[int, int]:
+    """Run-time facts the shape rule could not see when Tq, Tk or batch dims were unknown."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    if v.shape[-2] != tk:
+        raise fail(name, f"k has Tk={tk} rows but v has {v.shape[-2]}")
+    try:
+        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        raise fail(name, f"batch dims of q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "
+                         f"do not broadcast") from None
+    if mask is not None:
+        check_broadcastable_to(name, mask, (*batch, num_heads, tq, tk),
+                               "mask (to the scores [..., num_heads, Tq, Tk])")
+    return tq, tk
+
+
+def _query_groups(q: np.ndarray, kv_heads: int, groups: int, hd: int) -> np.ndarray:
+    """``[..., Tq, H*hd]`` -> ``[..., KV, G*Tq, hd]``: the query heads of each kv head stacked."""
+    tq = q.shape[-2]
+    x = q.reshape(*q.shape[:-1], kv_heads, groups, hd)
+    x = np.moveaxis(x, -4, -2)  # [..., KV, G, Tq, hd]
+    return x.reshape(*x.shape[:-3], groups * tq, hd)
+
+
+def _kv_heads(x: np.ndarray, kv_heads: int, hd: int) -> np.ndarray:
+    """``[..., Tk, KV*hd]`` -> ``[..., KV, Tk, hd]`` (a view)."""
+    return np.swapaxes(x.reshape(*x.shape[:-1], kv_heads, hd), -2, -3)
+
+
+def _merge_heads(o: np.ndarray, groups: int, tq: int) -> np.ndarray:
+    """``[..., KV, G*Tq, hd]`` -> ``[..., Tq, H*hd]``."""
+    kv, hd = o.shape[-3], o.shape[-1]
+    o = o.reshape(*o.shape[:-3], kv, groups, tq, hd)
+    o = np.moveaxis(o, -2, -4)  # [..., Tq, KV, G, hd]
+    return o.reshape(*o.shape[:-3], kv * groups * hd)
+
+
+def _grouped_mask(mask: np.ndarray, kv_heads: int, groups: int) -> np.ndarray:
+    """A mask broadcastable to ``[..., H, Tq, Tk]``, made so to ``[..., KV, G, Tq, Tk]``."""
+    if mask.ndim < 3:
+        return mask
+    heads = (kv_heads, groups) if mask.shape[-3] != 1 else (1, 1)
+    return mask.reshape(*mask.shape[:-3], *heads, *mask.shape[-2:])
+
+
+def _position_bias(tq: int, tk: int, keys: slice, *, causal: bool, window: int | None,
+                   dtype) -> np.ndarray | None:
+    """0 where query i may see key j, -inf elsewhere, for the keys in ``keys``; None = all visible.
+
+    Query i sits at key position ``i + Tk - Tq`` (end-aligned, as with a KV cache).
+    """
+    if not causal and window is None:
+        return None
+    behind = (np.arange(tq)[:, None] + (tk - tq)) - np.arange(tk)[keys][None, :]  # i' - j
+    if window is None:
+        visible = behind >= 0
+    elif causal:
+        visible = (behind >= 0) & (behind < window)
+    else:
+        visible = np.abs(behind) < window
+    return np.where(visible, 0.0, -np.inf).astype(dtype)
+
+
+class _Problem:
+    """One attention call in the grouped layout: what every key block needs."""
+
+    def __init__(self, name, q, k, v, mask, *, num_heads, kv_heads, head_dim, causal, window):
+        self.tq, self.tk = _check(name, q, k, v, mask, num_heads)
+        if causal and self.tq > self.tk:  # the shape rule's check, for a Tk unknown at load time
+            raise fail(name, f"causal attention needs Tq <= Tk, but q has Tq={self.tq} rows and "
+                             f"k has Tk={self.tk} (the first query rows would see no key)")
+        self.dtype = compute_dtype(q, k, v, mask)
+        self.groups = num_heads // kv_heads
+        # Scaling q once is cheaper than scaling every score; a Python float keeps the dtype.
+        scale = 1.0 / math.sqrt(head_dim)
+        self.q = _query_groups(as_compute(q, self.dtype), kv_heads, self.groups, head_dim) * scale
+        self.k = _kv_heads(as_compute(k, self.dtype), kv_heads, head_dim)
+        self.v = _kv_heads(as_compute(v, self.dtype), kv_heads, head_dim)
+        self.mask = None if mask is None else _grouped_mask(as_compute(mask, self.dtype), kv_heads,
+                                                            self.groups)
+        self.causal, self.window = causal, window
+        self.out_like = q
+
+    def scores(self, keys: slice = slice(None)) -> np.ndarray:
+        """Scaled, masked scores of the keys in ``keys``: ``[..., KV, G, Tq, n]``."""
+        s = self.q @ np.swapaxes(self.k[..., keys, :], -1, -2)
+        s = s.reshape(*s.shape[:-2], self.groups, self.tq, s.shape[-1])
+        if self.mask is not None:  # not in place: the mask may carry v's broader batch dims
+            s = s + (self.mask if self.mask.shape[-1] == 1 else self.mask[..., keys])
+        bias = _position_bias(self.tq, self.tk, keys, causal=self.causal, window=self.window,
+                              dtype=self.dtype)
+        if bias is not None:
+            s += bias
+        return s
+
+    def weighted_values(self, p: np.ndarray, keys: slice = slice(None)) -> np.ndarray:
+        """``p @ v`` for probabilities ``p`` ``[..., KV, G, Tq, n]``: ``[..., KV, G*Tq, hd]``."""
+        p = p.reshape(*p.shape[:-3], self.groups * self.tq, p.shape[-1])
+        return p @ self.v[..., keys, :]
+
+    def output(self, o: np.ndarray) -> np.ndarray:
+        return cast_back(_merge_heads(o, self.groups, self.tq), self.out_like)
+
+
+# A query row that may see no key (its mask all -inf, or Tk = 0) gets zero probabilities and a
+# zero output, as torch's scaled_dot_product_attention and ONNX Attention give (not the NaN of a
+# plain softmax): the row max is then shifted by 0 and the zero sum divided by 1.
+def _finite(m: np.ndarray) -> np.ndarray:
+    return np.where(np.isneginf(m), 0.0, m).astype(m.dtype)
+
+
+def _nonzero(l: np.ndarray) -> np.ndarray:
+    return np.where(l == 0, 1.0, l).astype(l.dtype)
+
+
+def _softmax_attention(problem: _Problem) -> np.ndarray:
+    s = problem.scores()
+    s -= _finite(s.max(axis=-1, keepdims=True, initial=-np.inf))
+    np.exp(s, out=s)
+    s /= _nonzero(s.sum(axis=-1, keepdims=True))
+    return problem.output(problem.weighted_values(s))
+
+
+def _flash_attention(problem: _Problem, block: int) -> np.ndarray:
+    """Online softmax over key blocks (Dao et al.): a running max ``m``, running sum ``l`` and an
+    accumulator rescaled by ``exp(m_old - m_new)`` whenever the max grows."""
+    if problem.tk == 0:
+        return _softmax_attention(problem)
+    acc = l = m = None
+    for start in range(0, problem.tk, block):
+        keys = slice(start, min(start + block, problem.tk))
+        s = problem.scores(keys)
+        m_new = s.max(axis=-1, keepdims=True)
+        if m is not None:
+            m_new = np.maximum(m_new, m)
+        shift = _finite(m_new)  # rows with every key so far masked: exp gives 0, not NaN
+        s -= shift
+        p = np.exp(s, out=s)
+        pv = problem.weighted_values(p, keys)
+        if acc is None:
+            acc, l = pv, p.sum(axis=-1, keepdims=True)
+        else:
+            alpha = np.exp(m - shift)
+            l = l * alpha + p.sum(axis=-1, keepdims=True)
+            acc = acc * _rows(alpha) + pv
+        m = m_new
+    return problem.output(acc / _rows(_nonzero(l)))
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """A per-row factor ``[..., KV, G, Tq, 1]`` as ``[..., KV, G*Tq, 1]`` (the accumulator's)."""
+    return x.reshape(*x.shape[:-3], -1, 1)
+
+
+# -- the maths, usable on their own ------------------------------------------------------------
+def sdpa(q, k, v, mask=None, *, num_heads, kv_heads, head_dim, causal=False):
+    p = _Problem("Sdpa", q, k, v, mask, num_heads=num_heads, kv_heads=kv_heads,
+                 head_dim=head_dim, causal=causal, window=None)
+    return _softmax_attention(p)
+
+
+def sdpa_cross(q, k, v, mask=None, *, num_heads, kv_heads, head_dim):
+    p = _Problem("SdpaCross", q, k, v, mask, num_heads=num_heads, kv_heads=kv_heads,
+                 head_dim=head_dim, causal=False, window=None)
+    return _softmax_attention(p)
+
+
+def sdpa_window(q, k, v, mask=None, *, num_heads, kv_heads, head_dim, window, causal=True):
+    p = _Problem("SdpaWindow", q, k, v, mask, num_heads=num_heads, kv_heads=kv_heads,
+                 head_dim=head_dim, causal=causal, window=window)
+    return _softmax_attention(p)
+
+
+def flash_attention(q, k, v, mask=None, *, num_heads, kv_heads, head_dim, causal=False, block=256):
+    p = _Problem("FlashAttention", q, k, v, mask, num_heads=num_heads, kv_heads=kv_heads,
+                 head_dim=head_dim, causal=causal, window=None)
+    return _flash_attention(p, block)
+
+
+def _heads(op) -> dict:
+    return {"num_heads": op.num_heads, "kv_heads": op.kv_heads, "head_dim": op.head_dim}
+
+
+@register(Sdpa)
+def _sdpa(op, inputs, ctx):
+    return (sdpa(*inputs, **_heads(op), causal=op.causal),)
+
+
+@register(SdpaCross)
+def _sdpa_cross(op, inputs, ctx):
+    return (sdpa_cross(*inputs, **_heads(op)),)
+
+
+@register(SdpaWindow)
+def _sdpa_window(op, inputs, ctx):
+    return (sdpa_window(*inputs, **_heads(op), window=op.window, causal=op.causal),)
+
+
+@register(FlashAttention)
+def _flash(op, inputs, ctx):
+    return (flash_attention(*inputs, **_heads(op), causal=op.causal, block=op.block),)
+
+
+# -- KV cache ----------------------------------------------------------------------------------
+class _Rows:
+    """One accumulator: a buffer ``[..., capacity, row_bytes]`` of the stored element type.
+
+    A block-quantized input (Q8_0, Q4_0) is stored as its raw GGML block rows, unchanged.
+    """
+
+    def __init__(self) -> None:
+        self.buf: np.ndarray | None = None
+        self.layout: tuple | None = None  # (leading dims, width, element type) of the rows held
+
+    @staticmethod
+    def _raw(new: Array) -> tuple[np.ndarray, tuple]:
+        """The stored rows and their layout: (leading dims, logical width, DType)."""
+        raw = new.data if isinstance(new, QuantizedArray) else new
+        return raw, (new.shape[:-2], new.shape[-1], dtype_of(new))
+
+    def check(self, new: Array, held: int, what: str) -> None:
+        _, layout = self._raw(new)
+        if held and layout != self.layout:
+            lead, width, dtype = self.layout
+            raise fail("KvCache", f"{what} changed from {_describe(lead, width, dtype)} to "
+                                  f"{_describe(*layout)} while the cache holds {held} rows "
+                                  f"(leading dims, width and dtype must stay; reset() first)")
+
+    def write(self, pos: int, new: Array, held: int, capacity_hint: int) -> Array:
+        raw, layout = self._raw(new)
+        stop = pos + raw.shape[-2]
+        if self.buf is None or layout != self.layout:  # first write, or a new layout after reset
+            self.buf, self.layout = None, layout
+            self._grow(raw, max(stop, capacity_hint), keep=0)
+        elif stop > self.buf.shape[-2]:
+            # Geometric growth keeps appends amortised O(1) (never a concatenate per token).
+            self._grow(raw, max(stop, 2 * self.buf.shape[-2]), keep=min(pos, held))
+        self.buf[..., pos:stop, :] = raw
+        view = self.buf[..., :stop, :]
+        view.flags.writeable = False  # a zero-copy view: consumers must not write into the cache
+        if isinstance(new, QuantizedArray):
+            return QuantizedArray(view, new.dtype, (*view.shape[:-1], new.shape[-1]))
+        return view
+
+    def _grow(self, raw: np.ndarray, capacity: int, keep: int) -> None:
+        buf = np.empty((*raw.shape[:-2], capacity, raw.shape[-1]), raw.dtype)
+        if keep:
+            buf[..., :keep, :] = self.buf[..., :keep, :]
+        self.buf = buf
+
+
+def _describe(lead, width, dtype) -> str:
+    return f"{dtype.name}[{', '.join(map(str, (*lead, 'T', width)))}]"
+
+
+class KvState:
+    """The K and V accumulators of one KvCache node in one session (the executor owns it).
+
+    ``write(pos, k_new, v_new)`` stores the new rows at ``[pos, pos + T)`` and returns zero-copy,
+    read-only views of rows ``[0, pos + T)``.  Rows are keyed by position, so a retried step
+    (the same ``pos`` again) overwrites what it wrote before and returns the same result; a
+    ``pos`` before the end rewinds the cache to ``pos + T`` rows.  A ``pos`` past the rows held
+    would leave a gap and is an error.  ``capacity`` (the payload's ``max_seq``) preallocates rows;
+    it never limits: the buffers double when full.
+    """
+
+    def __init__(self, capacity: int = 0) -> None:
+        self.capacity = capacity
+        self.length = 0  # rows held
+        self._k, self._v = _Rows(), _Rows()
+
+    @classmethod
+    def for_op(cls, op: KvCache) -> KvState:
+        return cls(op.max_seq)
+
+    def write(self, pos: int, k_new: Array, v_new: Array) -> tuple[Array, Array]:
+        pos = int(pos)
+        if not 0 <= pos <= self.length:
+            raise fail("KvCache", f"cannot write rows from position {pos}: the cache holds "
+                                  f"{self.length} rows (positions must be contiguous: a write "
+                                  f"starts at or before row {self.length})")
+        if k_new.shape[:-1] != v_new.shape[:-1]:
+            raise fail("KvCache", f"k_new {list(k_new.shape)} and v_new {list(v_new.shape)} must "
+                                  f"agree on every dim but the last")
+        self._k.check(k_new, self.length, "k_new")
+        self._v.check(v_new, self.length, "v_new")
+        k_full = self._k.write(pos, k_new, self.length, self.capacity)
+        v_full = self._v.write(pos, v_new, self.length, self.capacity)
+        self.length = pos + k_new.shape[-2]
+        return k_full, v_full
+
+    @property
+    def allocated(self) -> int:
+        """Rows the buffers can hold before they grow again."""
+        return 0 if self._k.buf is None else self._k.buf.shape[-2]
+
+    def reset(self) -> None:
+        """Forget every row; the buffers are kept for the next sequence."""
+        self.length = 0
+
+
+@register(KvCache)
+def _kv_cache(op, inputs, ctx):
+    if not isinstance(ctx.state, KvState):
+        raise fail("KvCache", f"needs its per-session state in ctx.state (a KvState, made by "
+                              f"KvState.for_op(op) once per node and session), got {ctx.state!r}")
+    k_new, v_new = inputs
+    return ctx.state.write(ctx.pos, k_new, v_new)

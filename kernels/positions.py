@@ -1,0 +1,158 @@
+"""Position kernels: Rope, SinusoidalEmbed, RelativePosEmbedding, PosEmbed (docs/ops.md).
+
+Angles and frequencies are computed in f32 the way the references compute them (Hugging Face's
+``LlamaRotaryEmbedding``, diffusers' ``get_timestep_embedding``, T5's bucket), so that large
+positions round the same way; the data is then combined in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dist_runtime.ir.ops import PosEmbed, RelativePosEmbedding, Rope, SinusoidalEmbed
+
+from ._common import F32, as_compute, cast_back, compute_dtype, fail
+from .registry import register
+
+
+# -- scalar inputs -----------------------------------------------------------------------------
+def scalar(op_name: str, what: str, x) -> float:
+    """The value of a one-element ``[]`` / ``[1]`` input (docs/ops.md, "The pos input")."""
+    x = np.asarray(x)
+    if x.size != 1:
+        raise fail(op_name, f"{what} must hold one element, got shape {list(x.shape)}")
+    return x.reshape(()).item()
+
+
+def position(op_name: str, x) -> int:
+    """The injected ``pos`` (an f32 holding an integer, exact up to 2^24) as a Python int."""
+    value = scalar(op_name, "pos", x)
+    if not (math.isfinite(value) and value == int(value) and value >= 0):
+        raise fail(op_name, f"pos must be a whole number >= 0, got {value}")
+    return int(value)
+
+
+# -- Rope --------------------------------------------------------------------------------------
+def rope_cos_sin(start: int, length: int, rope_dim: int,
+                 base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of ``theta[t, i] = (start + t) * inv_freq[i]``, ``[length, rope_dim/2]``, f32.
+
+    As Hugging Face: ``inv_freq = 1 / base^(arange(0, r, 2) / r)`` and the product with the
+    position in f32.
+    """
+    exponent = np.arange(0, rope_dim, 2, dtype=F32) / F32.type(rope_dim)
+    inv_freq = F32.type(1.0) / (F32.type(base) ** exponent)
+    positions = np.arange(start, start + length, dtype=F32)
+    theta = positions[:, None] * inv_freq[None, :]
+    return np.cos(theta), np.sin(theta)
+
+
+def rope(x, pos, *, head_dim: int, rope_dim: int, base: float) -> np.ndarray:
+    """Rotate-half rotary embedding of the first ``rope_dim`` dims of every head of ``x``."""
+    dtype = compute_dtype(x)
+    t = x.shape[-2]
+    heads = x.shape[-1] // head_dim
+    xs = as_compute(x, dtype).reshape(*x.shape[:-1], heads, head_dim)
+    cos, sin = rope_cos_sin(position("Rope", pos), t, rope_dim, base)
+    cos, sin = cos[:, None, :].astype(dtype), sin[:, None, :].astype(dtype)  # [T, 1, r/2]
+    half = rope_dim // 2
+    x1, x2 = xs[..., :half], xs[..., half:rope_dim]
+    y = np.empty_like(xs)
+    y[..., :half] = x1 * cos - x2 * sin
+    y[..., half:rope_dim] = x2 * cos + x1 * sin
+    y[..., rope_dim:] = xs[..., rope_dim:]  # partial rotary: the rest passes through
+    return cast_back(y.reshape(x.shape), x)
+
+
+@register(Rope)
+def _rope(op, inputs, ctx):
+    x, pos = inputs
+    return (rope(x, pos, head_dim=op.head_dim, rope_dim=op.rope_dim, base=op.base),)
+
+
+# -- SinusoidalEmbed ---------------------------------------------------------------------------
+def sinusoidal_embed(timesteps, *, dim: int, max_period: float = 10000.0,
+                     flip_sin_to_cos: bool = True, downscale_freq_shift: float = 1.0) -> np.ndarray:
+    """diffusers ``get_timestep_embedding`` (scale 1), in f32: ``[N, dim]`` or ``[dim]``."""
+    t = np.asarray(timesteps)
+    half = dim // 2
+    # Python floats stay weak (NEP 50): every step below is f32, as in diffusers' torch code.
+    exponent = np.arange(half, dtype=F32) * -math.log(max_period)
+    exponent = exponent / (half - downscale_freq_shift)
+    args = t.astype(F32).reshape(-1, 1) * np.exp(exponent)[None, :]
+    parts = (np.cos(args), np.sin(args)) if flip_sin_to_cos else (np.sin(args), np.cos(args))
+    emb = np.zeros((args.shape[0], dim), F32)  # an odd dim keeps a last column of zeros
+    emb[:, :half], emb[:, half:2 * half] = parts
+    return emb.reshape(*t.shape, dim)
+
+
+@register(SinusoidalEmbed)
+def _sinusoidal_embed(op, inputs, ctx):
+    (t,) = inputs
+    return (sinusoidal_embed(t, dim=op.dim, max_period=op.max_period,
+                             flip_sin_to_cos=op.flip_sin_to_cos,
+                             downscale_freq_shift=op.downscale_freq_shift),)
+
+
+# -- RelativePosEmbedding ----------------------------------------------------------------------
+def relative_position_bucket(rel: np.ndarray, *, num_buckets: int, max_distance: int,
+                             bidirectional: bool) -> np.ndarray:
+    """T5's bucket of each relative position ``key - query`` (int64, same shape)."""
+    rel = np.asarray(rel, np.int64)
+    buckets = np.zeros(rel.shape, np.int64)
+    nb = num_buckets
+    if bidirectional:
+        nb //= 2
+        buckets += (rel > 0) * nb
+        n = np.abs(rel)
+    else:
+        n = np.maximum(-rel, 0)
+    exact = nb // 2
+    # The log bucket in f32 as T5 computes it, truncated toward zero like torch's .to(long).
+    # Clamping n to exact only avoids log(0) where the exact bucket is used anyway.
+    ratio = np.maximum(n, exact).astype(F32) / F32.type(exact)
+    log_bucket = np.log(ratio) / F32.type(math.log(max_distance / exact)) * F32.type(nb - exact)
+    large = np.minimum(exact + log_bucket.astype(np.int64), nb - 1)
+    return buckets + np.where(n < exact, n, large)
+
+
+def relative_pos_embedding(tq: int, tk: int, table, pos=None, *, num_buckets: int = 32,
+                           max_distance: int = 128, bidirectional: bool = True) -> np.ndarray:
+    """``bias[h, i, j] = table[bucket(j - (pos + i)), h]``: ``[H, Tq, Tk]``, the table's dtype."""
+    start = 0 if pos is None else position("RelativePosEmbedding", pos)
+    # rel depends only on j - i: bucket the Tq + Tk - 1 distinct values once, then gather.
+    rel = np.arange(-(start + tq - 1), tk - start)
+    bucket = relative_position_bucket(rel, num_buckets=num_buckets, max_distance=max_distance,
+                                      bidirectional=bidirectional)
+    index = np.arange(tk)[None, :] - np.arange(tq)[:, None] + (tq - 1)  # into rel
+    lookup = table[bucket]  # [Tq + Tk - 1, H]
+    return np.ascontiguousarray(np.moveaxis(lookup[index], -1, 0))
+
+
+@register(RelativePosEmbedding)
+def _relative_pos_embedding(op, inputs, ctx):
+    q, k, table, *pos = inputs
+    return (relative_pos_embedding(q.shape[-2], k.shape[-2], table, *pos,
+                                   num_buckets=op.num_buckets, max_distance=op.max_distance,
+                                   bidirectional=op.bidirectional),)
+
+
+# -- PosEmbed ----------------------------------------------------------------------------------
+def pos_embed(t: int, table, pos=None, *, offset: int = 0) -> np.ndarray:
+    """Rows ``offset + pos .. offset + pos + t - 1`` of the learned position table: ``[t, D]``."""
+    start = offset + (0 if pos is None else position("PosEmbed", pos))
+    rows = table.shape[0]
+    if start + t > rows:
+        raise fail("PosEmbed", f"position {start + t - 1} (offset {offset} + pos + {t - 1}) is "
+                               f"past the end of the position table, which has {rows} rows "
+                               f"(positions 0..{rows - 1})")
+    # A copy, not a view: the table may be a memory-mapped weight that nothing should alias.
+    return np.array(table[start:start + t])
+
+
+@register(PosEmbed)
+def _pos_embed(op, inputs, ctx):
+    x, table, *pos = inputs
+    return (pos_embed(x.shape[-2], table, *pos, offset=op.offset),)
