@@ -1,0 +1,76 @@
+"""The dist-runtime command line: inspect, validate, example; exit codes and --json."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dist_runtime.cli import main
+from dist_runtime.model import load_model
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_example_validate_inspect(tmp_path, capsys):
+    path = tmp_path / "m.model"
+    code, out, _ = run(capsys, "example", "-o", str(path), "--layers", "1", "--hidden", "32")
+    assert code == 0 and "wrote" in out
+    code, out, _ = run(capsys, "validate", str(path))
+    assert code == 0 and out.startswith(f"OK: {path}: ") and "tensors" in out
+    code, out, _ = run(capsys, "inspect", str(path))
+    assert code == 0
+    assert "model.layers.0.self_attn.q_proj.weight" in out
+    assert "%l0_q = Matmul %l0_attn_in, model.layers.0.self_attn.q_proj.weight  # f32[-1,32]" in out
+    assert "memory estimate" in out
+
+
+def test_inspect_json(tmp_path, capsys):
+    path = tmp_path / "m.model"
+    run(capsys, "example", "-o", str(path), "--layers", "1")
+    code, out, _ = run(capsys, "inspect", "--json", str(path))
+    report = json.loads(out)
+    with load_model(path) as m:
+        assert [t["name"] for t in report["tensors"]] == list(m.index)
+        assert report["graph"]["nodes"] == len(m.graph.nodes)
+    assert report["graph"]["inputs"] == {"tokens": "i32[-1]"}
+    assert report["memory"]["weights"] == sum(t["size"] for t in report["tensors"])
+    assert code == 0 and report["warnings"] == []
+
+
+def test_validate_fails_with_a_message_and_exit_1(tmp_path, capsys):
+    path = tmp_path / "m.model"
+    run(capsys, "example", "-o", str(path), "--layers", "1")
+    data = bytearray(path.read_bytes())
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(bytes(data[:200]))
+    code, _, err = run(capsys, "validate", str(bad))
+    assert code == 1 and err.startswith("error: ModelFormatError: ") and "truncated" in err
+    code, out, _ = run(capsys, "validate", "--json", str(bad))
+    assert code == 1 and json.loads(out)["valid"] is False
+
+
+def test_memory_budget_flag(tmp_path, capsys):
+    path = tmp_path / "m.model"
+    run(capsys, "example", "-o", str(path), "--layers", "1")
+    code, _, err = run(capsys, "validate", str(path), "--max-memory", "1KiB")
+    assert code == 1 and "exceeds the declared maximum of 1,024 bytes" in err
+    assert run(capsys, "validate", str(path), "--max-memory", "1GiB")[0] == 0
+
+
+def test_missing_file_and_bad_size(tmp_path, capsys):
+    code, _, err = run(capsys, "validate", str(tmp_path / "nope.model"))
+    assert code == 1 and "cannot open" in err
+    with pytest.raises(SystemExit) as e:
+        main(["validate", "x.model", "--max-memory", "lots"])
+    assert e.value.code == 2
+    assert "is not a size" in capsys.readouterr().err
+
+
+def test_console_script_help():
+    out = subprocess.run([sys.executable, "-m", "dist_runtime.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "inspect" in out.stdout and "validate" in out.stdout
