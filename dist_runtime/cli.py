@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                           ("kv-heads", 2), ("ffn", 128), ("seed", 0)):
         ex.add_argument(f"--{flag}", type=int, default=default, help=f"(default: {default})")
     ex.set_defaults(func=cmd_example)
+
+    from partitioner.cli import register as register_partition
+
+    register_partition(sub)
     return parser
 
 

@@ -1,0 +1,78 @@
+"""A plan drawn as SVG, by hand: per stage, its memory against its budget and its compute.
+
+Left: a stacked bar of weights / KV cache / activations / reserve, with the budget marked; all
+stages share one byte scale.  Right: the stage's time (compute / speed) against the slowest
+stage, labelled with its share of the total compute.  No dependencies: the markup is written out.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from xml.sax.saxutils import escape
+
+from dist_runtime.units import format_bytes
+
+from .plan import Plan
+
+COLORS = {"weights": "#4e79a7", "KV cache": "#f28e2b", "activations": "#59a14f", "reserve": "#bab0ac"}
+ROW, TOP, MEM_X, MEM_W, TIME_X, TIME_W = 36, 56, 200, 400, 730, 220
+WIDTH = TIME_X + TIME_W + 50
+
+
+def _text(x: float, y: float, s: str, anchor: str = "start", size: int = 12, weight: str = "normal") -> str:
+    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
+            f'font-weight="{weight}">{escape(s)}</text>')
+
+
+def _rect(x: float, y: float, w: float, h: float, fill: str, title: str = "", stroke: str = "none") -> str:
+    tip = f"<title>{escape(title)}</title>" if title else ""
+    return (f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 0):.1f}" height="{h:.1f}" fill="{fill}" '
+            f'stroke="{stroke}">{tip}</rect>')
+
+
+def plan_svg(plan: Plan) -> str:
+    stages = plan.stages
+    scale = max([s.memory.budget or 0 for s in stages] + [s.memory.total for s in stages] + [1])
+    slowest = max([s.time for s in stages] + [1e-300])
+    height = TOP + ROW * len(stages) + 70
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+        f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif">',
+        _rect(0, 0, WIDTH, height, "white"),
+        _text(10, 20, f"Pipeline plan: {len(stages)} stages, {plan.model.get('nodes', '?')} nodes", size=15, weight="bold"),
+        _text(MEM_X, TOP - 10, "memory (weights / KV cache / activations / reserve) and budget", weight="bold"),
+        _text(TIME_X, TOP - 10, "time = compute / speed (share of compute)", weight="bold"),
+    ]
+    for i, s in enumerate(stages):
+        y = TOP + i * ROW
+        span = "empty" if s.empty else f"nodes {s.nodes[0]}..{s.nodes[-1]}"
+        out.append(_text(10, y + 15, f"stage {s.index} on {s.machine} (speed {s.speed})", weight="bold"))
+        out.append(_text(10, y + 29, span, size=11))
+        out.append(_rect(MEM_X, y + 4, MEM_W, 24, "#f4f4f4"))  # the shared byte scale
+        x = MEM_X
+        m = s.memory
+        for (name, color), value in zip(COLORS.items(), (m.weights, m.kv, m.activations, m.reserve)):
+            w = MEM_W * value / scale
+            out.append(_rect(x, y + 4, w, 24, color, f"{name}: {format_bytes(value)} ({value:,} bytes)"))
+            x += w
+        if m.budget is not None:
+            bx = MEM_X + MEM_W * m.budget / scale
+            out.append(f'<line x1="{bx:.1f}" y1="{y + 1}" x2="{bx:.1f}" y2="{y + 31}" stroke="#b22222" stroke-width="2"/>')
+        budget = "no limit" if m.budget is None else format_bytes(m.budget)
+        out.append(_text(MEM_X + MEM_W + 4, y + 20, f"{format_bytes(m.total)} / {budget}", size=10))
+        w = TIME_W * s.time / slowest
+        color = "#e15759" if s.time == slowest else "#76b7b2"
+        out.append(_rect(TIME_X, y + 4, w, 24, color, f"{s.compute:,} FLOPs / speed {s.speed} = {s.time:.4g}"))
+        out.append(_text(TIME_X + w + 4, y + 20, f"{s.share:.1%}", size=11))
+    y = TOP + ROW * len(stages) + 18
+    x = 10
+    for name, color in COLORS.items():
+        out += [_rect(x, y - 10, 12, 12, color), _text(x + 16, y, name, size=11)]
+        x += 110
+    out.append(_rect(x, y - 10, 12, 12, "none", stroke="#b22222") + _text(x + 16, y, "budget", size=11))
+    ratio = float(Fraction(plan.bottleneck) / Fraction(plan.ideal)) if Fraction(plan.ideal) else 1.0
+    out.append(_text(10, y + 24, f"bottleneck / ideal = {ratio:.3f}; bytes across cuts "
+                     f"{format_bytes(plan.cut_bytes)}; granularity {plan.request.get('granularity_used', '?')}; "
+                     f"plan {plan.hash[:12]}", size=11))
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
