@@ -131,11 +131,15 @@ class DType(enum.IntEnum):
 
     @classmethod
     def from_numpy(cls, dtype: np.dtype) -> DType:
+        found = _FROM_NUMPY.get(dtype)  # hot: every matmul asks, so a dict lookup first
+        if found is not None:
+            return found
         dtype = np.dtype(dtype)
         if dtype.name == "bfloat16":
             return DType.BF16
         for d, lay in _LAYOUTS.items():
             if lay.numpy is not None and np.dtype(lay.numpy) == dtype:
+                _FROM_NUMPY[dtype] = d
                 return d
         raise TypeError(f"numpy dtype {dtype} has no DType")
 
@@ -163,3 +167,5 @@ _LAYOUTS: dict[DType, _Layout] = {
     DType.U8: _Layout(1, 1, "u1"),
     DType.BOOL: _Layout(1, 1, "?"),
 }
+
+_FROM_NUMPY: dict[np.dtype, DType] = {}

@@ -4,7 +4,8 @@ Importing this package imports every family module, which registers its kernels 
 ``registry.register``; ``kernel_for(op_class)`` then finds them.
 """
 
-from . import attention, conv, elementwise, generation, layout, norms, positions, resample  # noqa: F401
+from . import (attention, conv, elementwise, generation, layout, matmul, norms, positions,  # noqa: F401
+               quant, resample)
 from .registry import KernelContext, kernel_for, register, registered
 
 __all__ = ["KernelContext", "kernel_for", "register", "registered"]
