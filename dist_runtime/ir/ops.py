@@ -121,6 +121,10 @@ class OpSpec:
     outputs: int | str  # a fixed count, or the payload field that gives it (Split, Chunk)
     shape: ShapeRule  # rules.<op>(payload, [TensorSpec]) -> [TensorSpec]
     doc: str
+    # Input positions that take a matmul-style weight: it may stay in its stored (possibly
+    # block-quantized) form and reach the kernel as is.  Weights in any other position are
+    # widened to f32 once when an executor prepares the graph.
+    weight_inputs: tuple[int, ...] = ()
 
     def num_outputs(self, payload: OpPayload) -> int:
         if isinstance(self.outputs, int):
@@ -133,7 +137,8 @@ OPS_BY_TAG: dict[int, OpSpec] = {}
 OPS_BY_NAME: dict[str, OpSpec] = {}
 
 
-def op(tag: int, *, inputs: tuple[int, int], shape: ShapeRule, doc: str, outputs: int | str = 1):
+def op(tag: int, *, inputs: tuple[int, int], shape: ShapeRule, doc: str, outputs: int | str = 1,
+       weight_inputs: tuple[int, ...] = ()):
     """Declare a payload class and enter it in the op table under ``tag``."""
 
     def register(cls: type) -> type:
@@ -146,7 +151,7 @@ def op(tag: int, *, inputs: tuple[int, int], shape: ShapeRule, doc: str, outputs
         name = cls.__name__
         if tag in OPS_BY_TAG or name in OPS_BY_NAME or not 0 <= tag < 2**16:
             raise AssertionError(f"op {name} reuses tag {tag} or a name, or the tag is not a u16")
-        spec = OpSpec(tag, name, cls, tuple(fields), inputs, outputs, shape, doc)
+        spec = OpSpec(tag, name, cls, tuple(fields), inputs, outputs, shape, doc, weight_inputs)
         cls.spec = spec
         OPS_BY_TAG[tag] = OPS_BY_NAME[name] = spec
         return cls
@@ -161,7 +166,7 @@ def spec_of(payload: OpPayload) -> OpSpec:
 INF = math.inf
 
 # -- 0..19: arithmetic and layout ----------------------------------------------------------------
-@op(0, inputs=(2, 2), shape=rules.matmul,
+@op(0, inputs=(2, 2), shape=rules.matmul, weight_inputs=(1,),
     doc="Matrix product. transpose_b: y = a @ b^T with b stored [N, K] (HF/GGML weight layout).")
 class Matmul(OpPayload):
     transpose_b: Bool = True
@@ -535,7 +540,8 @@ class Unpatchify(OpPayload):
 
 
 # -- 120..139: embeddings -----------------------------------------------------------------------
-@op(120, inputs=(2, 2), shape=rules.token_embed, doc="Row lookup: ids [...], table [V, D] -> [..., D].")
+@op(120, inputs=(2, 2), weight_inputs=(1,), shape=rules.token_embed,
+    doc="Row lookup: ids [...], table [V, D] -> [..., D].")
 class TokenEmbed(OpPayload):
     pass
 
@@ -587,7 +593,7 @@ class Sample(OpPayload):
 
 
 # -- 160..179: linear algebra -------------------------------------------------------------------
-@op(160, inputs=(4, 4), shape=rules.lora_apply,
+@op(160, inputs=(4, 4), weight_inputs=(1,), shape=rules.lora_apply,
     doc="x @ W^T + scale * (x @ A^T) @ B^T; inputs x, W [N, K], A [r, K], B [N, r].")
 class LoraApply(OpPayload):
     scale: F32 = 1.0
@@ -604,7 +610,7 @@ class MatrixInverse(OpPayload):
 
 
 # -- 180..198: fused ops ------------------------------------------------------------------------
-@op(180, inputs=(3, 3), shape=rules.fused_norm_matmul,
+@op(180, inputs=(3, 3), weight_inputs=(2,), shape=rules.fused_norm_matmul,
     doc="RmsNorm(x) * norm_weight, then @ W^T; inputs x, norm_weight, W.")
 class FusedNormMatmul(OpPayload):
     eps: F32 = 1e-6
@@ -616,7 +622,7 @@ class FusedSkipNorm(OpPayload):
     eps: F32 = 1e-6
 
 
-@op(182, inputs=(3, 3), shape=rules.fused_swiglu,
+@op(182, inputs=(3, 3), weight_inputs=(1, 2), shape=rules.fused_swiglu,
     doc="silu(x @ W_gate^T) * (x @ W_up^T); inputs x, W_gate, W_up.")
 class FusedSwiGlu(OpPayload):
     pass
