@@ -1,0 +1,252 @@
+"""GraphExecutor: runs a graph in one process, statefully, one session or many.
+
+The walk is the seed's: nodes in topological order, each on the backend chosen for it, every
+intermediate freed right after its last consumer.  Everything that can be decided once is decided
+in ``__init__`` -- backend per node, which weights stay in their stored (possibly quantized) form,
+the free-after list of every step -- so that ``run`` is a short loop, as in JAX's ``eval_jaxpr``.
+
+State lives in sessions.  Each session has its own KV caches (one ``KvState`` per KvCache node),
+position and random generator, so that a pipeline stage can interleave conversations; the seed's
+single-conversation executor is the one-session case (session ``0``, the default).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Hashable, Mapping, Sequence
+
+import numpy as np
+
+from kernels.attention import KvState
+from kernels.quant import to_float
+from kernels.registry import KernelContext
+
+from .backends import Assignment, Backend, assign_backends, make_backends
+from .errors import GraphValidationError
+from .ir.graph import POS, Graph, TensorSpec
+from .ir.ops import KvCache
+from .ir.validate import estimate_memory, infer_shapes, validate_graph
+from .tensor import Array, QuantizedArray, dtype_of
+
+#: The session ``run`` and ``reset`` use when none is named.
+DEFAULT_SESSION: Hashable = 0
+
+
+@dataclass
+class Session:
+    """One conversation: KV caches by node position, the position of its next row, its sampler."""
+
+    seed: int
+    pos: int = 0
+    kv: dict[int, KvState] = field(default_factory=dict)
+    rng: np.random.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.seed)
+
+    def reset(self) -> None:
+        for state in self.kv.values():
+            state.reset()
+        self.pos = 0
+        self.rng = np.random.default_rng(self.seed)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One node, bound: what to read, what to call, what to write, what to free after."""
+
+    index: int
+    fn: object  # BoundKernel
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    frees: tuple[str, ...]
+    kv_cache: KvCache | None  # the payload, for a stateful KvCache step
+
+
+def _prepared_weights(graph: Graph, weights: Mapping[str, Array]) -> tuple[dict[str, Array], dict[tuple[int, int], str]]:
+    """Weights as the steps read them, and the renamed reads.
+
+    A weight in a matmul-style slot (``OpSpec.weight_inputs``) stays in its stored form, quantized
+    or not; a weight read anywhere else (norm scales, biases, tables) is widened to f32 once, here,
+    under the key ``name@f32``.  Returns the constants and {(node, slot): key} for widened reads.
+    """
+    constants: dict[str, Array] = {}
+    widened: dict[tuple[int, int], str] = {}
+    for i, node in enumerate(graph.nodes):
+        for slot, name in enumerate(node.inputs):
+            if name not in graph.weights:
+                continue
+            if name not in weights:
+                raise GraphValidationError(f"weight {name!r} (node {node.id}) was not loaded")
+            w = weights[name]
+            if slot in node.op.spec.weight_inputs or dtype_of(w).is_integer:
+                constants[name] = w
+            elif isinstance(w, QuantizedArray) or w.dtype != np.float32:
+                key = f"{name}@f32"
+                if key not in constants:
+                    constants[key] = to_float(w)
+                widened[(i, slot)] = key
+            else:
+                constants[name] = w
+    return constants, widened
+
+
+class GraphExecutor:
+    """Run a graph: ``GraphExecutor(model).run({"tokens": ids})["logits"]``.
+
+    ``model`` is a loaded :class:`dist_runtime.model.Model`, a path to a ``.model`` file, or a
+    ``(graph, weights)`` pair.  ``backends`` lists backend names or objects in priority order (the
+    first is the default; the CPU library is always last).  ``max_memory`` bounds the memory
+    estimate (inputs + weights + peak intermediates), checked before the first run.
+    """
+
+    def __init__(self, model, backends: Sequence[str | Backend] | None = None,
+                 max_memory: int | None = None, *, fuse: bool = True, seed: int = 0) -> None:
+        graph, weights, declared_max = _open(model)
+        if fuse:
+            from .fusion import fuse_graph
+
+            graph = fuse_graph(graph)
+        self.graph = graph
+        self.max_memory = max_memory if max_memory is not None else declared_max
+        self.warnings = validate_graph(graph)  # structure and declared shapes
+        self.backends = make_backends(backends)
+        self.assignments: list[Assignment] = assign_backends(graph, infer_shapes(graph), self.backends)
+        self._constants, widened = _prepared_weights(graph, weights)
+        self._steps = self._bind(widened)
+        self._checked: set[tuple] = set()  # input signatures already shape-checked
+        self._seed = seed
+        self._sessions: dict[Hashable, Session] = {}
+
+    def _bind(self, widened: dict[tuple[int, int], str]) -> list[_Step]:
+        graph, keep = self.graph, {*self.graph.outputs}
+        last_use = graph.index.last_use
+        steps = []
+        for i, (node, assigned) in enumerate(zip(graph.nodes, self.assignments)):
+            reads = tuple(widened.get((i, s), name) for s, name in enumerate(node.inputs))
+            frees = [n for n in dict.fromkeys([*node.inputs, *node.outputs])
+                     if last_use.get(n, -1) <= i and n not in keep and n in graph.index.producer]
+            kv = node.op if isinstance(node.op, KvCache) else None
+            steps.append(_Step(i, assigned.backend.bind(node), reads, tuple(node.outputs), tuple(frees), kv))
+        return steps
+
+    # -- sessions ------------------------------------------------------------------------------
+    def session(self, sid: Hashable = DEFAULT_SESSION, *, seed: int | None = None) -> Session:
+        """The state of session ``sid``, created on first use (``seed`` seeds its sampler)."""
+        s = self._sessions.get(sid)
+        if s is None:
+            s = self._sessions[sid] = Session(self._seed if seed is None else seed)
+        return s
+
+    def sessions(self) -> list[Hashable]:
+        return list(self._sessions)
+
+    def reset(self, session: Hashable | None = None) -> None:
+        """Clear KV caches and position: of one session, or of every session when None."""
+        targets = self._sessions.values() if session is None else [self.session(session)]
+        for s in targets:
+            s.reset()
+
+    def close_session(self, session: Hashable) -> None:
+        """Forget a session and free its KV caches."""
+        self._sessions.pop(session, None)
+
+    def position(self, session: Hashable = DEFAULT_SESSION) -> int:
+        return self.session(session).pos
+
+    @property
+    def past_seq_len(self) -> int:
+        """The default session's position: rows its KV caches hold (the seed's past_seq_len)."""
+        return self.position(DEFAULT_SESSION)
+
+    # -- running -------------------------------------------------------------------------------
+    def _check_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = self.graph.input_names
+        missing = [n for n in names if n not in inputs]
+        extra = [n for n in inputs if n not in names]
+        if missing or extra:
+            raise GraphValidationError(f"run() needs inputs {names}; missing {missing}, unexpected {extra}")
+        arrays = {}
+        for name, declared in zip(names, self.graph.inputs):
+            a = np.asarray(inputs[name])
+            want = declared.dtype.numpy
+            if a.dtype != want:
+                if not np.can_cast(a.dtype, want, "same_kind"):
+                    raise GraphValidationError(f"input {name!r} is {a.dtype}, the graph declares {declared}")
+                a = a.astype(want)
+            arrays[name] = a
+        signature = tuple((n, a.shape) for n, a in arrays.items())
+        if signature not in self._checked:  # -1 dims resolved from the actual inputs, once per shape
+            actual = {n: TensorSpec(a.shape, dtype_of(a)) for n, a in arrays.items()}
+            specs = infer_shapes(self.graph, actual)
+            if self.max_memory is not None:
+                est = estimate_memory(self.graph, specs)
+                if est.total > self.max_memory:
+                    raise GraphValidationError(
+                        f"estimated memory {est.total:,} bytes for inputs "
+                        f"{ {n: list(a.shape) for n, a in arrays.items()} } exceeds max_memory "
+                        f"{self.max_memory:,} (weights {est.weights:,}, peak intermediates "
+                        f"{est.peak_intermediates:,})")
+            self._checked.add(signature)
+        return arrays
+
+    def run(self, inputs: Mapping[str, np.ndarray], *, session: Hashable = DEFAULT_SESSION,
+            pos: int | None = None, observe=None) -> dict[str, np.ndarray]:
+        """Run the graph once for ``session``; returns the graph outputs by name.
+
+        ``pos`` (the session's position by default) is injected as the ``pos`` tensor.  A run
+        over T new rows advances the session's position by T (the rows its KV caches gained; 1 in
+        a graph without KvCache, as in the seed).  ``observe(node, outputs, live)``, if given, is
+        called after every node with the names still live (for tests and tracing).
+        """
+        s = self.session(session)
+        if pos is not None:
+            s.pos = pos
+        values: dict[str, Array] = {**self._constants, **self._check_inputs(inputs)}
+        values[POS] = np.array([s.pos], np.float32)
+        plain = KernelContext(rng=s.rng, pos=s.pos)
+        wrote = None
+        for step in self._steps:
+            ctx = plain
+            if step.kv_cache is not None:
+                state = s.kv.get(step.index)
+                if state is None:
+                    state = s.kv[step.index] = KvState.for_op(step.kv_cache)
+                ctx = KernelContext(state=state, rng=s.rng, pos=s.pos)
+            outs = step.fn([values[n] for n in step.reads], ctx)
+            for name, value in zip(step.writes, outs):
+                values[name] = value
+            for name in step.frees:
+                del values[name]
+            if observe is not None:
+                observe(self.graph.nodes[step.index], outs, values.keys())
+            if step.kv_cache is not None:
+                if wrote is not None and wrote != ctx.state.length:
+                    raise GraphValidationError(
+                        f"KvCache nodes of one run disagree on the rows they hold ({wrote} vs "
+                        f"{ctx.state.length} at node {self.graph.nodes[step.index].id})")
+                wrote = ctx.state.length
+        s.pos = wrote if wrote is not None else s.pos + 1
+        return {name: values[name] for name in self.graph.outputs}
+
+    # -- reporting -----------------------------------------------------------------------------
+    def plan(self) -> list[dict]:
+        """Per node: id, op, backend and the reason it was chosen (``inspect --plan``)."""
+        return [{"id": n.id, "op": n.op_name, "backend": a.backend.name, "reason": a.reason}
+                for n, a in zip(self.graph.nodes, self.assignments)]
+
+
+def _open(model) -> tuple[Graph, Mapping[str, Array], int | None]:
+    if isinstance(model, (str, os.PathLike, Path)):
+        from .model import load_model
+
+        model = load_model(model)
+    if isinstance(model, tuple):
+        graph, weights = model
+        return graph, weights, None
+    if model.graph is None:
+        raise GraphValidationError(f"{model.path} has no graph section: there is nothing to run")
+    weights = {n: model.tensor(n) for n in model.graph.weights}
+    return model.graph, weights, model.metadata.get("max_memory")
