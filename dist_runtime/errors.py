@@ -29,3 +29,12 @@ class GraphValidationError(DistRuntimeError):
 class InfeasiblePlanError(DistRuntimeError):
     """No pipeline plan satisfies the request: a node larger than every budget, budgets that fit
     the total but no contiguous split, a context too long for the budgets, more stages than nodes."""
+
+
+class TransportError(DistRuntimeError):
+    """A frame received from another process is malformed or over a limit; nothing was built
+    from it, and the receiver keeps serving other sessions."""
+
+
+class StageUnavailableError(DistRuntimeError):
+    """A pipeline stage did not answer within its deadline, or kept failing after recovery."""
