@@ -131,6 +131,177 @@ def cmd_example(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- convert ------------------------------------------------------------------------------------
+def _per_layer(names: list[str]) -> str:
+    """Tensor names with the layer index folded: ``model.layers.*.x.weight (x32)``."""
+    import re
+    from collections import Counter
+
+    counts = Counter(re.sub(r"\.layers\.\d+\.", ".layers.*.", n) for n in names)
+    return ", ".join(f"{name} (x{n})" if n > 1 else name for name, n in counts.items())
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .importers.hf import convert_hf
+
+    report = convert_hf(args.hf_dir, args.out, args.dtype, progress=not (args.quiet or args.json))
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+        return 0
+    changed = sum(d == args.dtype for d in report.stored.values())
+    print(f"wrote {report.out}: {report.architecture}, {report.tensors} tensors, "
+          f"{format_bytes(report.bytes)}, {report.seconds:.2f} s")
+    if args.dtype != "f32":
+        print(f"  {changed} tensors stored as {args.dtype}; kept in f32: "
+              f"{_per_layer(report.kept_f32) or 'none'}")
+    if report.ignored:
+        print(f"  ignored {len(report.ignored)} checkpoint tensors the graph does not read: "
+              f"{_per_layer(report.ignored)}")
+    if report.tokenizer:
+        print(f"  tokenizer: {report.tokenizer}")
+    return 0
+
+
+# -- generate -----------------------------------------------------------------------------------
+def _sampler(args: argparse.Namespace):
+    """A function from one row of logits to a token id: greedy, or HF's warpers in HF's order
+    (temperature, top-k, top-p, min-p) over ``kernels.generation`` and one seeded draw."""
+    import numpy as np
+
+    from kernels.generation import GREEDY, MIN_P, TEMPERATURE, TOP_K, TOP_P, draw, filter_logits, sample
+
+    if args.greedy:
+        return lambda row: int(sample(row, method=GREEDY))
+    filters = [(TEMPERATURE, {"temperature": args.temperature or 1.0})]
+    if args.top_k:
+        filters.append((TOP_K, {"k": args.top_k}))
+    if args.top_p is not None and args.top_p < 1.0:
+        filters.append((TOP_P, {"p": args.top_p}))
+    if args.min_p:
+        filters.append((MIN_P, {"p": args.min_p}))
+    rng = np.random.default_rng(args.seed)
+
+    def pick(row):
+        for method, params in filters:
+            row = filter_logits(row, method=method, **params)
+        return int(draw(row, rng.random(1)))
+
+    return pick
+
+
+def _sampling_options(args: argparse.Namespace) -> str | None:
+    """Resolve --greedy against the sampling options; a usage problem as a message, else None."""
+    sampling = [f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--min-p", args.min_p)) if v is not None]
+    if args.temperature is not None and args.temperature > 0:
+        sampling.insert(0, "--temperature")
+    if (args.greedy or args.temperature == 0) and sampling:
+        return f"{'--greedy' if args.greedy else '--temperature 0'} contradicts {', '.join(sampling)}"
+    args.greedy = not sampling  # the default, as transformers' do_sample=False
+    checks = [(args.max_tokens >= 0, "--max-tokens must be >= 0"),
+              (args.temperature is None or args.temperature >= 0, "--temperature must be >= 0"),
+              (args.top_k is None or args.top_k >= 1, "--top-k must be >= 1"),
+              (args.top_p is None or 0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
+              (args.min_p is None or 0 <= args.min_p <= 1, "--min-p must be in [0, 1]")]
+    return next((msg for ok, msg in checks if not ok), None)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .model import load_model
+
+    prompt = None
+    problem = _sampling_options(args)
+    if problem is None and args.ids is not None:
+        try:
+            prompt = [int(t) for t in args.ids.replace(",", " ").split()]
+        except ValueError:
+            problem = f"--ids takes comma-separated integers, got {args.ids!r}"
+    if problem:
+        print(f"dist-runtime generate: error: {problem}", file=sys.stderr)
+        return 2
+    with load_model(args.model) as model:
+        return _generate(args, model, prompt)
+
+
+def _generate(args: argparse.Namespace, model, prompt: list[int] | None) -> int:
+    import time
+
+    import numpy as np
+
+    from .executor import GraphExecutor
+    from .importers.tokenizer import StreamDecoder, Tokenizer, find_tokenizer
+
+    metadata = model.metadata
+    tok_path = find_tokenizer(args.model, metadata, args.tokenizer)
+    tokenizer = None
+    if tok_path is not None and (args.prompt is not None or not args.show_ids):
+        try:
+            tokenizer = Tokenizer(tok_path)
+        except DistRuntimeError as e:
+            if args.prompt is not None:
+                raise
+            print(f"note: printing ids: {e}", file=sys.stderr)  # --ids works without tokenizers
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise DistRuntimeError(f"{args.model} has no tokenizer (convert copies HF_DIR/tokenizer.json "
+                                   f"beside the model); pass --tokenizer PATH or --ids")
+        prompt = tokenizer.encode(args.prompt)
+    config = metadata.get("config", {})
+    vocab, context = config.get("vocab"), config.get("context_length")
+    if not prompt:
+        raise DistRuntimeError("the prompt is empty: generation needs at least one token")
+    if vocab and not all(0 <= t < vocab for t in prompt):
+        raise DistRuntimeError(f"prompt ids must be in [0, {vocab}), got {prompt}")
+    if context and len(prompt) + args.max_tokens > context:
+        raise DistRuntimeError(f"{len(prompt)} prompt tokens + --max-tokens {args.max_tokens} exceed "
+                               f"the model's context length {context}")
+    eos = set()
+    if not args.ignore_eos:
+        value = metadata.get("eos_token_id", [])
+        eos = set(value if isinstance(value, list) else [value])
+
+    executor = GraphExecutor(model)
+    if "logits" not in executor.graph.outputs:
+        raise DistRuntimeError(f"{args.model}'s graph has no 'logits' output to sample from")
+    pick = _sampler(args)
+    stream = StreamDecoder(tokenizer) if tokenizer is not None and not args.show_ids else None
+
+    def emit(token: int, first: bool) -> None:
+        if args.json:
+            return
+        text = stream.add(token) if stream is not None else ("" if first else " ") + str(token)
+        print(text, end="", flush=True)
+
+    start = time.perf_counter()
+    logits = executor.run({"tokens": np.asarray(prompt, np.int32)})["logits"]
+    prefill = time.perf_counter() - start
+    out: list[int] = []
+    start = time.perf_counter()
+    while len(out) < args.max_tokens:
+        token = pick(logits[-1])
+        out.append(token)
+        emit(token, len(out) == 1)
+        if token in eos or len(out) == args.max_tokens:
+            break
+        logits = executor.run({"tokens": np.array([token], np.int32)})["logits"]
+    decode = time.perf_counter() - start
+    text = tokenizer.decode(out) if tokenizer is not None else None
+    stats = {"prompt_tokens": len(prompt), "generated_tokens": len(out),
+             "prefill_seconds": prefill, "generate_seconds": decode,
+             "prefill_tokens_per_second": len(prompt) / prefill if prefill else None,
+             "tokens_per_second": len(out) / decode if out and decode else None,
+             "stopped_at_eos": bool(out) and out[-1] in eos}
+    if args.json:
+        print(json.dumps({"prompt": prompt, "ids": out, "text": text, **stats}, indent=2))
+        return 0
+    if stream is not None:
+        print(stream.finish(), end="")
+    print(flush=True)
+    rate = f"{stats['tokens_per_second']:.1f} tokens/s" if stats["tokens_per_second"] else "-"
+    print(f"[prompt {len(prompt)} tokens in {prefill * 1e3:.1f} ms; generated {len(out)} tokens in "
+          f"{decode:.2f} s, {rate}{'; stopped at EOS' if stats['stopped_at_eos'] else ''}]", file=sys.stderr)
+    return 0
+
+
 # -- entry point --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -162,6 +333,44 @@ def build_parser() -> argparse.ArgumentParser:
                           ("kv-heads", 2), ("ffn", 128), ("seed", 0)):
         ex.add_argument(f"--{flag}", type=int, default=default, help=f"(default: {default})")
     ex.set_defaults(func=cmd_example)
+
+    cv = sub.add_parser("convert", help="Convert a Hugging Face model directory (Llama, Mistral, Qwen2, "
+                        "Phi) to a .model file.",
+                        description="Convert a Hugging Face model directory (config.json and "
+                                    "*.safetensors, sharded or not) to a .model file with the graph "
+                                    "and the weights; tokenizer.json is copied beside it.")
+    cv.add_argument("hf_dir", metavar="HF_DIR", help="the Hugging Face model directory")
+    cv.add_argument("-o", "--out", required=True, help="output .model path")
+    from .importers.hf import DTYPES
+
+    cv.add_argument("--dtype", default="f32", choices=DTYPES,
+                    help="storage of the matmul weights (quantized types also the embedding table); "
+                         "norms and biases stay f32 (default: %(default)s)")
+    cv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    cv.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    cv.set_defaults(func=cmd_convert)
+
+    gen = sub.add_parser("generate", help="Generate tokens with a model in this process, streaming them.",
+                         description="Generate tokens with a model in one process, printing each as it "
+                                     "comes; a tokens/s summary goes to stderr. Greedy unless a "
+                                     "sampling option is given.")
+    gen.add_argument("model", metavar="MODEL", help="path to a .model file")
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the model's tokenizer)")
+    what.add_argument("--ids", metavar="1,2,3", help="prompt token ids, comma-separated")
+    gen.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    gen.add_argument("--greedy", action="store_true", help="always take the most likely token (the default)")
+    gen.add_argument("--temperature", type=float, help="sample at this temperature (0: greedy)")
+    gen.add_argument("--top-k", type=int, help="sample among the K most likely tokens")
+    gen.add_argument("--top-p", type=float, help="sample from the smallest set with probability >= P")
+    gen.add_argument("--min-p", type=float, help="drop tokens less likely than P x the most likely one")
+    gen.add_argument("--seed", type=int, help="seed of the sampler (runs with the same seed repeat)")
+    gen.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or a directory holding one) "
+                     "instead of the one convert stored beside the model")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    gen.add_argument("--show-ids", action="store_true", help="print token ids even when there is a tokenizer")
+    gen.add_argument("--json", action="store_true", help="print one JSON result at the end instead of streaming")
+    gen.set_defaults(func=cmd_generate)
 
     from partitioner.cli import register as register_partition
 

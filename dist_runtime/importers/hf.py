@@ -1,0 +1,630 @@
+"""Hugging Face importer for the Llama family: Llama, Mistral, Qwen2 and Phi.
+
+A Hugging Face model directory holds ``config.json`` and the weights as ``*.safetensors`` (one
+file, or shards listed by ``model.safetensors.index.json``).  :func:`decoder_config` reads the
+config into a :class:`DecoderConfig`, the architecture-neutral description of a decoder-only
+transformer that :func:`decoder_graph` turns into a Graph IR; :func:`load_hf` reads and converts the
+weights; :func:`convert_hf` writes the result as a ``.model`` (``dist-runtime convert``).
+
+The graph, per layer (``h`` the residual stream, ``x`` a normalised copy)::
+
+    x = Norm(h)                                  RmsNorm, or LayerNorm with bias (Phi)
+    q, k, v = x @ Wq^T (+bq), x @ Wk^T (+bk), x @ Wv^T (+bv)
+    q, k = Rope(q, pos), Rope(k, pos)            rotate-half, first rope_dim dims of each head
+    k_all, v_all = KvCache(k, v)
+    a = Sdpa(q, k_all, v_all) @ Wo^T (+bo)       end-aligned causal, grouped-query; SdpaWindow
+                                                 for a sliding-window layer (Mistral, Qwen2)
+    sequential:  h = h + a;  h = h + Mlp(Norm2(h))
+    parallel:    h = (a + Mlp(x)) + h            Phi: attention and MLP read the same x
+
+with ``Mlp`` = SwiGLU (gate, up, down) or GELU (fc1, fc2, with biases), then a final norm and the
+``lm_head`` matmul to ``logits [T, vocab]`` (f32).  ``lm_head`` reads ``model.embed_tokens.weight``
+when the embeddings are tied.  Weight names are Hugging Face's, matmul weights stay ``[out, in]``
+as stored (``Matmul(transpose_b=True)``).
+
+Reading weights needs the ``safetensors`` package (``pip install 'dist-runtime[importers]'``);
+building graphs does not, and nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..dtypes import DType
+from ..errors import DistRuntimeError
+from ..ir.graph import POS, Graph, Node, TensorSpec
+from ..ir.ops import (Add, Gelu, KvCache, LayerNorm, Matmul, RmsNorm, Rope, Sample, Sdpa, SdpaWindow,
+                      SwiGlu, TokenEmbed)
+from ..tensor import Array, QuantizedArray
+
+#: model_type -> the transformers class of each supported architecture.
+SUPPORTED = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "phi": "PhiForCausalLM",
+}
+#: ``--dtype`` choices: what matmul weights (and, quantized, embedding tables) are stored as.
+DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+EMBED = "model.embed_tokens.weight"
+
+
+class HFImportError(DistRuntimeError):
+    """A Hugging Face model directory this importer cannot convert; the message says why."""
+
+
+# -- the architecture-neutral description ----------------------------------------------------------
+@dataclass(frozen=True)
+class DecoderConfig:
+    """A decoder-only transformer of the Llama family, as the graph builder needs it."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    architecture: str = "llama"
+    rope_base: float = 10000.0
+    rope_dim: int = 0  # rotated dims per head; 0 = head_dim (full rotation)
+    eps: float = 1e-5
+    norm: str = "rms"  # "rms" (RmsNorm) or "layer" (LayerNorm with weight and bias)
+    mlp: str = "swiglu"  # "swiglu" (gate, up, down), "gelu" (erf) or "gelu_tanh" (fc1, fc2)
+    parallel: bool = False  # attention and MLP both read the input norm's output (Phi)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    lm_head_bias: bool = False
+    tied: bool = False  # lm_head reads the embedding table
+    windows: tuple[int, ...] = ()  # per layer: sliding window length, 0 = full causal attention
+    context_length: int = 0  # max_position_embeddings (0 = unknown)
+    sample: bool = False  # append a greedy Sample -> "next_token" (the example model's graph)
+
+    def __post_init__(self) -> None:
+        dims = {"vocab": self.vocab, "hidden": self.hidden, "layers": self.layers, "heads": self.heads,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "ffn": self.ffn}
+        bad = {k: v for k, v in dims.items() if not (isinstance(v, int) and v >= 1)}
+        if bad:
+            raise HFImportError(f"model dimensions must be positive integers, got {bad}")
+        if self.heads % self.kv_heads:
+            raise HFImportError(f"num_attention_heads {self.heads} is not a multiple of "
+                                f"num_key_value_heads {self.kv_heads}")
+        r = self.rotary_dims
+        if r % 2 or not 2 <= r <= self.head_dim:
+            raise HFImportError(f"rotary dims {r} must be even and in [2, head_dim={self.head_dim}]")
+        if self.windows and len(self.windows) != self.layers:
+            raise HFImportError(f"{len(self.windows)} sliding windows for {self.layers} layers")
+        if self.norm not in ("rms", "layer") or self.mlp not in ("swiglu", "gelu", "gelu_tanh"):
+            raise HFImportError(f"unknown norm {self.norm!r} or mlp {self.mlp!r}")
+
+    @property
+    def rotary_dims(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
+
+
+class _Builder:
+    """Appends nodes with consecutive ids and records the weights they read, in order of first use."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.weights: dict[str, tuple[int, ...]] = {}
+
+    def __call__(self, op, inputs: list[str], outputs: list[str] | str) -> str:
+        outs = [outputs] if isinstance(outputs, str) else outputs
+        self.nodes.append(Node(len(self.nodes), op, list(inputs), outs))
+        return outs[0]
+
+    def w(self, name: str, *shape: int) -> str:
+        self.weights.setdefault(name, shape)
+        return name
+
+    def linear(self, x: str, prefix: str, rows: int, cols: int, bias: bool, out: str,
+               weight: str | None = None) -> str:
+        """``x @ W^T (+ b)`` with W = ``prefix.weight`` [rows, cols] (or ``weight``, a tied
+        matrix) and b = ``prefix.bias``."""
+        w = weight or self.w(prefix + ".weight", rows, cols)
+        y = self(Matmul(), [x, w], out + "_mm" if bias else out)
+        return self(Add(), [y, self.w(prefix + ".bias", rows)], out) if bias else y
+
+    def norm(self, cfg: DecoderConfig, x: str, prefix: str, out: str) -> str:
+        weight = self.w(prefix + ".weight", cfg.hidden)
+        if cfg.norm == "rms":
+            return self(RmsNorm(eps=cfg.eps), [x, weight], out)
+        return self(LayerNorm(eps=cfg.eps), [x, weight, self.w(prefix + ".bias", cfg.hidden)], out)
+
+
+def _build(cfg: DecoderConfig) -> _Builder:
+    b = _Builder()
+    phi = cfg.architecture == "phi"
+    attn_o, final_norm = ("dense", "model.final_layernorm") if phi else ("o_proj", "model.norm")
+    q_dim, kv_dim = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    rope = Rope(head_dim=cfg.head_dim, rope_dim=cfg.rotary_dims, base=cfg.rope_base)
+    h = b(TokenEmbed(), ["tokens", b.w(EMBED, cfg.vocab, cfg.hidden)], "h_embed")
+    for i in range(cfg.layers):
+        w, p = f"model.layers.{i}.", f"l{i}_"
+        x = b.norm(cfg, h, w + "input_layernorm", p + "attn_in")
+        q = b.linear(x, w + "self_attn.q_proj", q_dim, cfg.hidden, cfg.qkv_bias, p + "q")
+        k = b.linear(x, w + "self_attn.k_proj", kv_dim, cfg.hidden, cfg.qkv_bias, p + "k")
+        v = b.linear(x, w + "self_attn.v_proj", kv_dim, cfg.hidden, cfg.qkv_bias, p + "v")
+        q = b(rope, [q, POS], p + "q_rot")
+        k = b(rope, [k, POS], p + "k_rot")
+        k_all = b(KvCache(), [k, v], [p + "k_all", p + "v_all"])
+        heads = dict(num_heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim)
+        window = cfg.window(i)
+        attention = SdpaWindow(**heads, window=window, causal=True) if window else Sdpa(**heads, causal=True)
+        a = b(attention, [q, k_all, p + "v_all"], p + "attn")
+        o = b.linear(a, w + "self_attn." + attn_o, cfg.hidden, q_dim, cfg.o_bias, p + "attn_out")
+        if cfg.parallel:
+            m = _mlp(b, cfg, x, w, p)
+            h = b(Add(), [b(Add(), [o, m], p + "attn_mlp"), h], p + "resid")
+        else:
+            h = b(Add(), [h, o], p + "resid_attn")
+            x = b.norm(cfg, h, w + "post_attention_layernorm", p + "mlp_in")
+            h = b(Add(), [h, _mlp(b, cfg, x, w, p)], p + "resid_mlp")
+    x = b.norm(cfg, h, final_norm, "final_norm")
+    b.linear(x, "lm_head", cfg.vocab, cfg.hidden, cfg.lm_head_bias, "logits", EMBED if cfg.tied else None)
+    if cfg.sample:
+        b(Sample(), ["logits"], "next_token")
+    return b
+
+
+def _mlp(b: _Builder, cfg: DecoderConfig, x: str, w: str, p: str) -> str:
+    if cfg.mlp == "swiglu":
+        gate = b.linear(x, w + "mlp.gate_proj", cfg.ffn, cfg.hidden, cfg.mlp_bias, p + "gate")
+        up = b.linear(x, w + "mlp.up_proj", cfg.ffn, cfg.hidden, cfg.mlp_bias, p + "up")
+        act = b(SwiGlu(), [gate, up], p + "act")
+        return b.linear(act, w + "mlp.down_proj", cfg.hidden, cfg.ffn, cfg.mlp_bias, p + "down")
+    fc1 = b.linear(x, w + "mlp.fc1", cfg.ffn, cfg.hidden, cfg.mlp_bias, p + "fc1")
+    act = b(Gelu(approximate=cfg.mlp == "gelu_tanh"), [fc1], p + "act")
+    return b.linear(act, w + "mlp.fc2", cfg.hidden, cfg.ffn, cfg.mlp_bias, p + "down")
+
+
+def decoder_graph(cfg: DecoderConfig) -> Graph:
+    """The decoder graph: input ``tokens`` (i32[-1]), output ``logits`` (and ``next_token`` when
+    ``cfg.sample``).  Weights are named only; ``save_model`` or :func:`with_weight_specs` fills
+    ``graph.weights``."""
+    outputs = ["logits", "next_token"] if cfg.sample else ["logits"]
+    return Graph(_build(cfg).nodes, [TensorSpec((-1,), DType.I32)], outputs, {})
+
+
+def weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the graph reads, with its shape, in order of first use."""
+    return _build(cfg).weights
+
+
+def with_weight_specs(graph: Graph, weights: Mapping[str, Array]) -> Graph:
+    """``graph`` with ``graph.weights`` describing ``weights`` (what a loaded .model's graph has)."""
+    specs = {n: TensorSpec(w.shape, w.dtype if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype))
+             for n, w in weights.items()}
+    return Graph(list(graph.nodes), list(graph.inputs), list(graph.outputs), specs)
+
+
+def random_weights(cfg: DecoderConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded random f32 weights for ``cfg``, in graph order: matrices ``N(0, 1/in)``, norm scales
+    ``1 + N(0, 0.01)``, biases ``N(0, 0.01)``."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in weight_shapes(cfg).items():
+        if len(shape) == 2:
+            w = rng.standard_normal(shape) / np.sqrt(shape[1])
+        elif name.endswith(".bias"):
+            w = 0.1 * rng.standard_normal(shape)
+        else:
+            w = 1.0 + 0.1 * rng.standard_normal(shape)
+        out[name] = w.astype(np.float32)
+    return out
+
+
+# -- config.json -----------------------------------------------------------------------------------
+def _supported_list() -> str:
+    return ", ".join(f"{cls} (model_type {mt!r})" for mt, cls in SUPPORTED.items())
+
+
+def architecture_of(config: Mapping) -> str:
+    """The supported model_type a config describes, or HFImportError listing the supported ones."""
+    model_type = config.get("model_type")
+    classes = list(config.get("architectures") or [])
+    if model_type in SUPPORTED:
+        return model_type
+    for cls in classes:
+        for mt, known in SUPPORTED.items():
+            if cls == known:
+                return mt
+    what = " / ".join(repr(x) for x in [model_type, *classes] if x) or "none given"
+    raise HFImportError(f"unsupported architecture {what}; supported: {_supported_list()}")
+
+
+def _rope(config: Mapping, arch: str) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from transformers 4's flat keys or 5's rope_parameters;
+    any rope scaling is refused."""
+    params = config.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise HFImportError(f"rope_parameters must be a table, got {params!r}")
+    scaling = config.get("rope_scaling")
+    for source, table in (("rope_scaling", scaling), ("rope_parameters", params)):
+        if not table:
+            continue
+        kind = table.get("rope_type", table.get("type", "default")) if isinstance(table, Mapping) else table
+        if kind != "default":
+            raise HFImportError(
+                f"{source} {kind!r} is not supported: Rope applies no scaling (linear, dynamic NTK, "
+                f"YaRN, Llama 3, LongRoPE); only rope_type 'default' can be imported")
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor",
+                         config.get("partial_rotary_factor", 0.5 if arch == "phi" else 1.0))
+    if arch != "phi" and partial != 1.0:
+        raise HFImportError(f"partial_rotary_factor {partial} is only supported for Phi")
+    return float(theta), float(partial)
+
+
+def _windows(config: Mapping, arch: str, layers: int, context: int) -> tuple[int, ...]:
+    """Per-layer sliding window (0 = full attention), as transformers decides it."""
+    window = config.get("sliding_window")
+    if arch == "mistral":
+        sliding = [window is not None] * layers
+    elif arch == "qwen2":
+        types = config.get("layer_types")
+        if types is not None:
+            unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+            if unknown or len(types) != layers:
+                raise HFImportError(f"layer_types {types} must give 'full_attention' or "
+                                    f"'sliding_attention' for each of the {layers} layers")
+            sliding = [t == "sliding_attention" for t in types]
+        else:  # transformers 4: use_sliding_window from layer max_window_layers on
+            first = config.get("max_window_layers", 28)
+            sliding = [bool(config.get("use_sliding_window")) and i >= first for i in range(layers)]
+    else:
+        sliding = [False] * layers
+    if not any(sliding):
+        return ()
+    if not (isinstance(window, int) and window >= 1):
+        raise HFImportError(f"sliding_window must be a positive integer, got {window!r}")
+    if context and window >= context:  # the window never excludes a key: plain causal attention
+        return ()
+    return tuple(window if s else 0 for s in sliding)
+
+
+_GELU = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+
+
+def decoder_config(config: Mapping) -> DecoderConfig:
+    """The :class:`DecoderConfig` of a Hugging Face ``config.json`` (as a dict)."""
+    arch = architecture_of(config)
+
+    def need(key: str):
+        if config.get(key) is None:
+            raise HFImportError(f"config.json lacks {key!r}, which a {SUPPORTED[arch]} needs")
+        return config[key]
+
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
+        raise HFImportError(f"pre-quantized checkpoints ({method}) are not supported; convert the "
+                            f"float checkpoint and use --dtype q8_0 or q4_0")
+    hidden, heads, layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if not config.get("head_dim") and hidden % heads:
+        raise HFImportError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                            f"and config.json gives no head_dim")
+    head_dim = config.get("head_dim") or hidden // heads
+    theta, partial = _rope(config, arch)
+    act = config.get("hidden_act", "gelu_new" if arch == "phi" else "silu")
+    context = int(config.get("max_position_embeddings") or 0)
+    common = dict(vocab=need("vocab_size"), hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                  head_dim=head_dim, ffn=need("intermediate_size"), architecture=arch, rope_base=theta,
+                  tied=bool(config.get("tie_word_embeddings", False)), context_length=context,
+                  windows=_windows(config, arch, layers, context))
+    if arch == "phi":
+        if config.get("qk_layernorm"):
+            raise HFImportError("Phi with qk_layernorm=true is not supported")
+        if act not in _GELU:
+            raise HFImportError(f"Phi hidden_act {act!r} is not supported; supported: {sorted(_GELU)}")
+        return DecoderConfig(**common, rope_dim=int(head_dim * partial), eps=config.get("layer_norm_eps", 1e-5),
+                             norm="layer", mlp=_GELU[act], parallel=True, qkv_bias=True, o_bias=True,
+                             mlp_bias=True, lm_head_bias=True)
+    if act not in ("silu", "swish"):
+        raise HFImportError(f"{SUPPORTED[arch]} hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
+    bias = bool(config.get("attention_bias", False)) if arch == "llama" else False
+    return DecoderConfig(**common, eps=config.get("rms_norm_eps", 1e-6),
+                         qkv_bias=arch == "qwen2" or bias, o_bias=bias,
+                         mlp_bias=bool(config.get("mlp_bias", False)) if arch == "llama" else False)
+
+
+def read_config(hf_dir: str | Path) -> dict:
+    """``HF_DIR/config.json`` as a dict, with errors that say what is missing."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise HFImportError(f"{hf_dir} is not a directory (expected a Hugging Face model directory)")
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise HFImportError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFImportError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise HFImportError(f"{path} must hold a JSON object")
+    return config
+
+
+# -- safetensors checkpoints ------------------------------------------------------------------------
+#: safetensors dtypes read (and widened to f32); integer and f8 tensors are refused.
+_FLOATS = ("F32", "F16", "BF16", "F64")
+
+
+class Checkpoint:
+    """The tensors of ``HF_DIR/*.safetensors``: one file, or shards through their index.
+
+    Use as a context manager; :meth:`get` returns a tensor as numpy (BF16 through ml_dtypes)."""
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        try:
+            import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for BF16 tensors)
+            from safetensors import safe_open
+        except ImportError:
+            raise HFImportError("reading safetensors needs the 'safetensors' package: "
+                                "pip install 'dist-runtime[importers]'") from None
+        self.dir = Path(hf_dir)
+        self._stack = ExitStack()
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (KeyError, TypeError, ValueError) as e:
+                raise HFImportError(f"{index}: not a safetensors index with a weight_map ({e})") from None
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (self.dir / f).is_file()]
+            if missing:
+                raise HFImportError(f"{index} lists shards that are missing: {missing}")
+        else:
+            single = self.dir / "model.safetensors"
+            files = [single.name] if single.is_file() else sorted(p.name for p in self.dir.glob("*.safetensors"))
+            if not files:
+                others = sorted(p.name for p in self.dir.glob("*.bin"))
+                hint = f" (found {others}: re-save with safe_serialization=True)" if others else ""
+                raise HFImportError(f"{self.dir} has no *.safetensors weights{hint}")
+            weight_map = None
+        self._files: dict[str, object] = {}
+        self.file_of: dict[str, str] = {}
+        for name in files:
+            try:
+                handle = self._stack.enter_context(safe_open(str(self.dir / name), framework="numpy"))
+            except Exception as e:  # safetensors raises its own error types for bad headers
+                self.close()
+                raise HFImportError(f"{self.dir / name}: not a readable safetensors file ({e})") from None
+            self._files[name] = handle
+            for key in handle.keys():
+                if weight_map is None or weight_map.get(key) == name:
+                    self.file_of.setdefault(key, name)
+        if weight_map is not None:
+            lost = sorted(k for k, f in weight_map.items() if k not in self.file_of)
+            if lost:
+                self.close()
+                raise HFImportError(f"the index maps {lost[:5]} to shards that do not contain them")
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def _slice(self, name: str):
+        return self._files[self.file_of[name]].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        return self._slice(name).get_dtype()
+
+    def get(self, name: str) -> np.ndarray:
+        dtype = self.dtype(name)
+        if dtype not in _FLOATS:
+            raise HFImportError(f"tensor {name!r} is {dtype}; only float checkpoints "
+                                f"({', '.join(_FLOATS)}) can be imported")
+        return self._files[self.file_of[name]].get_tensor(name)
+
+
+# -- conversion ------------------------------------------------------------------------------------
+def _target(graph: Graph, dtype: DType) -> dict[str, DType]:
+    """The weights stored as ``dtype``; every other weight stays f32.
+
+    Only 2-D weights that every reader takes in a weight slot (``OpSpec.weight_inputs``: Matmul's
+    ``b``, TokenEmbed's table) change type, and a block type also needs the last dim to be a
+    multiple of its block.  f16/bf16 leave TokenEmbed tables in f32: a table lookup has its table's
+    dtype, so a half table would make every activation after it half precision.
+    """
+    slots: dict[str, list[tuple[Node, int]]] = {}
+    for node in graph.nodes:
+        for slot, name in enumerate(node.inputs):
+            slots.setdefault(name, []).append((node, slot))
+    out = {}
+    for name, spec in graph.weights.items():
+        uses = slots.get(name, [])
+        ok = (len(spec.shape) == 2 and dtype != DType.F32
+              and all(slot in node.op.spec.weight_inputs for node, slot in uses)
+              and (spec.shape[-1] % dtype.block_size == 0 if dtype.is_quantized
+                   else not any(isinstance(node.op, TokenEmbed) for node, _ in uses)))
+        out[name] = dtype if ok else DType.F32
+    return out
+
+
+class _Progress:
+    """tqdm when it is installed, else a one-line counter on stderr; nothing when disabled."""
+
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.total, self.desc, self.n, self._bar = total, desc, 0, None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self._bar = tqdm(total=total, desc=desc, unit="tensor", leave=False, file=sys.stderr)
+
+    def update(self) -> None:
+        self.n += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        elif self.enabled:
+            width = 30
+            done = width * self.n // max(self.total, 1)
+            print(f"\r{self.desc} [{'#' * done}{'.' * (width - done)}] {self.n}/{self.total}",
+                  end="" if self.n < self.total else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+@dataclass
+class Imported:
+    """A converted model: the graph (with weight specs), the weights, metadata and what was done."""
+
+    graph: Graph
+    weights: dict[str, Array]
+    metadata: dict
+    config: DecoderConfig
+    stored: dict[str, str] = field(default_factory=dict)  # weight -> stored dtype name
+    source_dtypes: dict[str, int] = field(default_factory=dict)  # checkpoint dtype -> tensor count
+    ignored: list[str] = field(default_factory=list)  # checkpoint tensors the graph does not read
+
+
+def _token_ids(hf_dir: Path, config: Mapping) -> dict:
+    """bos/eos token ids: generation_config.json first (it is what generate() uses), then config."""
+    sources = [config]
+    gen = hf_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            sources.insert(0, json.loads(gen.read_text(encoding="utf-8")))
+        except ValueError:
+            pass
+    out = {}
+    for key in ("bos_token_id", "eos_token_id"):
+        for src in sources:
+            value = src.get(key)
+            if isinstance(value, int) or (isinstance(value, list) and value and all(isinstance(v, int) for v in value)):
+                out[key] = value
+                break
+    return out
+
+
+def load_hf(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
+    """Read a Hugging Face model directory and convert it: graph, weights (``dtype`` per
+    :func:`_target`), metadata.  Checkpoint tensors the graph does not read are skipped."""
+    if dtype not in DTYPES:
+        raise HFImportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    from kernels.quant import quantize
+
+    hf_dir = Path(hf_dir)
+    config = read_config(hf_dir)
+    cfg = decoder_config(config)
+    shapes = weight_shapes(cfg)
+    graph = decoder_graph(cfg)
+    graph.weights = {n: TensorSpec(s, DType.F32) for n, s in shapes.items()}
+    targets = _target(graph, DType[dtype.upper()])
+    weights: dict[str, Array] = {}
+    source_dtypes: dict[str, int] = {}
+    with Checkpoint(hf_dir) as ckpt:
+        have = set(ckpt.names())
+        missing = [n for n in shapes if n not in have]
+        if missing:
+            raise HFImportError(
+                f"the checkpoint in {hf_dir} lacks {len(missing)} tensor(s) a {SUPPORTED[cfg.architecture]} "
+                f"with this config.json needs: " + ", ".join(f"{n} {list(shapes[n])}" for n in missing[:8])
+                + (" ..." if len(missing) > 8 else ""))
+        wrong = [f"{n}: {list(ckpt.shape(n))}, expected {list(s)}" for n, s in shapes.items() if ckpt.shape(n) != s]
+        if wrong:
+            raise HFImportError(f"tensor shapes disagree with config.json: {'; '.join(wrong[:8])}")
+        bar = _Progress(len(shapes), "converting", progress)
+        try:
+            for name in shapes:
+                source = ckpt.dtype(name)
+                source_dtypes[source] = source_dtypes.get(source, 0) + 1
+                x = np.ascontiguousarray(ckpt.get(name), dtype=np.float32)
+                weights[name] = x if targets[name] == DType.F32 else quantize(x, targets[name])
+                bar.update()
+        finally:
+            bar.close()
+        ignored = sorted(have - set(shapes))
+    graph = with_weight_specs(graph, weights)
+    metadata = {
+        "name": config.get("_name_or_path") or hf_dir.resolve().name,
+        "architecture": cfg.architecture,
+        "created_by": "dist-runtime convert",
+        "source": {"format": "huggingface", "class": SUPPORTED[cfg.architecture],
+                   "dtypes": dict(source_dtypes), "directory": hf_dir.resolve().name},
+        "dtype": dtype,
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "sample"},
+        **_token_ids(hf_dir, config),
+    }
+    stored = {n: (w.dtype.name if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype).name).lower()
+              for n, w in weights.items()}
+    return Imported(graph, weights, metadata, cfg, stored, source_dtypes, ignored)
+
+
+def tokenizer_path_for(model_path: str | Path) -> Path:
+    """Where ``convert`` puts the tokenizer of ``model_path``: ``NAME.tokenizer.json`` beside it."""
+    p = Path(model_path)
+    return p.with_name(p.stem + ".tokenizer.json")
+
+
+@dataclass
+class ConvertReport:
+    out: Path
+    architecture: str
+    tensors: int
+    bytes: int
+    dtype: str
+    stored: dict[str, str]
+    kept_f32: list[str]
+    ignored: list[str]
+    tokenizer: Path | None
+    seconds: float
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["out"], d["tokenizer"] = str(self.out), self.tokenizer and str(self.tokenizer)
+        return d
+
+
+def convert_hf(hf_dir: str | Path, out: str | Path, dtype: str = "f32", *, progress: bool = False) -> ConvertReport:
+    """``dist-runtime convert``: write ``out`` (graph + weights) and, when ``HF_DIR/tokenizer.json``
+    exists, copy it to ``out``'s :func:`tokenizer_path_for` (named in the metadata)."""
+    from ..model import save_model
+
+    start = time.perf_counter()
+    hf_dir, out = Path(hf_dir), Path(out)
+    imported = load_hf(hf_dir, dtype, progress=progress)
+    metadata = imported.metadata
+    tokenizer = None
+    source_tok = hf_dir / "tokenizer.json"
+    if source_tok.is_file():
+        tokenizer = tokenizer_path_for(out)
+        metadata["tokenizer"] = tokenizer.name
+    model = save_model(out, imported.graph, imported.weights, metadata)
+    size = sum(s.size for s in model.index.values())
+    model.close()
+    if tokenizer is not None:
+        shutil.copyfile(source_tok, tokenizer)
+    kept = [n for n, d in imported.stored.items() if d != dtype] if dtype != "f32" else []
+    return ConvertReport(out, imported.config.architecture, len(imported.weights), size, dtype,
+                         imported.stored, kept, imported.ignored, tokenizer, time.perf_counter() - start)

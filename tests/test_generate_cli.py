@@ -1,0 +1,139 @@
+"""``dist-runtime generate``: streaming, greedy against transformers' tokens, seeded sampling, EOS,
+text prompts through the converted tokenizer, usage errors.  Uses the Llama fixture of
+tests/fixtures/hf (see test_hf_import.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dist_runtime.cli import main
+from dist_runtime.executor import GraphExecutor
+
+pytest.importorskip("safetensors")
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict:
+    with np.load(FIXTURES / "llama.npz") as f:
+        return {k: f[k].tolist() for k in ("prompt", "tokens")}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    from dist_runtime.importers.hf import convert_hf
+
+    return str(convert_hf(FIXTURES / "llama", tmp_path_factory.mktemp("gen") / "llama.model").out)
+
+
+def ids(values) -> str:
+    return ",".join(map(str, values))
+
+
+def generate(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["generate", *map(str, argv)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_greedy_ids_are_transformers_tokens(model, ref, capsys):
+    code, out, err = generate(capsys, model, "--ids", ids(ref["prompt"]), "-n", 32, "--show-ids", "--ignore-eos")
+    assert code == 0
+    assert [int(t) for t in out.split()] == ref["tokens"]
+    assert "prompt 8 tokens" in err and "generated 32 tokens" in err and "tokens/s" in err
+
+
+def test_tokens_are_streamed_as_they_come(model, ref, capsys, monkeypatch):
+    """Before each decode step runs, every token picked so far is already on stdout."""
+    seen = []
+    run = GraphExecutor.run
+
+    def spy(self, inputs, **kw):
+        seen.append(capsys.readouterr().out)  # what was printed since the previous run
+        return run(self, inputs, **kw)
+
+    monkeypatch.setattr(GraphExecutor, "run", spy)
+    assert main(["generate", model, "--ids", ids(ref["prompt"]), "-n", "6", "--show-ids", "--ignore-eos"]) == 0
+    tail = capsys.readouterr().out
+    # run 0 is the prefill (nothing printed yet); run i follows the i-th token
+    assert seen[0] == "" and [s.strip() for s in seen[1:]] == [str(t) for t in ref["tokens"][:5]]
+    assert tail.strip() == str(ref["tokens"][5]) and len(seen) == 6  # no run after the last token
+
+
+def test_text_prompt_through_the_tokenizer(model, ref, capsys):
+    pytest.importorskip("tokenizers")
+    from dist_runtime.importers.tokenizer import Tokenizer
+
+    prompt = " ".join(f"w{t}" for t in ref["prompt"])
+    code, out, _ = generate(capsys, model, "--prompt", prompt, "-n", 32, "--ignore-eos")
+    assert code == 0
+    tok = Tokenizer(FIXTURES / "llama" / "tokenizer.json")
+    assert tok.encode(prompt) == ref["prompt"]
+    assert out == tok.decode(ref["tokens"]) + "\n"
+    assert out.startswith(f"w{ref['tokens'][0]} w{ref['tokens'][1]} ")
+
+
+def test_seeded_sampling_is_reproducible(model, ref, capsys):
+    args = [model, "--ids", ids(ref["prompt"]), "-n", 24, "--show-ids", "--ignore-eos", "--temperature", 1.5]
+    runs = [generate(capsys, *args, "--seed", seed)[1] for seed in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    sampled = [int(t) for t in runs[0].split()]
+    assert len(sampled) == 24 and sampled != ref["tokens"][:24] and all(0 <= t < 128 for t in sampled)
+    # top-k 1 keeps only the most likely token: greedy again, whatever the temperature
+    _, out, _ = generate(capsys, *args, "--seed", 3, "--top-k", 1)
+    assert [int(t) for t in out.split()] == ref["tokens"][:24]
+    _, out, _ = generate(capsys, *args, "--seed", 3, "--top-p", 0.9, "--min-p", 0.05)
+    assert len(out.split()) == 24
+
+
+def test_json_output(model, ref, capsys):
+    pytest.importorskip("tokenizers")
+    code, out, _ = generate(capsys, model, "--ids", ids(ref["prompt"]), "-n", 5, "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["prompt"] == ref["prompt"] and result["ids"] == ref["tokens"][:5]
+    assert result["text"] == " ".join(f"w{t}" for t in ref["tokens"][:5])
+    assert result["generated_tokens"] == 5 and result["tokens_per_second"] > 0
+
+
+def test_stops_at_eos(ref, tmp_path, capsys):
+    """eos_token_id comes from generation_config.json; generation stops after emitting it."""
+    from dist_runtime.importers.hf import convert_hf
+
+    hf = Path(shutil.copytree(FIXTURES / "llama", tmp_path / "llama"))
+    gen = json.loads((hf / "generation_config.json").read_text())
+    (hf / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": [ref["tokens"][2], 999]}))
+    path = convert_hf(hf, tmp_path / "eos.model").out
+    code, out, err = generate(capsys, path, "--ids", ids(ref["prompt"]), "-n", 32, "--show-ids")
+    assert code == 0 and [int(t) for t in out.split()] == ref["tokens"][:3] and "stopped at EOS" in err
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["--greedy", "--temperature", "0.7"], 2, "--greedy contradicts --temperature"),
+    (["--temperature", "0", "--top-k", "5"], 2, "--temperature 0 contradicts --top-k"),
+    (["--top-p", "0"], 2, "--top-p must be in (0, 1]"),
+    (["--max-tokens", "-1"], 2, "--max-tokens must be >= 0"),
+    (["--ids", "1,x"], 2, "--ids takes comma-separated integers"),
+    (["--ids", "1,500"], 1, "prompt ids must be in [0, 128)"),
+    (["--ids", "1", "-n", "300"], 1, "exceed the model's context length 256"),
+    (["--prompt", "w1", "--tokenizer", "/nonexistent/tokenizer.json"], 1, "no tokenizer at"),
+])
+def test_usage_errors(model, capsys, argv, code, message):
+    if "--ids" not in argv and "--prompt" not in argv:
+        argv = ["--ids", "1,2", *argv]
+    got, _, err = generate(capsys, model, *argv)
+    assert got == code and message in err
+
+
+def test_text_prompt_needs_a_tokenizer(tmp_path, capsys):
+    from dist_runtime.importers.hf import convert_hf
+
+    path = convert_hf(FIXTURES / "phi", tmp_path / "phi.model").out  # phi has no tokenizer.json
+    code, _, err = generate(capsys, path, "--prompt", "hello")
+    assert code == 1 and "has no tokenizer" in err and "--ids" in err
