@@ -90,8 +90,23 @@ def _print_inspect(r: dict) -> None:
         print(f"warning: {w}")
 
 
+def _backend_plan(path: str, backends: list[str] | None, fuse: bool) -> list[dict]:
+    """Per node: the backend the executor would choose, and why (nothing is run)."""
+    from .executor import GraphExecutor
+
+    return GraphExecutor(path, backends=backends, fuse=fuse).plan()
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     report = _report(args.model, args.max_memory)
+    if args.plan:
+        report["plan"] = _backend_plan(args.model, args.backends, not args.no_fuse)
+        if not args.json:
+            _print_inspect(report)
+            print("\nbackend plan:")
+            for p in report["plan"]:
+                print(f"  node {p['id']:>4} {p['op']:<16} {p['backend']:<6} {p['reason']}")
+            return 0
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -320,8 +335,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    model_command("inspect", "Show a model's metadata, tensors, graph (one line per node, with "
-                  "inferred shapes), memory estimate and validation warnings.", cmd_inspect)
+    inspect = model_command("inspect", "Show a model's metadata, tensors, graph (one line per node, "
+                            "with inferred shapes), memory estimate and validation warnings.", cmd_inspect)
+    inspect.add_argument("--plan", action="store_true",
+                         help="also show the backend the executor chooses for each node, and why")
+    inspect.add_argument("--backends", type=lambda s: s.split(","), metavar="NAMES",
+                         help="with --plan: backends in priority order, comma-separated (the CPU "
+                              "library is always last)")
+    inspect.add_argument("--no-fuse", action="store_true", help="with --plan: plan the unfused graph")
     model_command("validate", "Check a model file and its graph; exit 0 if valid, 1 with a "
                   "message naming the problem otherwise.", cmd_validate)
 

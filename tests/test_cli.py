@@ -74,3 +74,15 @@ def test_missing_file_and_bad_size(tmp_path, capsys):
 def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "dist_runtime.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "inspect" in out.stdout and "validate" in out.stdout
+
+
+def test_inspect_plan_lists_every_node_with_backend_and_reason(tmp_path, capsys):
+    path = tmp_path / "m.model"
+    run(capsys, "example", "-o", str(path), "--layers", "1")
+    code, out, _ = run(capsys, "inspect", str(path), "--plan", "--no-fuse", "--json")
+    plan = json.loads(out)["plan"]
+    with load_model(path) as m:
+        assert [p["id"] for p in plan] == [n.id for n in m.graph.nodes]
+    assert code == 0 and all(p["backend"] == "cpu" and p["reason"] == "default" for p in plan)
+    code, out, _ = run(capsys, "inspect", str(path), "--plan")
+    assert code == 0 and "backend plan:" in out
