@@ -13,6 +13,7 @@ ggml's backend scheduler, and records the cause of every decision:
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
@@ -71,6 +72,9 @@ class CpuBackend:
 
 _REGISTRY: dict[str, Callable[[], Backend]] = {"cpu": CpuBackend}
 
+#: Backends in their own modules, imported on first use by name (each registers itself).
+_OPTIONAL = {"numpy-blas": "dist_runtime.backends_blas", "torch": "dist_runtime.backends_torch"}
+
 
 def register_backend(name: str, factory: Callable[[], Backend]) -> None:
     """Make a backend available by name (``GraphExecutor(model, backends=[name, ...])``)."""
@@ -78,7 +82,7 @@ def register_backend(name: str, factory: Callable[[], Backend]) -> None:
 
 
 def available_backends() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted({*_REGISTRY, *_OPTIONAL})
 
 
 def make_backends(spec: Sequence[str | Backend] | None) -> list[Backend]:
@@ -86,6 +90,11 @@ def make_backends(spec: Sequence[str | Backend] | None) -> list[Backend]:
     out: list[Backend] = []
     for item in spec or []:
         if isinstance(item, str):
+            if item not in _REGISTRY and item in _OPTIONAL:
+                try:
+                    importlib.import_module(_OPTIONAL[item])
+                except ImportError as e:
+                    raise GraphValidationError(f"backend {item!r} is not available: {e}") from None
             if item not in _REGISTRY:
                 raise GraphValidationError(f"unknown backend {item!r}; available: {available_backends()}")
             item = _REGISTRY[item]()

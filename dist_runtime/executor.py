@@ -105,14 +105,14 @@ class GraphExecutor:
     def __init__(self, model, backends: Sequence[str | Backend] | None = None,
                  max_memory: int | None = None, *, fuse: bool = True, seed: int = 0) -> None:
         graph, weights, declared_max = _open(model)
-        if fuse:
-            from .fusion import fuse_graph
+        self.backends = make_backends(backends)
+        if fuse:  # a fused node that no backend in use takes is not formed (or is expanded back)
+            from .fusion import backend_acceptor, fuse_graph
 
-            graph = fuse_graph(graph)
+            graph = fuse_graph(graph, backend_acceptor(self.backends))
         self.graph = graph
         self.max_memory = max_memory if max_memory is not None else declared_max
         self.warnings = validate_graph(graph)  # structure and declared shapes
-        self.backends = make_backends(backends)
         self.assignments: list[Assignment] = assign_backends(graph, infer_shapes(graph), self.backends)
         self._constants, widened = _prepared_weights(graph, weights)
         self._steps = self._bind(widened)

@@ -21,9 +21,11 @@ package, which this module does not import.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import ml_dtypes
+
 import numpy as np
 
 from dist_runtime.dtypes import DType
@@ -279,7 +281,7 @@ _KQUANTS = {
 def _blocks(q: QuantizedArray) -> np.ndarray:
     """``q``'s bytes as ``[rows, nb, block_bytes]``: one row of blocks per row of the matrix."""
     k = q.shape[-1] if q.shape else 1
-    rows = int(np.prod(q.shape[:-1], dtype=np.int64))
+    rows = math.prod(q.shape[:-1])
     return q.data.reshape(rows, k // q.dtype.block_size, q.dtype.block_bytes)
 
 
@@ -319,7 +321,7 @@ def quantize(x: np.ndarray, dtype: DType) -> Array:
     k = x.shape[-1] if x.ndim else 1
     if x.ndim == 0 or k % QK:
         raise fail("Quantize", f"{dtype.name} packs {QK} elements per block; last dim of {list(x.shape)}")
-    blocks = as_compute(x, F32).reshape(int(np.prod(x.shape[:-1], dtype=np.int64)), k // QK, QK)
+    blocks = as_compute(x, F32).reshape(math.prod(x.shape[:-1]), k // QK, QK)
     data = _encode_legacy(blocks, _LEGACY[dtype])
     return QuantizedArray(data.reshape(*x.shape[:-1], k // QK * dtype.block_bytes), dtype, tuple(x.shape))
 
@@ -451,7 +453,7 @@ def quant_matmul(x: np.ndarray, w: Array) -> np.ndarray:
     at once: never a full float copy of the weight.
     """
     n, k = w.shape
-    m = int(np.prod(x.shape[:-1], dtype=np.int64))
+    m = math.prod(x.shape[:-1])
     x2 = x.reshape(m, k)  # leading dims flattened: one BLAS call, not one per batch index
     if isinstance(w, np.ndarray) and w.dtype == x.dtype:
         return (x2 @ w.T).reshape(*x.shape[:-1], n)
@@ -468,7 +470,7 @@ def quant_matmul_kn(x: np.ndarray, w: Array) -> np.ndarray:
     """``y = x @ w`` for a 2-D weight stored ``[K, N]`` (Matmul with ``transpose_b`` false): the
     K rows are converted in bands and their partial products summed."""
     k, n = w.shape
-    m = int(np.prod(x.shape[:-1], dtype=np.int64))
+    m = math.prod(x.shape[:-1])
     x2 = x.reshape(m, k)
     if isinstance(w, np.ndarray) and w.dtype == x.dtype:
         return (x2 @ w).reshape(*x.shape[:-1], n)

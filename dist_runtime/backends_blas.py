@@ -1,0 +1,160 @@
+"""``numpy-blas``: a second backend for the matmul family, on numpy's BLAS, with weights packed once.
+
+It takes Matmul (2-D weight ``b``), FusedNormMatmul, FusedSwiGlu and LoraApply when the activation
+and every weight are F32 or F16; everything else (norms, attention, block-quantized or BF16
+weights, F64) it declines, and :func:`dist_runtime.backends.assign_backends` sends those nodes to
+the CPU library.  What it does differently from the CPU library is what a device backend does when
+it uploads weights: an F16 weight is widened to F32 *once*, on the node's first run, and kept (the
+CPU library converts it in cache-sized bands on every call: less memory, more work per token).
+F32 weights are used as stored, as transposed views: no copy.  Results are computed in F32 and
+rounded once to the activation's dtype, as docs/ops.md prescribes, so they agree with the CPU
+library within float rounding.
+
+It is always available (numpy only), so CI exercises backend selection -- hints, the default,
+fallbacks, the plan's reasons -- with a backend that computes real results.  Its ``hint`` is set
+per instance (``NumpyBlasBackend(hint=BackendHint.WGPU)`` serves the nodes hinted ``wgpu``); the
+default, ``CPU``, makes it a default-only backend, since a node hinted ``cpu`` asks for the numpy
+kernel library itself.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .backends import BoundKernel, register_backend
+from .dtypes import DType
+from .ir.graph import Node, TensorSpec
+from .ir.ops import FusedNormMatmul, FusedSwiGlu, LoraApply, Matmul, OpPayload
+from .ir.validate import BackendHint
+from .tensor import Array, QuantizedArray
+
+F32 = np.dtype(np.float32)
+
+#: The element types this backend family computes with (activations and weights).
+PLAIN = (DType.F32, DType.F16)
+
+#: Which inputs of each op are matrices used as ``x @ W^T`` (packed once, by slot).
+WEIGHT_SLOTS: dict[type, tuple[int, ...]] = {
+    Matmul: (1,), FusedNormMatmul: (2,), FusedSwiGlu: (1, 2), LoraApply: (1, 2, 3),
+}
+
+
+def matmul_family_supports(op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
+    """The matmul-family ops on F32/F16 activations and F32/F16 2-D weights.
+
+    Matmul: ``b`` a 2-D matrix (a stored weight, or any 2-D operand), either ``transpose_b``;
+    a batched ``b`` (attention-style products) is left to the CPU library.
+    """
+    kind = type(op)
+    if kind not in WEIGHT_SLOTS or not input_specs:
+        return False
+    if any(s.dtype not in PLAIN for s in input_specs):
+        return False
+    if any(len(input_specs[i].shape) != 2 for i in WEIGHT_SLOTS[kind] if i < len(input_specs)):
+        return False
+    return len(input_specs[0].shape) >= 1
+
+
+class PackCache:
+    """One packed copy per (node, slot), rebuilt when a different array arrives in that slot.
+
+    A stored weight is the same object on every run, so it is packed once; an operand that
+    changes each run is repacked each time and never accumulates.
+    """
+
+    def __init__(self, pack: Callable[[np.ndarray], object]) -> None:
+        self._pack = pack
+        self._slots: dict[int, tuple[np.ndarray, object]] = {}
+
+    def __call__(self, slot: int, w: np.ndarray):
+        hit = self._slots.get(slot)
+        if hit is None or hit[0] is not w:
+            hit = self._slots[slot] = (w, self._pack(w))
+        return hit[1]
+
+
+def _f32(w: np.ndarray) -> np.ndarray:
+    """An F32 view (F32 as stored) or a widened contiguous copy (F16)."""
+    return w if w.dtype == F32 else np.ascontiguousarray(w, F32)
+
+
+def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RmsNorm in F32: ``x / sqrt(mean(x^2) + eps) * weight``."""
+    ms = np.einsum("...k,...k->...", x, x)[..., None]
+    ms /= max(x.shape[-1], 1)
+    ms += float(eps)
+    y = x / np.sqrt(ms)
+    y *= weight
+    return y
+
+
+def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``silu(g) * u`` in place in ``g`` (both fresh F32 products)."""
+    with np.errstate(over="ignore"):
+        d = np.exp(-g)
+    d += 1.0
+    g /= d
+    g *= u
+    return g
+
+
+class NumpyBlasBackend:
+    """The matmul family on numpy/BLAS in F32, F16 weights widened once (see the module docstring)."""
+
+    name = "numpy-blas"
+
+    def __init__(self, hint: BackendHint = BackendHint.CPU) -> None:
+        self.hint = BackendHint(hint)
+
+    def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
+        return matmul_family_supports(op, input_specs)
+
+    def bind(self, node: Node) -> BoundKernel:
+        op, packed = node.op, PackCache(_f32)
+
+        def lin(x: np.ndarray, slot: int, w: np.ndarray) -> np.ndarray:
+            return x @ packed(slot, w).T
+
+        if isinstance(op, Matmul):
+            def run(inputs, ctx):
+                a, b = inputs
+                w = packed(1, b)
+                y = _f32(a) @ (w.T if op.transpose_b else w)
+                return (y.astype(a.dtype, copy=False),)
+        elif isinstance(op, FusedNormMatmul):
+            def run(inputs, ctx):
+                x, norm_w, w = inputs
+                return (lin(_rms(_f32(x), _f32(norm_w), op.eps), 2, w).astype(x.dtype, copy=False),)
+        elif isinstance(op, FusedSwiGlu):
+            def run(inputs, ctx):
+                x, w_gate, w_up = inputs
+                xf = _f32(x)
+                return (_silu_mul(lin(xf, 1, w_gate), lin(xf, 2, w_up)).astype(x.dtype, copy=False),)
+        elif isinstance(op, LoraApply):
+            def run(inputs, ctx):
+                x, w, a, b = inputs
+                xf = _f32(x)
+                y = lin(xf, 1, w)
+                low = lin(lin(xf, 2, a), 3, b)
+                low *= float(op.scale)
+                y += low
+                return (y.astype(x.dtype, copy=False),)
+        else:
+            raise ValueError(f"{self.name} has no kernel for node {node.id} ({node.op_name})")
+        return run
+
+    def execute(self, node: Node, inputs: Sequence[Array], ctx: object) -> tuple:
+        return self.bind(node)(inputs, ctx)
+
+    def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray:
+        """``x @ w^T``: F32/F16 weights here, block weights through the CPU library's kernel."""
+        if isinstance(w, QuantizedArray) or w.dtype not in (np.float16, np.float32):
+            from kernels.quant import quant_matmul
+
+            return quant_matmul(x, w)
+        return (_f32(x) @ _f32(w).T).astype(x.dtype, copy=False)
+
+
+register_backend("numpy-blas", NumpyBlasBackend)
