@@ -1,0 +1,183 @@
+"""Decode tokens/s of the GraphExecutor next to PyTorch eager (transformers), on the same random
+~125M-parameter Llama, measured in one run.  (llama.cpp is not a column yet: it needs
+llama-cpp-python, a ~15-minute build, and these weights written as GGUF.)
+
+The model: hidden 768, 12 layers, 12 heads, 4 KV heads, FFN 2048, vocab 32000 (the executor
+issue's benchmark model), seeded random weights with Hugging Face names, so the very same tensors
+load into ``transformers.LlamaForCausalLM``.  Each engine: a 16-token prompt, then ``--tokens``
+greedy decode steps; the median step time over ``--repeat`` runs.  Also printed: the decode step
+at context 1024 next to the step at context 32 (the KV cache must keep it flat), and the
+executor's per-token Python overhead (time per token minus the time spent inside kernels).
+
+Run as (see the OPENBLAS trap in shared/notes/performance.md: unset both for this command only)::
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/bench_decode.py
+
+torch/transformers are not project dependencies: install them to get the PyTorch column
+(``pip install torch==2.13.0 transformers``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from dist_runtime.dtypes import DType
+from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
+from dist_runtime.executor import GraphExecutor
+from dist_runtime.ir import Graph, TensorSpec
+from dist_runtime.tensor import QuantizedArray
+from kernels.quant import quantize
+
+CFG = LlamaConfig(vocab=32000, hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048)
+PROMPT = np.arange(1, 17)
+
+
+def our_executor(weights, fuse: bool) -> GraphExecutor:
+    g = llama_graph(CFG)
+    specs = {n: TensorSpec(w.shape, w.dtype if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype))
+             for n, w in weights.items()}
+    return GraphExecutor((Graph(g.nodes, g.inputs, g.outputs, specs), weights), fuse=fuse)
+
+
+def time_ours(ex: GraphExecutor, tokens: int) -> list[float]:
+    ex.reset()
+    out = ex.run({"tokens": PROMPT})
+    tok = int(out["logits"][-1].argmax())
+    steps = []
+    for _ in range(tokens):
+        t = time.perf_counter()
+        tok = int(ex.run({"tokens": [tok]})["logits"][-1].argmax())
+        steps.append(time.perf_counter() - t)
+    return steps
+
+
+def kernel_share(ex: GraphExecutor, tokens: int) -> tuple[float, float]:
+    """(median seconds per decode token, median seconds of it inside kernels), by timing every
+    bound kernel during decode steps only (the prompt runs untimed)."""
+    spent = [0.0]
+
+    def timed(fn):
+        def call(inputs, ctx):
+            t = time.perf_counter()
+            out = fn(inputs, ctx)
+            spent[0] += time.perf_counter() - t
+            return out
+        return call
+
+    ex.reset()
+    tok = int(ex.run({"tokens": PROMPT})["logits"][-1].argmax())
+    original = list(ex._steps)
+    ex._steps = [type(s)(s.index, timed(s.fn), s.reads, s.writes, s.frees, s.kv_cache) for s in original]
+    totals, inside = [], []
+    try:
+        for _ in range(tokens):
+            spent[0] = 0.0
+            t = time.perf_counter()
+            tok = int(ex.run({"tokens": [tok]})["logits"][-1].argmax())
+            totals.append(time.perf_counter() - t)
+            inside.append(spent[0])
+    finally:
+        ex._steps = original
+    return statistics.median(totals), statistics.median(inside)
+
+
+def torch_decoder(weights):
+    """A function timing one decode run of transformers' LlamaForCausalLM on ``weights``, or None
+    when torch/transformers are not installed."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    torch.set_num_threads(2)
+    config = transformers.LlamaConfig(
+        vocab_size=CFG.vocab, hidden_size=CFG.hidden, num_hidden_layers=CFG.layers,
+        num_attention_heads=CFG.heads, num_key_value_heads=CFG.kv_heads, intermediate_size=CFG.ffn,
+        rms_norm_eps=CFG.eps, rope_theta=CFG.rope_base, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.load_state_dict({n: torch.from_numpy(w) for n, w in weights.items()}, strict=True)
+
+    def run(tokens: int) -> list[float]:
+        steps = []
+        with torch.inference_mode():
+            out = model(torch.from_numpy(PROMPT)[None], use_cache=True)
+            past, tok = out.past_key_values, out.logits[0, -1].argmax()
+            for _ in range(tokens):
+                t = time.perf_counter()
+                out = model(tok.view(1, 1), past_key_values=past, use_cache=True)
+                past, tok = out.past_key_values, out.logits[0, -1].argmax()
+                steps.append(time.perf_counter() - t)
+        return steps
+
+    return run
+
+
+def context_ratio(ex: GraphExecutor) -> tuple[float, float]:
+    """Median decode step at context 32 and at 1024."""
+    def step_at(ctx: int) -> float:
+        ex.reset()
+        ex.run({"tokens": np.arange(ctx) % CFG.vocab})
+        times = []
+        for i in range(8):
+            t = time.perf_counter()
+            ex.run({"tokens": [i]})
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    return step_at(32), step_at(1024)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32, help="decode steps per run (default 32)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per engine (default 3)")
+    args = parser.parse_args()
+
+    w = llama_weights(CFG, seed=0)
+    q8 = {n: quantize(a, DType.Q8_0) if a.ndim == 2 and a.shape[-1] % 32 == 0 else a for n, a in w.items()}
+    rows = []
+
+    def add(name, per_run):
+        per_run = [r for r in per_run if r]
+        if not per_run:
+            rows.append((name, None))
+            return
+        rows.append((name, statistics.median(statistics.median(r) for r in per_run)))
+
+    ours = {"ours f32 (fused)": our_executor(w, True), "ours f32 (unfused)": our_executor(w, False),
+            "ours Q8_0 (fused)": our_executor(q8, True)}
+    engines = {name: (lambda ex=ex: time_ours(ex, args.tokens)) for name, ex in ours.items()}
+    torch_run = torch_decoder(w)
+    engines["PyTorch eager f32"] = (lambda: torch_run(args.tokens)) if torch_run else (lambda: None)
+    # Rounds interleave the engines, so that a burst of load from elsewhere on this shared
+    # machine hits all of them rather than one.
+    runs: dict[str, list] = {name: [] for name in engines}
+    for _ in range(args.repeat):
+        for name, run in engines.items():
+            runs[name].append(run())
+    for name in engines:
+        add(name, runs[name])
+
+    ref = dict(rows).get("PyTorch eager f32")
+    print(f"decode, {CFG.layers} layers x hidden {CFG.hidden}, prompt {len(PROMPT)}, {args.tokens} steps, median of {args.repeat}")
+    print(f"{'engine':<22} {'ms/token':>9} {'tok/s':>8} {'vs PyTorch':>11}")
+    for name, sec in rows:
+        if sec is None:
+            print(f"{name:<22} {'(not installed)':>30}")
+            continue
+        ratio = f"{ref / sec:.2f}x" if ref else "-"
+        print(f"{name:<22} {sec * 1e3:9.2f} {1 / sec:8.1f} {ratio:>11}")
+
+    per_token, in_kernels = kernel_share(ours["ours f32 (fused)"], args.tokens)
+    print(f"\nper-token Python overhead (fused f32): {(per_token - in_kernels) * 1e3:.2f} ms of "
+          f"{per_token * 1e3:.2f} ms ({100 * (1 - in_kernels / per_token):.0f}%), "
+          f"{len(ours['ours f32 (fused)'].graph.nodes)} nodes")
+    c32, c1024 = context_ratio(ours["ours f32 (fused)"])
+    print(f"decode step at context 1024 / context 32: {c1024 * 1e3:.2f} / {c32 * 1e3:.2f} ms = {c1024 / c32:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
