@@ -396,6 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
     from partitioner.cli import register as register_partition
 
     register_partition(sub)
+
+    from .pipeline.cli import register as register_pipeline
+
+    register_pipeline(sub)
     return parser
 
 

@@ -1,0 +1,43 @@
+"""Running a model as a pipeline of Ray actors, one per stage of a partitioner plan.
+
+Modules, by what they hold:
+
+* ``subgraph``  -- cutting a plan's stage out of the graph: inputs, outputs, forwarded tensors, weights;
+* ``weights``   -- where a stage's weights come from (the file, or the object store) and proof of
+  what it holds;
+* ``stage``     -- the stage: decode a message, run its GraphExecutor, encode the reply (the Ray actor);
+* ``channels``  -- how a step travels through the stages (chained object refs, a compiled graph);
+* ``deploy``    -- placing the actors (CPUs, BLAS threads, nodes) and loading their weights;
+* ``sampling``  -- per-session sampling settings on the driver;
+* ``coordinator`` -- sessions, positions, reset, prefill and decode with many sessions in flight;
+* ``telemetry`` -- per stage and step timings, run figures, the stats table and the SVG timeline;
+* ``cluster``   -- an embedded local Ray, or an existing cluster;
+* ``launch``    -- ``Pipeline``: all of the above behind one object;
+* ``cli``       -- the ``dist-runtime pipeline`` command.
+
+Imports are lazy: ``import dist_runtime.pipeline`` does not import Ray.
+"""
+
+from __future__ import annotations
+
+_LAZY = {
+    "Pipeline": ("dist_runtime.pipeline.launch", "Pipeline"),
+    "make_plan": ("dist_runtime.pipeline.launch", "make_plan"),
+    "StageOptions": ("dist_runtime.pipeline.deploy", "StageOptions"),
+    "Request": ("dist_runtime.pipeline.coordinator", "Request"),
+    "Coordinator": ("dist_runtime.pipeline.coordinator", "Coordinator"),
+    "Sampling": ("dist_runtime.pipeline.sampling", "Sampling"),
+    "cut_stages": ("dist_runtime.pipeline.subgraph", "cut_stages"),
+    "stages_for_plan": ("dist_runtime.pipeline.subgraph", "stages_for_plan"),
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dist_runtime.pipeline' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,64 @@
+"""Connecting to Ray: an embedded local instance on demand, or an existing cluster.
+
+Without an address (and without ``RAY_ADDRESS``) the runtime starts a private Ray on this machine,
+with no dashboard (nothing listens beyond what the raylet needs) and in its own namespace, and
+stops it when done.  With ``--address auto`` (a cluster started on this machine with ``ray start``)
+or ``--address HOST:PORT`` / ``RAY_ADDRESS``, it joins that cluster and leaves it running.
+
+Authentication is Ray's own: with ``RAY_AUTH_MODE=token`` set on the cluster, a driver needs the
+same token (``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``, default ``~/.ray/auth_token``); Ray
+reads them from the environment, so nothing here handles the token itself.  docs/cluster.md
+covers tokens and TLS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+NAMESPACE = "dist-runtime"
+
+
+def connect(address: str | None = None, *, num_cpus: int | None = None, namespace: str = NAMESPACE,
+            quiet: bool = True) -> bool:
+    """Make sure this process is connected to Ray; returns True if this call started or joined it
+    (so the caller should shut it down), False if Ray was already initialised."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, namespace=namespace, log_to_driver=not quiet)
+    else:
+        # Embedded: a private instance, no dashboard, nothing to reach from outside.
+        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
+                 log_to_driver=not quiet, configure_logging=not quiet)
+    return True
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None, *, num_cpus: int | None = None) -> Iterator[None]:
+    """``connect`` for the duration of a ``with`` block; shuts down only what it started."""
+    import ray
+
+    started = connect(address, num_cpus=num_cpus)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def describe() -> dict:
+    """Nodes and resources of the connected cluster (for ``--stats`` and the job script)."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return {
+        "nodes": [{"node_id": n["NodeID"], "address": n["NodeManagerAddress"],
+                   "resources": {k: v for k, v in n["Resources"].items() if not k.startswith("node:")}}
+                  for n in nodes],
+        "resources": ray.cluster_resources(),
+    }

@@ -1,0 +1,122 @@
+"""Placing stage actors on the cluster and giving each its weights.
+
+One actor per stage.  Each reserves ``cpus`` (by default the cluster's free CPUs shared evenly)
+and caps its BLAS pool at that many threads: several stages on one machine would otherwise each start
+a pool of every core and fight over them.  Stages are spread over nodes (``SPREAD``) unless
+``resources`` pins each to nodes that advertise a custom resource (``ray start
+--resources='{"stage0": 1}'``).
+
+Weights: each actor first tries to map its tensors from the model file at ``worker_path`` (the
+same path as the driver's by default: a shared file system or a copy on every node).  If the file
+is not there, or is not the same file (``weights.fingerprint``), the driver puts that stage's
+tensors -- and only those -- in the object store for it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import DistRuntimeError, StageUnavailableError
+from .stage import stage_actor_class, thread_env
+from .subgraph import StageGraph
+from .weights import fingerprint
+
+WEIGHT_SOURCES = ("auto", "file", "store")
+
+
+@dataclass
+class StageOptions:
+    cpus: float | None = None  # per stage; None: the cluster's free CPUs shared evenly
+    threads: int | None = None  # BLAS threads per stage; None: the reservation, at least 1
+    resources: list[dict] | None = None  # per stage, e.g. [{"stage0": 1}, {"stage1": 1}]
+    weights: str = "auto"  # "auto": the file if it is there, else the object store
+    worker_path: str | None = None  # where workers find the model (default: the driver's path)
+    fuse: bool = True
+    backends: list[str] | None = None
+    seed: int = 0
+    spread: bool = True
+    max_sessions: int | None = None
+    extra_env: dict = field(default_factory=dict)
+    placement_timeout: float = 120.0  # seconds for the actors to be placed and load their weights
+
+
+def deploy(model_path: str | os.PathLike, stages: list[StageGraph], options: StageOptions) -> tuple[list, list[dict]]:
+    """Start the stage actors and load their weights; returns (actors, load reports).
+
+    On failure every actor started here is killed before the error propagates.
+    """
+    import ray
+
+    from ..model import load_model
+
+    if options.weights not in WEIGHT_SOURCES:
+        raise DistRuntimeError(f"weights must be one of {', '.join(WEIGHT_SOURCES)}, got {options.weights!r}")
+    if options.resources is not None and len(options.resources) != len(stages):
+        raise DistRuntimeError(f"{len(options.resources)} resource sets given for {len(stages)} stages")
+    Actor = stage_actor_class()
+    # By default the stages share the CPUs still free (another pipeline may hold some already).
+    cpus = options.cpus or max(ray.available_resources().get("CPU", 0.0), 0.01 * len(stages)) / len(stages)
+    threads = options.threads or max(1, int(cpus))
+    actors = []
+    try:
+        for k, stage in enumerate(stages):
+            opts: dict = {"num_cpus": cpus, "max_restarts": 0,
+                          "runtime_env": {"env_vars": {**thread_env(threads), **options.extra_env}}}
+            if options.resources is not None:
+                opts["resources"] = options.resources[k]
+            elif options.spread:
+                opts["scheduling_strategy"] = "SPREAD"
+            kwargs = dict(fuse=options.fuse, backends=options.backends, seed=options.seed, threads=threads)
+            if options.max_sessions:
+                kwargs["max_sessions"] = options.max_sessions
+            actors.append(Actor.options(**opts).remote(stage, **kwargs))
+        reports = _load_weights(Path(model_path), stages, actors, options, load_model)
+    except ray.exceptions.GetTimeoutError:
+        kill(actors)
+        raise StageUnavailableError(
+            f"the stage actors were not all placed and loaded within {options.placement_timeout:.0f} s: "
+            f"each asks for {cpus:g} CPU(s){' and ' + str(options.resources) if options.resources else ''}; "
+            f"the cluster has {ray.available_resources().get('CPU', 0):g} CPU(s) free") from None
+    except BaseException:
+        kill(actors)
+        raise
+    return actors, reports
+
+
+def _load_weights(path: Path, stages, actors, options: StageOptions, load_model) -> list[dict]:
+    import ray
+
+    worker_path = str(options.worker_path or path.resolve())
+    with load_model(path, tensors=[], validate=False) as model:
+        if options.weights == "store":
+            loaded = [{"loaded": False, "reason": "weights='store'"} for _ in stages]
+        else:
+            expected = [fingerprint(model, st.weights) for st in stages]
+            loaded = ray.get([a.load_file.remote(worker_path, fp) for a, fp in zip(actors, expected)],
+                             timeout=options.placement_timeout)
+        pending = []
+        for stage, actor, result in zip(stages, actors, loaded):
+            if result["loaded"]:
+                continue
+            if options.weights == "file":
+                raise DistRuntimeError(f"stage {stage.index}: {result['reason']} (weights='file')")
+            # Only this stage's tensors: the object store copy is the stage's share, not the model.
+            ref = ray.put({name: model.tensor(name) for name in stage.weights})
+            pending.append(actor.load_weights.remote(ref))
+            result["fallback"] = result["reason"]
+            del ref  # the actor's views keep the object alive for as long as it needs them
+        ray.get(pending, timeout=options.placement_timeout)
+    return ray.get([a.report.remote() for a in actors], timeout=options.placement_timeout)
+
+
+def kill(actors: list) -> None:
+    """Kill actors (ours, by handle); the KV caches and mapped weights go with them."""
+    import ray
+
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 -- already dead, or Ray already shut down
+            pass

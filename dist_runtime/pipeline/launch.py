@@ -1,0 +1,81 @@
+"""``Pipeline``: plan, cut, deploy and coordinate, as one object with a ``close()``.
+
+    with Pipeline("model.model", stages=2) as p:
+        tokens = p.coordinator.generate([Request("a", [1, 2, 3], max_new_tokens=8)])
+        print(p.coordinator.last_run.table())
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import DistRuntimeError
+from .channels import DEFAULT_CHANNEL, make_channel
+from .coordinator import Coordinator
+from .deploy import StageOptions, deploy, kill
+from .subgraph import StageGraph, stages_for_plan
+
+
+def make_plan(graph, *, stages: int | None = None, budgets=None, speeds=None, reserve="0",
+              max_context: int = 4096, sessions: int = 1, model_name: str = ""):
+    """A partitioner plan from the CLI's vocabulary (``--stages N`` or ``--budgets``)."""
+    from partitioner.machines import make_machines
+    from partitioner.planner import partition
+
+    if stages is None and not budgets:
+        raise DistRuntimeError("give a number of stages, or a memory budget per machine")
+    machines = make_machines(stages, budgets, speeds, reserve)
+    return partition(graph, machines, max_context=max_context, sessions=sessions, model_name=model_name)
+
+
+class Pipeline:
+    """A model running as one Ray actor per stage of a plan."""
+
+    def __init__(self, model_path: str | os.PathLike, *, plan=None, stages: int | None = None,
+                 budgets=None, speeds=None, reserve="0", max_context: int = 4096, sessions: int = 1,
+                 channel: str = DEFAULT_CHANNEL, options: StageOptions | None = None, address: str | None = None,
+                 num_cpus: int | None = None, timeout: float | None = 600.0) -> None:
+        from ..model import load_model
+        from .cluster import connect
+
+        self.path = Path(model_path)
+        self.options = options or StageOptions()
+        self.actors: list = []
+        self.channel = None
+        self._started_ray = connect(address, num_cpus=num_cpus)
+        try:
+            with load_model(self.path, tensors=[], validate=False) as model:
+                if model.graph is None:
+                    raise DistRuntimeError(f"{self.path} has no graph section: there is nothing to run")
+                self.graph = model.graph
+                name = str(model.metadata.get("name") or self.path.name)
+            self.plan = plan or make_plan(self.graph, stages=stages, budgets=budgets, speeds=speeds,
+                                          reserve=reserve, max_context=max_context, sessions=sessions,
+                                          model_name=name)
+            self.stages: list[StageGraph] = stages_for_plan(self.graph, self.plan)
+            self.actors, self.reports = deploy(self.path, self.stages, self.options)
+            self.channel = make_channel(channel, self.actors)
+            self.coordinator = Coordinator(self.stages, self.actors, self.channel, timeout=timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Tear down the channel, kill the stage actors, and stop Ray if this pipeline started it."""
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        kill(self.actors)
+        self.actors = []
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,255 @@
+"""A pipeline stage: its part of the graph, its weights, its sessions' KV caches.
+
+:class:`StageWorker` is plain Python (tests drive it in-process); :func:`stage_actor_class` wraps
+it as a Ray actor, one process per stage.  Activations arrive and leave as msgpack messages
+(``dist_runtime.transport``): the stage decodes its inputs, runs its ``GraphExecutor`` for the
+message's session at the message's position, and encodes what later stages need -- its own
+outputs plus the tensors it forwards.  Anything wrong with one message (a hostile or corrupt frame,
+a missing tensor, a bad position) fails that call only; the stage keeps serving other sessions.
+
+Per step the stage records when it started and finished (wall clock, to line stages up on one
+timeline) and how long decoding, computing and encoding took (``perf_counter``); the driver
+fetches the records with ``telemetry()`` and derives queue wait and transfer from them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any, Hashable
+
+from ..errors import DistRuntimeError, TransportError
+from ..transport import decode_message, encode_message
+from .subgraph import StageGraph
+from .weights import fingerprint, held_bytes, resident_file_bytes
+
+#: Sessions one stage keeps at most: each holds KV caches, so an unbounded number is a memory leak
+#: (or an attack); the coordinator closes sessions it is done with.
+MAX_SESSIONS = 4096
+#: Telemetry records kept between two ``telemetry()`` calls (the oldest are dropped first).
+MAX_RECORDS = 200_000
+
+#: Environment variables that cap the BLAS / OpenMP pools of a stage process.  They must be set
+#: before numpy loads, so they go in the actor's ``runtime_env``; threadpoolctl, when installed,
+#: also applies the cap to a process that has loaded numpy already.
+THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    return {name: str(threads) for name in THREAD_ENV}
+
+
+def limit_threads(threads: int) -> str:
+    """Cap the BLAS pool of this process at ``threads``; returns how it was done."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return "env" if os.environ.get("OPENBLAS_NUM_THREADS") == str(threads) else "none"
+    threadpool_limits(threads)
+    return "threadpoolctl"
+
+
+def _session_id(meta: dict) -> Hashable:
+    sid = meta.get("session")
+    if isinstance(sid, bool) or not isinstance(sid, (int, str)):
+        raise TransportError(f"meta 'session' must be an int or a string, got {type(sid).__name__}")
+    return sid
+
+
+def _int_field(meta: dict, key: str) -> int:
+    value = meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TransportError(f"meta {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+class StageWorker:
+    """One stage.  ``load_file`` or ``load_weights`` must succeed before ``step``."""
+
+    def __init__(self, stage: StageGraph, *, fuse: bool = True, backends=None, seed: int = 0,
+                 threads: int | None = None, max_sessions: int = MAX_SESSIONS) -> None:
+        self.stage = stage
+        self._fuse, self._backends, self._seed = fuse, backends, seed
+        self.threads = threads
+        self.thread_limit = limit_threads(threads) if threads else "none"
+        self.max_sessions = max_sessions
+        self._executor = None
+        self._weights: dict = {}
+        self._model = None  # keeps the mapping open while the executor uses its views
+        self.source: str | None = None
+        self._records: deque = deque(maxlen=MAX_RECORDS)
+        self._last_end = 0.0  # wall time the previous call finished: queue wait is measured from it
+        self.steps = 0
+        self.errors = 0
+        # The direct channel runs steps in its link thread while Ray calls reset, reports and
+        # telemetry on the actor's main thread: one lock keeps the executor's sessions consistent.
+        self._lock = threading.Lock()
+        self._link = None
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_file(self, path: str, expected: str | None = None) -> dict:
+        """Map this stage's tensors from ``path`` if it exists here and matches ``expected``.
+
+        Returns ``{"loaded": bool, "reason": ...}``: a missing or different file is not an error,
+        the driver then sends the weights through the object store.
+        """
+        if not os.path.isfile(path):
+            return {"loaded": False, "reason": f"{path} does not exist on {socket.gethostname()}"}
+        from ..model import load_model
+
+        try:
+            model = load_model(path, tensors=self.stage.weights, validate=False)
+        except DistRuntimeError as e:  # another model, or a damaged copy: not this stage's file
+            return {"loaded": False, "reason": f"{path} on {socket.gethostname()}: {e}"}
+        if expected is not None and fingerprint(model, self.stage.weights) != expected:
+            model.close()
+            return {"loaded": False, "reason": f"{path} on {socket.gethostname()} is a different file"}
+        self._model = model
+        self._install(model.weights, f"file {path}")
+        return {"loaded": True, "reason": "mapped"}
+
+    def load_weights(self, weights: dict) -> dict:
+        """Use tensors sent through the object store (zero-copy, read-only views of it)."""
+        missing = sorted(set(self.stage.weights) - set(weights))
+        if missing:
+            raise DistRuntimeError(f"stage {self.stage.index}: weights {missing[:5]} were not sent")
+        self._install({n: weights[n] for n in self.stage.weights}, "object store")
+        return {"loaded": True, "reason": "object store"}
+
+    def _install(self, weights: dict, source: str) -> None:
+        self._weights = dict(weights)
+        self.source = source
+        if self.stage.graph is not None:
+            from ..executor import GraphExecutor
+
+            self._executor = GraphExecutor((self.stage.graph, self._weights), self._backends,
+                                           fuse=self._fuse, seed=self._seed)
+
+    # -- sessions ------------------------------------------------------------------------------
+    def reset(self, session: Hashable | None = None) -> None:
+        with self._lock:
+            if self._executor is not None:
+                self._executor.reset(session)
+
+    def close_session(self, session: Hashable) -> None:
+        with self._lock:
+            if self._executor is not None:
+                self._executor.close_session(session)
+
+    def sessions(self) -> list:
+        with self._lock:
+            return self._executor.sessions() if self._executor is not None else []
+
+    # -- the data path -------------------------------------------------------------------------
+    def step(self, message: bytes) -> bytes:
+        """Decode, run, encode.  Raises ``TransportError`` for a malformed message."""
+        start = time.time()
+        t0 = time.perf_counter()
+        try:
+            tensors, meta = decode_message(message)
+            if meta.get("warmup") is True and not tensors:  # a channel warming up: no work, no record
+                return encode_message({}, {"warmup": True})
+            sid = _session_id(meta)
+            pos = _int_field(meta, "pos")
+            step_id = _int_field(meta, "step")
+            if set(tensors) != set(self.stage.receives):
+                raise TransportError(
+                    f"stage {self.stage.index} receives {list(self.stage.receives)}, the message "
+                    f"holds {sorted(tensors)}")
+            with self._lock:
+                t1 = time.perf_counter()
+                outputs = self._run(tensors, meta, sid, pos)
+                t2 = time.perf_counter()
+            out_meta = {k: meta[k] for k in ("session", "pos", "step", "logits", "tokens") if k in meta}
+            reply = encode_message(outputs, out_meta)
+        except BaseException:
+            self.errors += 1
+            self._last_end = time.time()
+            raise
+        t3 = time.perf_counter()
+        end = time.time()
+        with self._lock:
+            self._records.append((step_id, sid, start, end, t1 - t0, t2 - t1, t3 - t2, self._last_end))
+            self._last_end = end
+            self.steps += 1
+        return reply
+
+    def _run(self, tensors: dict, meta: dict, sid: Hashable, pos: int) -> dict:
+        stage, ex = self.stage, self._executor
+        outputs = {name: tensors[name] for name in stage.forwards}
+        if ex is not None:
+            known = ex.sessions()
+            if len(known) >= self.max_sessions and sid not in known:
+                raise DistRuntimeError(f"stage {stage.index} already holds {self.max_sessions} sessions")
+            if meta.get("reset"):
+                ex.reset(sid)
+            outputs.update(ex.run({n: tensors[n] for n in stage.executor_inputs}, session=sid, pos=pos))
+        elif self.source is None and stage.weights:
+            raise DistRuntimeError(f"stage {stage.index} has no weights loaded")
+        logits = stage.logits
+        if logits is not None and meta.get("logits") != "all" and logits in outputs:
+            outputs[logits] = outputs[logits][-1:]  # the driver samples from the last row only
+        return {name: outputs[name] for name in stage.sends}
+
+    # -- reports -------------------------------------------------------------------------------
+    def telemetry(self) -> list[tuple]:
+        """Records since the last call: (step, session, start, end, decode, compute, encode,
+        previous end), times in seconds."""
+        with self._lock:
+            records = list(self._records)
+            self._records.clear()
+        return records
+
+    def report(self) -> dict[str, Any]:
+        """Who and where this stage is, and what it holds."""
+        path = getattr(self._model, "path", None)
+        return {
+            "stage": self.stage.index, "host": socket.gethostname(), "pid": os.getpid(),
+            "node_id": _node_id(), "source": self.source, "weights": list(self._weights),
+            "weight_bytes": held_bytes(self._weights),
+            "resident_file_bytes": resident_file_bytes(path) if path is not None else None,
+            "threads": self.threads, "thread_limit": self.thread_limit,
+            "blas_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
+            "sessions": len(self.sessions()), "steps": self.steps, "errors": self.errors,
+        }
+
+    # -- the direct channel's link (see links.py) -----------------------------------------------
+    def open_link(self, token: bytes) -> tuple[str, int]:
+        """Listen for the upstream hop; returns the address to give it."""
+        from .links import StageLink
+
+        self.close_link()
+        self._link = StageLink(self.stage.index, self.step, token)
+        return self._link.address
+
+    def link_to(self, host: str, port: int) -> None:
+        """Connect to the downstream hop and start serving frames."""
+        self._link.connect_downstream(host, port)
+
+    def close_link(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            link.close()
+
+    def ping(self, payload=None):
+        """A plain round trip (the benchmark's baseline)."""
+        return payload
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 -- a report must not fail on a missing runtime context
+        return None
+
+
+def stage_actor_class():
+    """``StageWorker`` as a Ray actor class (built on demand: importing this module needs no Ray)."""
+    import ray
+
+    return ray.remote(StageWorker)

@@ -1,0 +1,243 @@
+"""Per stage and step timings, run figures, the ``--stats`` table and the SVG timeline.
+
+Each stage records, per step, when it started and finished (wall clock) and how long it spent
+decoding the message, computing and encoding the reply.  The driver records when it submitted a
+step and when the last stage's reply was in its hands.  Joining the two:
+
+* **queue wait** at stage k: how long the step's input was ready while stage k was still busy
+  with an earlier call: ``min(start, previous call's end) - ready``, at least 0, where ``ready``
+  is the end of stage k-1 (the driver's submit time for stage 0);
+* **transfer**: the rest of the gap, ``start - ready - queue``: Ray's scheduling, moving the bytes,
+  and the receiving process picking the call up;
+* **return**: from the last stage's end to the driver holding the reply;
+* **bubble %** of a stage: the share of the run's wall time it was not busy.
+
+Wall clocks of different machines differ by their synchronisation error (NTP/chrony: typically
+well under a millisecond on one network); decode, compute and encode are local durations and exact.
+"""
+
+from __future__ import annotations
+
+import colorsys
+import statistics
+from dataclasses import dataclass, field
+from html import escape
+from typing import Hashable
+
+
+@dataclass
+class StageTiming:
+    stage: int
+    start: float
+    end: float
+    decode: float
+    compute: float
+    encode: float
+    queue: float = 0.0
+    transfer: float = 0.0
+
+
+@dataclass
+class StepRecord:
+    step: int
+    session: Hashable
+    kind: str  # "prefill" or "decode"
+    rows: int  # tokens in the step
+    submit: float
+    done: float | None = None
+    sample: float = 0.0  # seconds the driver spent choosing the token
+    stages: list[StageTiming] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def returned(self) -> float | None:
+        if self.done is None or not self.stages:
+            return None
+        return self.done - self.stages[-1].end
+
+
+class RunTelemetry:
+    """Everything measured in one run (``Coordinator.stream`` / ``generate``)."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.num_stages = num_stages
+        self.steps: dict[int, StepRecord] = {}
+        self.first_token: dict[Hashable, float] = {}
+        self.session_start: dict[Hashable, float] = {}
+        self.tokens: dict[Hashable, list[float]] = {}  # wall time of every token, per session
+        self._idle_from: dict[tuple[int, int], float] = {}  # (stage, step) -> end of its previous call
+
+    # -- recording -----------------------------------------------------------------------------
+    def submitted(self, step: int, session, kind: str, rows: int, at: float) -> None:
+        self.steps[step] = StepRecord(step, session, kind, rows, at)
+        self.session_start.setdefault(session, at)
+
+    def token(self, step: int, at: float, sample_seconds: float) -> None:
+        rec = self.steps[step]
+        rec.done, rec.sample = at, sample_seconds
+        self.first_token.setdefault(rec.session, at)
+        self.tokens.setdefault(rec.session, []).append(at)
+
+    def failed(self, step: int, at: float, error: BaseException) -> None:
+        rec = self.steps[step]
+        rec.done, rec.error = at, f"{type(error).__name__}: {error}"
+
+    def add_stage_records(self, stage: int, records: list[tuple]) -> None:
+        """Records from ``StageWorker.telemetry()``; steps of other runs are ignored."""
+        for step, _sid, start, end, decode, compute, encode, previous_end in records:
+            rec = self.steps.get(step)
+            if rec is not None:
+                rec.stages.append(StageTiming(stage, start, end, decode, compute, encode))
+                self._idle_from[(stage, step)] = previous_end
+
+    def finish(self) -> None:
+        """Join driver and stage records: queue wait and transfer of every stage of every step."""
+        for rec in self.steps.values():
+            rec.stages.sort(key=lambda t: t.stage)
+            ready = rec.submit
+            for t in rec.stages:
+                idle_from = self._idle_from.get((t.stage, rec.step), 0.0)
+                t.queue = max(0.0, min(t.start, idle_from) - ready)
+                t.transfer = max(0.0, t.start - ready - t.queue)
+                ready = t.end
+
+    # -- figures -------------------------------------------------------------------------------
+    def window(self) -> tuple[float, float]:
+        done = [r.done for r in self.steps.values() if r.done is not None]
+        if not done:
+            return 0.0, 0.0
+        return min(r.submit for r in self.steps.values()), max(done)
+
+    def summary(self) -> dict:
+        t0, t1 = self.window()
+        wall = max(t1 - t0, 1e-9)
+        ok = [r for r in self.steps.values() if r.error is None and r.done is not None]
+        generated = len(ok)
+        decode_tokens = sum(1 for r in ok if r.kind == "decode")
+        firsts = [self.first_token[s] - self.session_start[s] for s in self.first_token]
+        starts = list(self.first_token.values())
+        decode_wall = t1 - min(starts) if starts else 0.0
+        per_session = [(len(ts) - 1) / (ts[-1] - ts[0]) for ts in self.tokens.values() if len(ts) > 1 and ts[-1] > ts[0]]
+        stages = []
+        for k in range(self.num_stages):
+            timings = [t for r in ok for t in r.stages if t.stage == k]
+            busy = sum(min(t.end, t1) - max(t.start, t0) for t in timings if t.end > t0 and t.start < t1)
+            stages.append({
+                "stage": k, "steps": len(timings),
+                **{what: _mean_ms([getattr(t, what) for t in timings])
+                   for what in ("queue", "transfer", "decode", "compute", "encode")},
+                "busy_pct": 100.0 * busy / wall, "bubble_pct": 100.0 * (1 - busy / wall),
+            })
+        bubble = statistics.fmean(s["bubble_pct"] for s in stages) if stages else 0.0
+        return {
+            "sessions": len(self.session_start), "steps": len(self.steps), "tokens": generated,
+            "errors": sum(1 for r in self.steps.values() if r.error), "wall_s": wall,
+            "tokens_per_s": generated / wall,
+            "decode_tokens_per_s": decode_tokens / decode_wall if decode_wall > 0 else 0.0,
+            "session_decode_tokens_per_s": statistics.fmean(per_session) if per_session else 0.0,
+            "ttft_ms_mean": 1e3 * statistics.fmean(firsts) if firsts else 0.0,
+            "ttft_ms_max": 1e3 * max(firsts) if firsts else 0.0,
+            "bubble_pct": bubble,
+            "return_ms": _mean_ms([r.returned for r in ok if r.returned is not None]),
+            "sample_ms": _mean_ms([r.sample for r in ok]),
+            "stages": stages,
+        }
+
+    def table(self) -> str:
+        s = self.summary()
+        head = ("stage", "steps", "queue ms", "transfer ms", "decode ms", "compute ms", "encode ms", "busy %", "bubble %")
+        rows = [head] + [(
+            str(st["stage"]), str(st["steps"]), *(f"{st[k]:.3f}" for k in ("queue", "transfer", "decode", "compute", "encode")),
+            f"{st['busy_pct']:.1f}", f"{st['bubble_pct']:.1f}") for st in s["stages"]]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append(
+            f"{s['tokens']} tokens from {s['sessions']} session(s) in {s['wall_s']:.3f} s: "
+            f"{s['tokens_per_s']:.1f} tok/s (decode {s['decode_tokens_per_s']:.1f} tok/s aggregate, "
+            f"{s['session_decode_tokens_per_s']:.1f} per session); time to first token "
+            f"{s['ttft_ms_mean']:.1f} ms mean, {s['ttft_ms_max']:.1f} ms max; pipeline bubble "
+            f"{s['bubble_pct']:.1f}%; driver: return {s['return_ms']:.3f} ms, sampling "
+            f"{s['sample_ms']:.3f} ms per step" + (f"; {s['errors']} failed step(s)" if s["errors"] else ""))
+        return "\n".join(lines)
+
+    def svg(self, width: int = 1100) -> str:
+        return timeline_svg(self, width)
+
+
+def _mean_ms(values: list[float]) -> float:
+    return 1e3 * statistics.fmean(values) if values else 0.0
+
+
+def _colour(i: int) -> str:
+    r, g, b = colorsys.hls_to_rgb((i * 0.618033988749895) % 1.0, 0.55, 0.55)
+    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
+
+
+def timeline_svg(run: RunTelemetry, width: int = 1100) -> str:
+    """Per-stage lanes, one bar per step coloured by session; the driver's lane shows sampling.
+
+    Hand-written SVG (no plotting dependency); each bar has a tooltip with its timings.
+    """
+    t0, t1 = run.window()
+    span = max(t1 - t0, 1e-9)
+    left, right, lane, gap, top = 90, 20, 26, 8, 40
+    lanes = ["driver"] + [f"stage {k}" for k in range(run.num_stages)]
+    sessions = list(dict.fromkeys(r.session for r in run.steps.values()))
+    colour = {s: _colour(i) for i, s in enumerate(sessions)}
+    height = top + len(lanes) * (lane + gap) + 60
+    scale = (width - left - right) / span
+
+    def x(t: float) -> float:
+        return left + (t - t0) * scale
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{left}" y="20" font-size="14">Pipeline timeline: {run.num_stages} stage(s), '
+           f'{len(sessions)} session(s), {1e3 * span:.1f} ms (bars: busy; colour: session)</text>']
+    for i, name in enumerate(lanes):
+        y = top + i * (lane + gap)
+        out.append(f'<text x="8" y="{y + lane * 0.7:.1f}">{name}</text>')
+        out.append(f'<rect x="{left}" y="{y}" width="{width - left - right}" height="{lane}" fill="#f2f2f2"/>')
+    for rec in run.steps.values():
+        if rec.done is not None and rec.error is None:
+            y = top
+            w = max(rec.sample * scale, 1.0)
+            out.append(f'<rect x="{x(rec.done):.2f}" y="{y}" width="{w:.2f}" height="{lane}" '
+                       f'fill="{colour[rec.session]}"><title>session {escape(str(rec.session))} step '
+                       f'{rec.step}: sampling {1e3 * rec.sample:.3f} ms</title></rect>')
+        for t in rec.stages:
+            y = top + (t.stage + 1) * (lane + gap)
+            w = max((t.end - t.start) * scale, 1.0)
+            tip = (f"session {rec.session} step {rec.step} ({rec.kind}, {rec.rows} rows) stage {t.stage}: "
+                   f"queue {1e3 * t.queue:.3f} ms, transfer {1e3 * t.transfer:.3f} ms, decode "
+                   f"{1e3 * t.decode:.3f} ms, compute {1e3 * t.compute:.3f} ms, encode {1e3 * t.encode:.3f} ms")
+            out.append(f'<rect x="{x(t.start):.2f}" y="{y}" width="{w:.2f}" height="{lane}" '
+                       f'fill="{colour[rec.session]}" stroke="white" stroke-width="0.5">'
+                       f'<title>{escape(tip)}</title></rect>')
+    axis_y = top + len(lanes) * (lane + gap) + 4
+    out.append(f'<line x1="{left}" y1="{axis_y}" x2="{width - right}" y2="{axis_y}" stroke="black"/>')
+    step_ms = _tick(1e3 * span)
+    tick = 0.0
+    while tick <= 1e3 * span + 1e-9:
+        tx = left + tick / 1e3 * scale
+        out.append(f'<line x1="{tx:.2f}" y1="{axis_y}" x2="{tx:.2f}" y2="{axis_y + 5}" stroke="black"/>')
+        out.append(f'<text x="{tx:.2f}" y="{axis_y + 18}" text-anchor="middle">{tick:g} ms</text>')
+        tick += step_ms
+    lx = left
+    for s in sessions[:16]:
+        out.append(f'<rect x="{lx}" y="{axis_y + 28}" width="12" height="12" fill="{colour[s]}"/>')
+        out.append(f'<text x="{lx + 16}" y="{axis_y + 38}">session {escape(str(s))}</text>')
+        lx += 110
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _tick(span_ms: float) -> float:
+    """A round tick spacing giving 5 to 10 ticks."""
+    step = 10 ** int(f"{span_ms / 10:e}".split("e")[1]) if span_ms > 0 else 1.0
+    for m in (1, 2, 5, 10):
+        if span_ms / (step * m) <= 10:
+            return step * m
+    return step * 10

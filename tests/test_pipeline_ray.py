@@ -1,0 +1,208 @@
+"""The pipeline on a local Ray: one actor process per stage, several sessions in flight.
+
+Ray starts once for the module (``num_cpus`` set, no dashboard: it needs no network) and every
+actor a test starts is killed when its pipeline closes.  Each stage count exercises one more
+feature, so the module starts few actors: 2 stages (the default channel) load their weights
+through the object store (the model path does not exist for the workers); 1 stage runs as a Ray
+Compiled Graph, 3 stages with chained object refs, 4 stages over direct links with more sessions
+than it lets in flight at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from dist_runtime.errors import StageUnavailableError, TransportError  # noqa: E402
+from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights  # noqa: E402
+from dist_runtime.executor import GraphExecutor  # noqa: E402
+from dist_runtime.model import load_model, save_model  # noqa: E402
+from dist_runtime.pipeline import Pipeline, Request, Sampling, StageOptions  # noqa: E402
+from dist_runtime.pipeline.cluster import connect  # noqa: E402
+from dist_runtime.pipeline.reference import reference_tokens  # noqa: E402
+
+CFG = LlamaConfig(vocab=96, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64)
+PROMPTS = {"a": [5, 17, 3, 9], "b": [42], "c": [7, 7, 7, 7, 7, 1]}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pipeline") / "tiny4.model"
+    save_model(path, llama_graph(CFG), llama_weights(CFG, seed=3), llama_metadata(CFG)).close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    with load_model(model_path) as model:
+        yield GraphExecutor(model, fuse=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    assert not ray.is_initialized()
+    connect(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+def _requests(n_new: int = 6) -> list[Request]:
+    return [Request("a", PROMPTS["a"], n_new),
+            Request("b", PROMPTS["b"], n_new, Sampling(temperature=0.8, top_k=10, seed=11)),
+            Request("c", PROMPTS["c"], n_new, Sampling(temperature=1.1, top_p=0.9, seed=12))]
+
+
+@pytest.fixture(scope="module")
+def pipe2(model_path):
+    """Two stages whose workers cannot see the file: weights go through the object store."""
+    p = Pipeline(model_path, stages=2, max_context=64,
+                 options=StageOptions(fuse=False, cpus=1, worker_path="/nonexistent/tiny4.model"))
+    yield p
+    p.close()
+
+
+def _wait_dead(actor, pid: int, seconds: float = 60.0) -> None:
+    """``ray.kill`` returns before the actor is gone, and Ray calls the actor dead a moment before
+    its process (and so its direct links) is: wait for both."""
+    import os
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=seconds)
+        except ray.exceptions.RayActorError:
+            try:
+                os.kill(pid, 0)  # the stage runs on this machine in these tests
+            except ProcessLookupError:
+                return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor is still running")
+
+
+def _check_same_answers(p: Pipeline, reference, max_in_flight=None) -> None:
+    co = p.coordinator
+    with pytest.raises(TransportError):  # a corrupt frame fails that execution only, on any channel
+        co.channel.get(co.channel.submit(b"\xc1 not msgpack"), 30)
+    # logits, with two sessions interleaved step by step
+    for sid in ("x", "y"):
+        reference.reset(sid)
+    feeds = [("x", [1, 2, 3], 0), ("y", [4, 5], 0), ("x", [6], 3), ("y", [7, 8, 9], 2), ("x", [10], 4)]
+    for sid, tokens, pos in feeds:
+        want = reference.run({"tokens": np.array(tokens, np.int32)}, session=sid, pos=pos)["logits"]
+        got = co.forward(sid, tokens, pos=pos, reset=pos == 0)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    # tokens: greedy and sampled sessions in flight together
+    want = reference_tokens(reference, _requests())
+    got = co.generate(_requests(), max_in_flight=max_in_flight)
+    assert got == want
+    summary = co.last_run.summary()
+    assert summary["tokens"] == 18 and summary["errors"] == 0
+    assert all(s["steps"] == 18 for s in summary["stages"])
+
+
+def test_two_stages_object_store(pipe2, reference):
+    assert [r["source"] for r in pipe2.reports] == ["object store"] * 2
+    for r, st in zip(pipe2.reports, pipe2.plan.stages):
+        assert r["weights"] == list(st.weights) and r["weight_bytes"] == st.memory.weights
+        assert r["blas_threads_env"] == "1"  # the thread cap follows the CPU reservation
+    _check_same_answers(pipe2, reference)
+
+
+@pytest.mark.parametrize("n, channel, in_flight", [(1, "compiled", None), (3, "chain", None), (4, "direct", 2)])
+def test_same_answers(model_path, reference, n, channel, in_flight):
+    with Pipeline(model_path, stages=n, max_context=64, channel=channel,
+                  options=StageOptions(fuse=False, cpus=0.5)) as p:
+        assert [r["source"] for r in p.reports] == [f"file {model_path.resolve()}"] * n
+        assert len({r["pid"] for r in p.reports}) == n  # one process per stage
+        _check_same_answers(p, reference, in_flight)
+        if in_flight == 2:  # at most two sessions in flight: c waits for a or b to finish
+            steps = p.coordinator.last_run.steps.values()
+            first_c = min(r.submit for r in steps if r.session == "c")
+            assert first_c >= min(max(r.done for r in steps if r.session == s) for s in "ab")
+        if channel != "compiled":  # a stage that dies fails the step at once, it does not hang
+            victim = p.actors[n // 2]
+            ray.kill(victim)
+            _wait_dead(victim, p.reports[n // 2]["pid"])
+            p.coordinator.timeout = 60
+            with pytest.raises(StageUnavailableError):
+                p.coordinator.forward("z", [1, 2], reset=True)
+
+
+def test_hostile_frame_fails_that_call_only(pipe2, reference):
+    co, (first, second) = pipe2.coordinator, pipe2.actors
+    stream = co.stream(_requests(8))
+    got: dict = {}
+    for i, event in enumerate(stream):
+        got.setdefault(event.session, []).append(event.token)
+        if i == 4:  # sessions are in flight on both stages: a corrupt frame straight at stage 1
+            with pytest.raises(TransportError):
+                ray.get(second.step.remote(b"\x93\x01\x02garbage"))
+            with pytest.raises(TransportError):
+                ray.get(second.step.remote(co._message("a", [1], 0, 10**6, False, False)))
+    assert got == reference_tokens(reference, _requests(8))
+    assert ray.get(second.report.remote())["errors"] == 2
+
+
+def test_reset_close_and_telemetry(pipe2, reference, tmp_path):
+    co = pipe2.coordinator
+    co.generate([Request("r", [3, 4, 5], 4)])
+    assert co.position("r") == 3 + 3  # the prompt and three fed-back tokens
+    assert all(ray.get(a.report.remote())["sessions"] >= 1 for a in pipe2.actors)
+    # resume continues the conversation where it stopped; the reference does the same
+    reference.reset("r")
+    history = co.sessions["r"].history
+    cont = co.generate([Request("r", [8], 3, resume=True)])
+    reference.run({"tokens": np.array(history[:-1], np.int32)}, session="r", pos=0)
+    want = reference_tokens(reference, [Request("r", [history[-1], 8], 3, resume=True)])
+    assert cont == want
+    co.reset("r")
+    assert co.position("r") == 0
+    co.close_session("r")
+    assert "r" not in co.sessions
+    run = co.last_run
+    summary = run.summary()
+    assert summary["tokens"] == 3 and summary["ttft_ms_mean"] > 0
+    for st in summary["stages"]:
+        assert st["compute"] > 0 and 0 <= st["bubble_pct"] <= 100
+    svg = run.svg()
+    assert svg.startswith("<svg") and svg.count("<title>") == 3 * 3  # driver + 2 stages, 3 steps
+
+
+def test_cli_pipeline_command(model_path, tmp_path, capsys):
+    import argparse
+    import json
+
+    from dist_runtime.pipeline.cli import main, register
+
+    parser = argparse.ArgumentParser(prog="dist-runtime")
+    register(parser.add_subparsers(dest="command"))  # what the lead wires into dist_runtime/cli.py
+    args = parser.parse_args(["pipeline", str(model_path), "--stages", "2", "--sessions", "2"])
+    assert args.func.__name__ == "run_pipeline_generate" and args.sessions == 2
+    svg = tmp_path / "t.svg"
+    code = main([str(model_path), "--stages", "2", "--sessions", "3", "--prompt-ids", "4,5,6",
+                 "--max-new-tokens", "5", "--temperature", "0.9", "--top-k", "7", "--max-context", "64",
+                 "--no-fuse", "--cpus-per-stage", "0.5", "--stats", "--timeline", str(svg), "--check"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "session 2: " in out and "bubble" in out and "check: the same tokens as one process" in out
+    assert svg.read_text().count("<title>") == 15 * 3
+    # the cluster job script: the same command, here writing its example model first
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "cluster" / "jobs" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_job", script)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    example = tmp_path / "example.model"
+    code = job.main([str(example), "--example", "--budgets", "10MiB,10MiB", "--max-context", "64", "--json"])
+    report = json.loads(capsys.readouterr().out.split("\n", 1)[1])  # after "wrote the example model"
+    assert code == 0 and example.exists()
+    assert len(report["tokens"]["0"]) == 16 and len(report["stages"]) == 2 and report["nodes"]
+    assert main([str(model_path), "--max-context", "64"]) == 1  # neither --stages nor --budgets
+    assert "give --stages N" in capsys.readouterr().err
+    with pytest.raises(StageUnavailableError, match="not all placed"):  # no hanging on a full cluster
+        Pipeline(model_path, stages=1, max_context=64, options=StageOptions(cpus=64, placement_timeout=2))

@@ -1,0 +1,212 @@
+"""The pipeline's parts without Ray: the cut, a stage driven in-process, sampling, telemetry.
+
+The stages of a cut, run one after another in this process and fed each other's messages, must
+give exactly the single-process executor's logits -- including a cut where a tensor skips a stage
+and must be forwarded.  A stage must refuse hostile messages call by call and keep serving.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import msgpack
+import numpy as np
+import pytest
+
+from dist_runtime.errors import DistRuntimeError, TransportError
+from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
+from dist_runtime.executor import GraphExecutor
+from dist_runtime.model import load_model, save_model
+from dist_runtime.pipeline.coordinator import Request
+from dist_runtime.pipeline.launch import make_plan
+from dist_runtime.pipeline.reference import reference_tokens
+from dist_runtime.pipeline.sampling import Sampling
+from dist_runtime.pipeline.stage import StageWorker
+from dist_runtime.pipeline.subgraph import cut_stages, stages_for_plan
+from dist_runtime.pipeline.telemetry import RunTelemetry
+from dist_runtime.pipeline.weights import fingerprint
+from dist_runtime.transport import decode_message, encode_message
+from kernels.generation import MIN_P, TOP_K, TOP_P, sample
+
+CFG = LlamaConfig(vocab=96, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pipeline") / "tiny4.model"
+    save_model(path, llama_graph(CFG), llama_weights(CFG, seed=3), llama_metadata(CFG)).close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    with load_model(model_path) as m:
+        yield m
+
+
+def _message(tokens, session, pos, step=1, **meta) -> bytes:
+    return encode_message({"tokens": np.asarray(tokens, np.int32)},
+                          {"session": session, "pos": pos, "step": step, "logits": "all", **meta})
+
+
+def _run(workers, message: bytes) -> dict:
+    for w in workers:
+        message = w.step(message)
+    return decode_message(message)[0]
+
+
+def _workers(stages, path):
+    workers = [StageWorker(st, fuse=False) for st in stages]
+    for w in workers:
+        assert w.load_file(str(path))["loaded"]
+    return workers
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_cut_matches_plan_and_reference(model, model_path, n):
+    plan = make_plan(model.graph, stages=n, max_context=64)
+    stages = stages_for_plan(model.graph, plan)
+    for st, ps in zip(stages, plan.stages):
+        assert st.weights == ps.weights  # each stage maps exactly the plan's weights
+        assert set(st.receives) == set(ps.tensors_in)
+        if st.index < n - 1:
+            assert set(st.sends) == set(ps.tensors_out)
+        else:  # the driver samples: the graph's next_token is not sent
+            assert st.sends == ("logits",) and st.logits == "logits"
+    ref = GraphExecutor(model, fuse=False)
+    workers = _workers(stages, model_path)
+    for tokens, pos in (([3, 1, 4, 1, 5], 0), ([9], 5), ([2, 6], 6)):
+        want = ref.run({"tokens": np.array(tokens, np.int32)}, session="s", pos=pos)["logits"]
+        got = _run(workers, _message(tokens, "s", pos))["logits"]
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        assert got.dtype == np.float32
+
+
+def test_forwarded_tensor_skips_a_stage(model, model_path):
+    """Stage 1 takes only layer 0's k projection: the residual stream and the normed input skip
+    past it to stage 2 (received and sent on unchanged, outside its executor)."""
+    order = [node.id for node in model.graph.nodes]
+    k_proj = next(i for i, node in enumerate(model.graph.nodes) if node.outputs == ["l0_k"])
+    stages = cut_stages(model.graph, [(0, k_proj), (k_proj, k_proj + 1), (k_proj + 1, len(order))], order)
+    middle = stages[1]
+    assert middle.executor_inputs == ("l0_attn_in",)
+    assert "h_embed" in middle.forwards and "h_embed" not in middle.executor_inputs
+    assert set(middle.sends) == {"h_embed", "l0_attn_in", "l0_q", "l0_k"}  # v is computed later
+    assert middle.weights == ("model.layers.0.self_attn.k_proj.weight",)
+    ref = GraphExecutor(model, fuse=False)
+    workers = _workers(stages, model_path)
+    for tokens, pos in (([7, 7, 2], 0), ([11], 3)):
+        want = ref.run({"tokens": np.array(tokens, np.int32)}, session=0, pos=pos)["logits"]
+        np.testing.assert_allclose(_run(workers, _message(tokens, 0, pos))["logits"], want, rtol=0, atol=1e-5)
+
+
+def test_hostile_messages_fail_one_call_only(model, model_path):
+    stages = stages_for_plan(model.graph, make_plan(model.graph, stages=2, max_context=64))
+    first, second = _workers(stages, model_path)
+    good = _run([first, second], _message([1, 2, 3], "a", 0))["logits"]
+    h = first.step(_message([1, 2, 3], "b", 0))
+    frame = msgpack.unpackb(h, raw=False)
+    name = stages[0].sends[0]
+    lying = dict(frame, tensors={name: dict(frame["tensors"][name], shape=[10**9, 10**9])})
+    hostile = [
+        b"\x00garbage",
+        h[: len(h) // 2],  # truncated
+        msgpack.packb(lying, use_bin_type=True),  # a shape that promises far more than the bytes
+        msgpack.packb(dict(frame, tensors={name: dict(frame["tensors"][name], dtype="object")}), use_bin_type=True),
+        encode_message({}, {"session": "b", "pos": 0, "step": 2}),  # its input is missing
+        encode_message({name: decode_message(h)[0][name]}, {"session": [1], "pos": 0, "step": 2}),
+        encode_message({name: decode_message(h)[0][name]}, {"session": "b", "pos": -1, "step": 2}),
+    ]
+    for bad in hostile:
+        with pytest.raises(TransportError):
+            second.step(bad)
+    assert second.errors == len(hostile)
+    # ... and both sessions carry on: session a's next step equals a clean single-process run
+    ref = GraphExecutor(model, fuse=False)
+    ref.run({"tokens": np.array([1, 2, 3], np.int32)}, session="a", pos=0)
+    want = ref.run({"tokens": np.array([4], np.int32)}, session="a", pos=3)["logits"]
+    np.testing.assert_allclose(_run([first, second], _message([4], "a", 3))["logits"], want, atol=1e-5)
+    np.testing.assert_allclose(decode_message(second.step(h))[0]["logits"], good, atol=1e-5)
+
+
+def test_weights_source_and_fingerprint(model, model_path, tmp_path):
+    stages = stages_for_plan(model.graph, make_plan(model.graph, stages=2, max_context=64))
+    worker = StageWorker(stages[1], fuse=False)
+    assert not worker.load_file(str(tmp_path / "absent.model"))["loaded"]
+    other = tmp_path / "other.model"  # same architecture, different weights: a stale copy
+    save_model(other, llama_graph(CFG), llama_weights(CFG, seed=4), llama_metadata(CFG)).close()
+    expected = fingerprint(model, stages[1].weights)
+    result = worker.load_file(str(other), expected)
+    assert not result["loaded"] and "different file" in result["reason"]
+    tiny = tmp_path / "tiny.model"  # another model altogether: its index lacks these tensors
+    save_model(tiny, llama_graph(LlamaConfig()), llama_weights(LlamaConfig()), {}).close()
+    assert not worker.load_file(str(tiny), expected)["loaded"]
+    with pytest.raises(DistRuntimeError):
+        worker.step(_message([1], "x", 0))  # nothing loaded yet
+    worker.load_weights({n: np.array(model.tensor(n)) for n in stages[1].weights})
+    report = worker.report()
+    assert report["source"] == "object store" and report["weights"] == list(stages[1].weights)
+    assert report["weight_bytes"] == make_plan(model.graph, stages=2, max_context=64).stages[1].memory.weights
+
+
+def test_reference_and_sampling_settings(model):
+    logits = np.random.default_rng(0).standard_normal((3, 50)).astype(np.float32)
+    for settings, method, p, k in ((Sampling(0.8, top_k=5, seed=1), TOP_K, 1.0, 5),
+                                   (Sampling(0.7, top_p=0.9, seed=2), TOP_P, 0.9, 0),
+                                   (Sampling(1.3, min_p=0.1, seed=3), MIN_P, 0.1, 0)):
+        want = sample(logits[-1:], method=method, temperature=settings.temperature, p=p, k=k,
+                      rng=np.random.default_rng(settings.seed))
+        assert settings.choose(logits, settings.rng()) == int(want[0])
+    assert Sampling().choose(logits, None) == int(np.argmax(logits[-1]))
+    for bad in (dict(temperature=-1), dict(temperature=1, top_k=3, top_p=0.5), dict(seed=-1)):
+        with pytest.raises(ValueError):
+            Sampling(**bad)
+    # interleaving sessions in the reference changes nothing: each session alone gives the same
+    ex = GraphExecutor(model, fuse=False)
+    reqs = [Request("a", [1, 2], 5), Request("b", [3], 4, Sampling(0.9, top_k=8, seed=5))]
+    both = reference_tokens(ex, reqs)
+    assert both == {**reference_tokens(ex, reqs[:1]), **reference_tokens(ex, reqs[1:])}
+    assert [len(both["a"]), len(both["b"])] == [5, 4]
+
+
+def test_telemetry_join_table_and_svg():
+    run = RunTelemetry(2)
+    # two sessions, one step each; stage 1 is busy with step 1 when step 2's input is ready
+    run.submitted(1, "a", "prefill", 3, 0.000)
+    run.submitted(2, "b", "prefill", 2, 0.001)
+    run.add_stage_records(0, [(1, "a", 0.001, 0.011, 0.0001, 0.0098, 0.0001, 0.0),
+                              (2, "b", 0.011, 0.021, 0.0001, 0.0098, 0.0001, 0.011)])
+    run.add_stage_records(1, [(1, "a", 0.012, 0.025, 0.0001, 0.0128, 0.0001, 0.0),
+                              (2, "b", 0.025, 0.035, 0.0001, 0.0098, 0.0001, 0.025)])
+    run.token(1, 0.026, 0.0002)
+    run.token(2, 0.036, 0.0002)
+    run.finish()
+    s0, s1 = run.steps[2].stages
+    assert s0.queue == pytest.approx(0.010) and s0.transfer == pytest.approx(0.0)  # waited for step 1
+    assert s1.queue == pytest.approx(0.004) and s1.transfer == pytest.approx(0.0)
+    assert run.steps[1].stages[1].transfer == pytest.approx(0.001)
+    summary = run.summary()
+    assert summary["tokens"] == 2 and summary["ttft_ms_max"] == pytest.approx(35.0)
+    assert summary["stages"][0]["busy_pct"] == pytest.approx(100 * 0.020 / 0.036)
+    assert "bubble" in run.table()
+    svg = ET.fromstring(run.svg())
+    bars = [r for r in svg.iter("{http://www.w3.org/2000/svg}rect") if r.find("{http://www.w3.org/2000/svg}title") is not None]
+    assert len(bars) == 2 + 4  # two sampling bars on the driver's lane, four stage bars
+
+
+def test_cluster_configs_pass_rays_schema():
+    """cluster/*.yaml are valid cluster-launcher configs, with token auth on and the dashboard on
+    localhost in every start command."""
+    yaml = pytest.importorskip("yaml")
+    from pathlib import Path
+
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    for path in sorted((Path(__file__).resolve().parents[1] / "cluster").glob("*.yaml")):
+        config = prepare_config(yaml.safe_load(path.read_text()))
+        validate_config(config)
+        head = " ".join(config["head_start_ray_commands"])
+        assert "--dashboard-host=127.0.0.1" in head, path
+        for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
+            assert "RAY_AUTH_MODE=token" in " ".join(commands), path
+        assert "~/.ray/auth_token" in config["file_mounts"], path
