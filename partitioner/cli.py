@@ -18,7 +18,8 @@ from .machines import make_machines
 from .planner import GRANULARITIES
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (shared by the CLI commands that count things)."""
     try:
         value = int(text)
     except ValueError:
@@ -38,20 +39,20 @@ def register(subparsers) -> argparse.ArgumentParser:
         "+ --reserve); ties go to the fewest bytes across cuts.",
     )
     p.add_argument("model", metavar="MODEL", help="path to a .model file with a graph")
-    p.add_argument("--stages", type=_positive, metavar="N",
+    p.add_argument("--stages", type=positive_int, metavar="N",
                    help="number of stages (alone: machines without a memory limit)")
     p.add_argument("--budgets", metavar="SIZES",
                    help="memory budget per machine, in pipeline order, e.g. 8GiB,16GiB,16GiB")
     p.add_argument("--speeds", metavar="LIST", help="relative speed per machine, e.g. 1,2,1.5 (default: all 1)")
     p.add_argument("--reserve", default="0", metavar="SIZE",
                    help="memory kept free on each machine (headroom), e.g. 1GiB (default: 0)")
-    p.add_argument("--max-context", type=_positive, default=4096, metavar="TOKENS",
+    p.add_argument("--max-context", type=positive_int, default=4096, metavar="TOKENS",
                    help="longest context a session may reach; sizes the KV caches (default: 4096)")
-    p.add_argument("--sessions", type=_positive, default=1, metavar="N",
+    p.add_argument("--sessions", type=positive_int, default=1, metavar="N",
                    help="sessions in flight, each with its own KV cache (default: 1)")
-    p.add_argument("--microbatches", type=_positive, default=1, metavar="N",
+    p.add_argument("--microbatches", type=positive_int, default=1, metavar="N",
                    help="micro-batches in flight per stage; multiplies activations (default: 1)")
-    p.add_argument("--tokens", type=_positive, metavar="N",
+    p.add_argument("--tokens", type=positive_int, metavar="N",
                    help="tokens per call (prefill chunk) for activations and compute (default: --max-context)")
     p.add_argument("--granularity", choices=GRANULARITIES, default="auto",
                    help="cut between layers, anywhere, or between layers when the budgets allow (default: auto)")

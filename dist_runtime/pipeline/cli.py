@@ -16,19 +16,11 @@ import json
 import sys
 from pathlib import Path
 
+from partitioner.cli import positive_int
+
 from ..errors import DistRuntimeError
 from .channels import CHANNELS, DEFAULT_CHANNEL
 from .deploy import WEIGHT_SOURCES
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
 
 
 def _ids(text: str) -> list[int]:
@@ -44,20 +36,20 @@ def _ids(text: str) -> list[int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="path to a .model file with a graph (the driver's path)")
     plan = p.add_argument_group("plan")
-    plan.add_argument("--stages", type=_positive, metavar="N", help="number of stages (machines without a memory limit)")
+    plan.add_argument("--stages", type=positive_int, metavar="N", help="number of stages (machines without a memory limit)")
     plan.add_argument("--budgets", metavar="SIZES", help="memory budget per stage, in pipeline order, e.g. 8GiB,16GiB")
     plan.add_argument("--speeds", metavar="LIST", help="relative speed per stage, e.g. 1,2 (default: all 1)")
     plan.add_argument("--reserve", default="0", metavar="SIZE", help="memory kept free per machine (default: 0)")
-    plan.add_argument("--max-context", type=_positive, default=4096, metavar="TOKENS",
+    plan.add_argument("--max-context", type=positive_int, default=4096, metavar="TOKENS",
                       help="longest context a session may reach; sizes the KV caches in the plan (default: 4096)")
     plan.add_argument("--plan", metavar="PLAN.json", help="use a plan from `dist-runtime partition -o` instead")
     gen = p.add_argument_group("generation")
-    gen.add_argument("--sessions", type=_positive, default=1, metavar="K",
+    gen.add_argument("--sessions", type=positive_int, default=1, metavar="K",
                      help="sessions generating at once, all from the prompt (seeds seed, seed+1, ...) (default: 1)")
-    gen.add_argument("--max-in-flight", type=_positive, metavar="N",
+    gen.add_argument("--max-in-flight", type=positive_int, metavar="N",
                      help="sessions with a step in the pipeline at once (default: all of them)")
     gen.add_argument("--prompt-ids", type=_ids, default=[1], metavar="IDS", help="prompt token ids, e.g. 1,2,3 (default: 1)")
-    gen.add_argument("--max-new-tokens", type=_positive, default=16, metavar="N", help="(default: 16)")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=16, metavar="N", help="(default: 16)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -69,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("cluster")
     run.add_argument("--address", metavar="ADDR",
                      help="an existing Ray cluster ('auto', or host:port; default: RAY_ADDRESS, else an embedded local Ray)")
-    run.add_argument("--num-cpus", type=_positive, metavar="N", help="CPUs of the embedded local Ray (default: all)")
+    run.add_argument("--num-cpus", type=positive_int, metavar="N", help="CPUs of the embedded local Ray (default: all)")
     run.add_argument("--channel", choices=CHANNELS, default=DEFAULT_CHANNEL,
                      help="how steps travel between stages (default: %(default)s; see docs/cluster.md)")
     run.add_argument("--weights", choices=WEIGHT_SOURCES, default="auto",
@@ -77,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "through the object store (default: auto)")
     run.add_argument("--worker-path", metavar="PATH", help="where the workers find the model (default: MODEL, absolute)")
     run.add_argument("--cpus-per-stage", type=float, metavar="N", help="CPU reservation per stage (default: shared evenly)")
-    run.add_argument("--threads-per-stage", type=_positive, metavar="N", help="BLAS threads per stage (default: its CPUs)")
+    run.add_argument("--threads-per-stage", type=positive_int, metavar="N", help="BLAS threads per stage (default: its CPUs)")
     run.add_argument("--stage-resources", metavar="NAMES",
                      help="pin stage k to the node with resource NAME_k, e.g. node:10.0.0.11,node:10.0.0.12 "
                           "(Ray's per-node resource) or custom ones like stage0,stage1")
