@@ -405,8 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return run_command(args.func, args)
+
+
+def run_command(func, args: argparse.Namespace) -> int:
+    """``func(args)``, with the project's errors turned into a message and exit status 1."""
     try:
-        return args.func(args)
+        return func(args)
     except DistRuntimeError as e:
         if getattr(args, "json", False):
             print(json.dumps({"valid": False, "error": type(e).__name__, "message": str(e)}, indent=2))

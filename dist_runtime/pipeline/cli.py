@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from partitioner.cli import positive_int
@@ -184,15 +183,9 @@ def build_parser(prog: str = "dist-runtime pipeline") -> argparse.ArgumentParser
 
 def main(argv: list[str] | None = None, prog: str = "dist-runtime pipeline") -> int:
     """Run the command standalone (the cluster job script); exit status as the main CLI's."""
-    args = build_parser(prog).parse_args(argv)
-    try:
-        return run_pipeline_generate(args)
-    except DistRuntimeError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
-        print(f"error: cannot open {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
-        return 1
+    from ..cli import run_command
+
+    return run_command(run_pipeline_generate, build_parser(prog).parse_args(argv))
 
 
 if __name__ == "__main__":
