@@ -76,3 +76,11 @@ def decoder_path(tmp_path):
     path = tmp_path / "tiny.model"
     save_model(path, graph, weights, metadata).close()
     return path
+
+
+def save_example(path, cfg: LlamaConfig, seed: int = 0):
+    """Write the example Llama of ``cfg`` (seeded random weights) as a .model at ``path``."""
+    from dist_runtime.model import save_model
+
+    save_model(path, llama_graph(cfg), llama_weights(cfg, seed=seed), llama_metadata(cfg)).close()
+    return path

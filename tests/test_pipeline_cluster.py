@@ -18,9 +18,10 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights  # noqa: E402
+from conftest import save_example  # noqa: E402
+from dist_runtime.examples import LlamaConfig  # noqa: E402
 from dist_runtime.executor import GraphExecutor  # noqa: E402
-from dist_runtime.model import load_model, save_model  # noqa: E402
+from dist_runtime.model import load_model  # noqa: E402
 from dist_runtime.pipeline import Pipeline, Request, StageOptions  # noqa: E402
 from dist_runtime.pipeline.reference import reference_tokens  # noqa: E402
 
@@ -43,7 +44,7 @@ def cluster():
 
 def test_stages_on_distinct_nodes_hold_only_their_weights(cluster, tmp_path):
     path = tmp_path / "llama4.model"
-    save_model(path, llama_graph(CFG), llama_weights(CFG, seed=1), llama_metadata(CFG)).close()
+    save_example(path, CFG, seed=1)
     options = StageOptions(fuse=False, cpus=0.5, resources=[{"node_a": 0.01}, {"node_b": 0.01}])
     with Pipeline(path, stages=2, max_context=64, options=options) as p:
         nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}

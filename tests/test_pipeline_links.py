@@ -11,10 +11,11 @@ import subprocess
 import numpy as np
 import pytest
 
+from conftest import save_example
 from dist_runtime.errors import TransportError
-from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
+from dist_runtime.examples import LlamaConfig
 from dist_runtime.executor import GraphExecutor
-from dist_runtime.model import load_model, save_model
+from dist_runtime.model import load_model
 from dist_runtime.pipeline import links
 from dist_runtime.pipeline.launch import make_plan
 from dist_runtime.pipeline.stage import StageWorker
@@ -28,7 +29,7 @@ TOKEN = b"k" * links.TOKEN_BYTES
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("links") / "tiny2.model"
-    save_model(path, llama_graph(CFG), llama_weights(CFG, seed=5), llama_metadata(CFG)).close()
+    save_example(path, CFG, seed=5)
     return path
 
 

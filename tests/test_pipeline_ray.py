@@ -15,10 +15,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from conftest import save_example  # noqa: E402
 from dist_runtime.errors import StageUnavailableError, TransportError  # noqa: E402
-from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights  # noqa: E402
+from dist_runtime.examples import LlamaConfig  # noqa: E402
 from dist_runtime.executor import GraphExecutor  # noqa: E402
-from dist_runtime.model import load_model, save_model  # noqa: E402
+from dist_runtime.model import load_model  # noqa: E402
 from dist_runtime.pipeline import Pipeline, Request, Sampling, StageOptions  # noqa: E402
 from dist_runtime.pipeline.cluster import connect  # noqa: E402
 from dist_runtime.pipeline.reference import reference_tokens  # noqa: E402
@@ -30,7 +31,7 @@ PROMPTS = {"a": [5, 17, 3, 9], "b": [42], "c": [7, 7, 7, 7, 7, 1]}
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("pipeline") / "tiny4.model"
-    save_model(path, llama_graph(CFG), llama_weights(CFG, seed=3), llama_metadata(CFG)).close()
+    save_example(path, CFG, seed=3)
     return path
 
 

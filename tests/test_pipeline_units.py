@@ -13,8 +13,9 @@ import msgpack
 import numpy as np
 import pytest
 
+from conftest import save_example
 from dist_runtime.errors import DistRuntimeError, TransportError
-from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
+from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
 from dist_runtime.executor import GraphExecutor
 from dist_runtime.model import load_model, save_model
 from dist_runtime.pipeline.coordinator import Request
@@ -34,7 +35,7 @@ CFG = LlamaConfig(vocab=96, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64)
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("pipeline") / "tiny4.model"
-    save_model(path, llama_graph(CFG), llama_weights(CFG, seed=3), llama_metadata(CFG)).close()
+    save_example(path, CFG, seed=3)
     return path
 
 
@@ -134,7 +135,7 @@ def test_weights_source_and_fingerprint(model, model_path, tmp_path):
     worker = StageWorker(stages[1], fuse=False)
     assert not worker.load_file(str(tmp_path / "absent.model"))["loaded"]
     other = tmp_path / "other.model"  # same architecture, different weights: a stale copy
-    save_model(other, llama_graph(CFG), llama_weights(CFG, seed=4), llama_metadata(CFG)).close()
+    save_example(other, CFG, seed=4)
     expected = fingerprint(model, stages[1].weights)
     result = worker.load_file(str(other), expected)
     assert not result["loaded"] and "different file" in result["reason"]
