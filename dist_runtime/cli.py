@@ -157,20 +157,22 @@ def _per_layer(names: list[str]) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .importers.hf import convert_hf
+    from .importers import convert
 
-    report = convert_hf(args.hf_dir, args.out, args.dtype, progress=not (args.quiet or args.json))
+    report = convert(args.source, args.out, args.dtype, progress=not (args.quiet or args.json))
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
         return 0
-    changed = sum(d == args.dtype for d in report.stored.values())
-    print(f"wrote {report.out}: {report.architecture}, {report.tensors} tensors, "
+    print(f"wrote {report.out}: {report.format} {report.architecture}, {report.tensors} tensors, "
           f"{format_bytes(report.bytes)}, {report.seconds:.2f} s")
-    if args.dtype != "f32":
-        print(f"  {changed} tensors stored as {args.dtype}; kept in f32: "
-              f"{_per_layer(report.kept_f32) or 'none'}")
+    print("  dtypes: " + ", ".join(f"{n} {d}" for d, n in sorted(report.dtypes.items(), key=lambda kv: -kv[1])))
+    if args.dtype not in (None, "f32"):
+        kept = [n for n, d in report.stored.items() if d != args.dtype]
+        print(f"  kept as stored or f32 (not a matmul weight, or no whole blocks): {_per_layer(kept) or 'none'}")
+    print(f"  ops ({sum(report.ops.values())} nodes): "
+          + ", ".join(f"{op} {n}" for op, n in sorted(report.ops.items(), key=lambda kv: -kv[1])))
     if report.ignored:
-        print(f"  ignored {len(report.ignored)} checkpoint tensors the graph does not read: "
+        print(f"  ignored {len(report.ignored)} source tensors the graph does not read: "
               f"{_per_layer(report.ignored)}")
     if report.tokenizer:
         print(f"  tokenizer: {report.tokenizer}")
@@ -355,18 +357,22 @@ def build_parser() -> argparse.ArgumentParser:
         ex.add_argument(f"--{flag}", type=int, default=default, help=f"(default: {default})")
     ex.set_defaults(func=cmd_example)
 
-    cv = sub.add_parser("convert", help="Convert a Hugging Face model directory (Llama, Mistral, Qwen2, "
-                        "Phi) to a .model file.",
-                        description="Convert a Hugging Face model directory (config.json and "
-                                    "*.safetensors, sharded or not) to a .model file with the graph "
-                                    "and the weights; tokenizer.json is copied beside it.")
-    cv.add_argument("hf_dir", metavar="HF_DIR", help="the Hugging Face model directory")
+    cv = sub.add_parser("convert", help="Convert a model (Hugging Face directory, .gguf or .onnx) to a "
+                        ".model file.",
+                        description="Convert a model to a .model file with the graph and the weights. "
+                                    "The format is detected: a Hugging Face directory (config.json and "
+                                    "*.safetensors, sharded or not: Llama, Mistral, Qwen2, Phi, GPT-2, "
+                                    "BERT-family encoders), a GGUF file (llama architecture) or an ONNX "
+                                    "graph. A tokenizer is written beside the model when the source has "
+                                    "one. The output is written to a temporary file and renamed, so a "
+                                    "failed conversion leaves nothing behind.")
+    cv.add_argument("source", metavar="SOURCE", help="Hugging Face model directory, .gguf file or .onnx file")
     cv.add_argument("-o", "--out", required=True, help="output .model path")
-    from .importers.hf import DTYPES
+    from .importers.common import DTYPES
 
-    cv.add_argument("--dtype", default="f32", choices=DTYPES,
+    cv.add_argument("--dtype", default=None, choices=DTYPES,
                     help="storage of the matmul weights (quantized types also the embedding table); "
-                         "norms and biases stay f32 (default: %(default)s)")
+                         "norms and biases stay f32 (default: f32, or as stored for GGUF)")
     cv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     cv.add_argument("--json", action="store_true", help="print machine-readable JSON")
     cv.set_defaults(func=cmd_convert)

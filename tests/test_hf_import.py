@@ -128,7 +128,8 @@ def test_q8_0_stays_close(name, tmp_path):
         dtypes = {n: s.dtype for n, s in model.index.items()}
     assert all(dtypes[n] == (DType.Q8_0 if n.endswith("weight") and len(s.shape) == 2 else DType.F32)
                for n, s in model.index.items())
-    assert sorted(report.kept_f32) == sorted(n for n, d in dtypes.items() if d == DType.F32)
+    assert sorted(n for n, d in report.stored.items() if d == "f32") == sorted(n for n, d in dtypes.items() if d == DType.F32)
+    assert report.dtypes == {"q8_0": sum(d == DType.Q8_0 for d in dtypes.values()), "f32": sum(d == DType.F32 for d in dtypes.values())}
     ref = reference(name)
     ours, _ = greedy_run(report.out, ref["prompt"], len(ref["tokens"]), feed=ref["tokens"])
     assert relative_error(ours, ref["logits"]) < 5e-2
@@ -263,9 +264,11 @@ def test_convert_cli(tmp_path, capsys):
     out = tmp_path / "m" / "llama.model"
     assert main(["convert", str(FIXTURES / "llama"), "-o", str(out), "--dtype", "q8_0", "-q"]) == 0
     text = capsys.readouterr().out
-    assert f"wrote {out}: llama, 21 tensors" in text
-    assert ("16 tensors stored as q8_0; kept in f32: model.layers.*.input_layernorm.weight (x2), "
+    assert f"wrote {out}: huggingface llama, 21 tensors" in text
+    assert "  dtypes: 16 q8_0, 5 f32\n" in text
+    assert ("kept as stored or f32 (not a matmul weight, or no whole blocks): model.layers.*.input_layernorm.weight (x2), "
             "model.layers.*.post_attention_layernorm.weight (x2), model.norm.weight\n") in text
+    assert "  ops (35 nodes): Matmul 15, RmsNorm 5, Rope 4, Add 4, KvCache 2, Sdpa 2, SwiGlu 2, TokenEmbed 1\n" in text
     tok = tokenizer_path_for(out)
     assert tok.name == "llama.tokenizer.json" and tok.read_bytes() == (FIXTURES / "llama" / "tokenizer.json").read_bytes()
     with load_model(out, tensors=[]) as model:
@@ -279,10 +282,10 @@ def test_convert_cli_json_and_errors(tmp_path, capsys):
     out = tmp_path / "phi.model"
     assert main(["convert", str(FIXTURES / "phi"), "-o", str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["architecture"] == "phi" and report["tokenizer"] is None and report["kept_f32"] == []
+    assert report["architecture"] == "phi" and report["tokenizer"] is None and report["dtypes"] == {"f32": report["tensors"]}
     assert issubclass(HFImportError, DistRuntimeError)  # so the CLI reports it and exits 1
     assert main(["convert", str(tmp_path), "-o", str(tmp_path / "x.model")]) == 1
-    assert "has no config.json" in capsys.readouterr().err
+    assert "is a directory without config.json" in capsys.readouterr().err
     assert not (tmp_path / "x.model").exists()
 
 

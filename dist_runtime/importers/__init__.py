@@ -1,5 +1,63 @@
-"""Importers: turn models from other formats (ONNX, Hugging Face checkpoints, GGUF) into our Graph IR.
+"""Importers: turn models from other formats into our Graph IR and a ``.model`` file.
 
-``onnx_ops`` maps single ONNX operators to our ops (one converter per ``op_type``); it is the core
-of the ONNX model importer and the mapping the ONNX conformance suite runs through.
+* ``hf``: Hugging Face directories (``config.json`` + ``*.safetensors``) of the Llama family;
+  ``hf_encoder`` BERT-family encoders and ``hf_gpt2`` GPT-2 (same directory layout).
+* ``gguf_file``: llama.cpp's GGUF files, quantized tensors kept as stored.
+* ``onnx_model``: ONNX graphs, one converter per operator in ``onnx_ops`` (also the mapping the
+  ONNX conformance suite runs through).
+
+:func:`detect_format` tells which a path is; :func:`convert` (``dist-runtime convert``) runs the
+right importer and writes the result through ``common.write_imported``.
 """
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from ..errors import DistRuntimeError
+
+#: format -> (module, function converting ``(source, out, dtype, progress=)`` to a ConvertReport)
+IMPORTERS = {
+    "huggingface": ("hf_any", "convert_hf_dir"),
+    "gguf": ("gguf_file", "convert_gguf"),
+    "onnx": ("onnx_model", "convert_onnx"),
+}
+
+
+def detect_format(source: str | Path) -> str:
+    """``huggingface`` for a directory with config.json, ``gguf`` or ``onnx`` by magic/extension."""
+    p = Path(source)
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return "huggingface"
+        raise DistRuntimeError(f"{p} is a directory without config.json: not a Hugging Face model directory")
+    if not p.is_file():
+        raise DistRuntimeError(f"no such file or directory: {p}")
+    with open(p, "rb") as f:
+        head = f.read(4)
+    if head == b"GGUF":
+        return "gguf"
+    if p.suffix.lower() == ".onnx":
+        return "onnx"
+    if p.suffix.lower() == ".gguf":
+        raise DistRuntimeError(f"{p} ends in .gguf but does not start with the GGUF magic (starts with {head!r})")
+    raise DistRuntimeError(f"cannot tell the format of {p}: expected a Hugging Face directory, "
+                           f"a .gguf file or an .onnx file")
+
+
+def convert(source: str | Path, out: str | Path, dtype: str | None = None, *, progress: bool = False):
+    """Convert ``source`` (any supported format) to ``out``; returns a ``common.ConvertReport``."""
+    module, func = IMPORTERS[detect_format(source)]
+    convert_fn = getattr(importlib.import_module(f"{__name__}.{module}"), func)
+    return convert_fn(source, out, dtype, progress=progress)
+
+
+def hf_model_type(hf_dir: str | Path) -> str:
+    """``model_type`` of a Hugging Face directory's config.json ('' when absent)."""
+    try:
+        config = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DistRuntimeError(f"cannot read {Path(hf_dir) / 'config.json'}: {e}") from None
+    return str(config.get("model_type", "")) if isinstance(config, dict) else ""

@@ -29,12 +29,10 @@ building graphs does not, and nothing here imports torch or transformers.
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +43,7 @@ from ..ir.graph import POS, Graph, Node, TensorSpec
 from ..ir.ops import (Add, Gelu, KvCache, LayerNorm, Matmul, RmsNorm, Rope, Sample, Sdpa, SdpaWindow,
                       SwiGlu, TokenEmbed)
 from ..tensor import Array, QuantizedArray
+from .common import DTYPES, ConvertReport, Imported, Progress, storage_targets, tokenizer_path_for, write_imported  # noqa: F401
 
 #: model_type -> the transformers class of each supported architecture.
 SUPPORTED = {
@@ -53,8 +52,6 @@ SUPPORTED = {
     "qwen2": "Qwen2ForCausalLM",
     "phi": "PhiForCausalLM",
 }
-#: ``--dtype`` choices: what matmul weights (and, quantized, embedding tables) are stored as.
-DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 EMBED = "model.embed_tokens.weight"
 
 
@@ -444,70 +441,6 @@ class Checkpoint:
 
 
 # -- conversion ------------------------------------------------------------------------------------
-def _target(graph: Graph, dtype: DType) -> dict[str, DType]:
-    """The weights stored as ``dtype``; every other weight stays f32.
-
-    Only 2-D weights that every reader takes in a weight slot (``OpSpec.weight_inputs``: Matmul's
-    ``b``, TokenEmbed's table) change type, and a block type also needs the last dim to be a
-    multiple of its block.  f16/bf16 leave TokenEmbed tables in f32: a table lookup has its table's
-    dtype, so a half table would make every activation after it half precision.
-    """
-    slots: dict[str, list[tuple[Node, int]]] = {}
-    for node in graph.nodes:
-        for slot, name in enumerate(node.inputs):
-            slots.setdefault(name, []).append((node, slot))
-    out = {}
-    for name, spec in graph.weights.items():
-        uses = slots.get(name, [])
-        ok = (len(spec.shape) == 2 and dtype != DType.F32
-              and all(slot in node.op.spec.weight_inputs for node, slot in uses)
-              and (spec.shape[-1] % dtype.block_size == 0 if dtype.is_quantized
-                   else not any(isinstance(node.op, TokenEmbed) for node, _ in uses)))
-        out[name] = dtype if ok else DType.F32
-    return out
-
-
-class _Progress:
-    """tqdm when it is installed, else a one-line counter on stderr; nothing when disabled."""
-
-    def __init__(self, total: int, desc: str, enabled: bool) -> None:
-        self.total, self.desc, self.n, self._bar = total, desc, 0, None
-        self.enabled = enabled
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
-            self._bar = tqdm(total=total, desc=desc, unit="tensor", leave=False, file=sys.stderr)
-
-    def update(self) -> None:
-        self.n += 1
-        if self._bar is not None:
-            self._bar.update(1)
-        elif self.enabled:
-            width = 30
-            done = width * self.n // max(self.total, 1)
-            print(f"\r{self.desc} [{'#' * done}{'.' * (width - done)}] {self.n}/{self.total}",
-                  end="" if self.n < self.total else "\n", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
-@dataclass
-class Imported:
-    """A converted model: the graph (with weight specs), the weights, metadata and what was done."""
-
-    graph: Graph
-    weights: dict[str, Array]
-    metadata: dict
-    config: DecoderConfig
-    stored: dict[str, str] = field(default_factory=dict)  # weight -> stored dtype name
-    source_dtypes: dict[str, int] = field(default_factory=dict)  # checkpoint dtype -> tensor count
-    ignored: list[str] = field(default_factory=list)  # checkpoint tensors the graph does not read
-
-
 def _token_ids(hf_dir: Path, config: Mapping) -> dict:
     """bos/eos token ids: generation_config.json first (it is what generate() uses), then config."""
     sources = [config]
@@ -540,7 +473,7 @@ def load_hf(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -
     shapes = weight_shapes(cfg)
     graph = decoder_graph(cfg)
     graph.weights = {n: TensorSpec(s, DType.F32) for n, s in shapes.items()}
-    targets = _target(graph, DType[dtype.upper()])
+    targets = storage_targets(graph, DType[dtype.upper()])
     weights: dict[str, Array] = {}
     source_dtypes: dict[str, int] = {}
     with Checkpoint(hf_dir) as ckpt:
@@ -554,7 +487,7 @@ def load_hf(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -
         wrong = [f"{n}: {list(ckpt.shape(n))}, expected {list(s)}" for n, s in shapes.items() if ckpt.shape(n) != s]
         if wrong:
             raise HFImportError(f"tensor shapes disagree with config.json: {'; '.join(wrong[:8])}")
-        bar = _Progress(len(shapes), "converting", progress)
+        bar = Progress(len(shapes), "converting", progress)
         try:
             for name in shapes:
                 source = ckpt.dtype(name)
@@ -576,55 +509,18 @@ def load_hf(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "sample"},
         **_token_ids(hf_dir, config),
     }
-    stored = {n: (w.dtype.name if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype).name).lower()
-              for n, w in weights.items()}
-    return Imported(graph, weights, metadata, cfg, stored, source_dtypes, ignored)
-
-
-def tokenizer_path_for(model_path: str | Path) -> Path:
-    """Where ``convert`` puts the tokenizer of ``model_path``: ``NAME.tokenizer.json`` beside it."""
-    p = Path(model_path)
-    return p.with_name(p.stem + ".tokenizer.json")
-
-
-@dataclass
-class ConvertReport:
-    out: Path
-    architecture: str
-    tensors: int
-    bytes: int
-    dtype: str
-    stored: dict[str, str]
-    kept_f32: list[str]
-    ignored: list[str]
-    tokenizer: Path | None
-    seconds: float
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["out"], d["tokenizer"] = str(self.out), self.tokenizer and str(self.tokenizer)
-        return d
+    tokenizer = hf_dir / "tokenizer.json"
+    return Imported(graph, weights, metadata, cfg.architecture, source_dtypes, ignored,
+                    tokenizer if tokenizer.is_file() else None, cfg)
 
 
 def convert_hf(hf_dir: str | Path, out: str | Path, dtype: str = "f32", *, progress: bool = False) -> ConvertReport:
-    """``dist-runtime convert``: write ``out`` (graph + weights) and, when ``HF_DIR/tokenizer.json``
-    exists, copy it to ``out``'s :func:`tokenizer_path_for` (named in the metadata)."""
-    from ..model import save_model
-
+    """``dist-runtime convert HF_DIR``: write ``out`` (graph + weights) and, when
+    ``HF_DIR/tokenizer.json`` exists, a copy of it beside ``out`` (named in the metadata)."""
     start = time.perf_counter()
-    hf_dir, out = Path(hf_dir), Path(out)
-    imported = load_hf(hf_dir, dtype, progress=progress)
-    metadata = imported.metadata
-    tokenizer = None
-    source_tok = hf_dir / "tokenizer.json"
-    if source_tok.is_file():
-        tokenizer = tokenizer_path_for(out)
-        metadata["tokenizer"] = tokenizer.name
-    model = save_model(out, imported.graph, imported.weights, metadata)
-    size = sum(s.size for s in model.index.values())
-    model.close()
-    if tokenizer is not None:
-        shutil.copyfile(source_tok, tokenizer)
-    kept = [n for n, d in imported.stored.items() if d != dtype] if dtype != "f32" else []
-    return ConvertReport(out, imported.config.architecture, len(imported.weights), size, dtype,
-                         imported.stored, kept, imported.ignored, tokenizer, time.perf_counter() - start)
+    return write_imported(load_hf(hf_dir, dtype, progress=progress), out, "huggingface", start)
+
+
+def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
+    """The ``hf_any`` entry point: :func:`load_hf`."""
+    return load_hf(hf_dir, dtype, progress=progress)
