@@ -84,3 +84,24 @@ def save_example(path, cfg: LlamaConfig, seed: int = 0):
 
     save_model(path, llama_graph(cfg), llama_weights(cfg, seed=seed), llama_metadata(cfg)).close()
     return path
+
+
+def wait_dead(actor, pid: int, seconds: float = 60.0) -> None:
+    """``ray.kill`` returns before the actor is gone, and Ray calls the actor dead a moment before
+    its process (and so its direct links) is: wait for both."""
+    import os
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=seconds)
+        except ray.exceptions.RayActorError:
+            try:
+                os.kill(pid, 0)  # the stage runs on this machine in these tests
+            except ProcessLookupError:
+                return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor is still running")

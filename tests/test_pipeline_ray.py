@@ -15,7 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from conftest import save_example  # noqa: E402
+from conftest import save_example, wait_dead  # noqa: E402
 from dist_runtime.errors import StageUnavailableError, TransportError  # noqa: E402
 from dist_runtime.examples import LlamaConfig  # noqa: E402
 from dist_runtime.executor import GraphExecutor  # noqa: E402
@@ -64,25 +64,6 @@ def pipe2(model_path):
     p.close()
 
 
-def _wait_dead(actor, pid: int, seconds: float = 60.0) -> None:
-    """``ray.kill`` returns before the actor is gone, and Ray calls the actor dead a moment before
-    its process (and so its direct links) is: wait for both."""
-    import os
-    import time
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.ping.remote(), timeout=seconds)
-        except ray.exceptions.RayActorError:
-            try:
-                os.kill(pid, 0)  # the stage runs on this machine in these tests
-            except ProcessLookupError:
-                return
-        time.sleep(0.05)
-    raise AssertionError("the killed actor is still running")
-
-
 def _check_same_answers(p: Pipeline, reference, max_in_flight=None) -> None:
     co = p.coordinator
     with pytest.raises(TransportError):  # a corrupt frame fails that execution only, on any channel
@@ -126,7 +107,7 @@ def test_same_answers(model_path, reference, n, channel, in_flight):
         if channel != "compiled":  # a stage that dies fails the step at once, it does not hang
             victim = p.actors[n // 2]
             ray.kill(victim)
-            _wait_dead(victim, p.reports[n // 2]["pid"])
+            wait_dead(victim, p.reports[n // 2]["pid"])
             p.coordinator.timeout = 60
             with pytest.raises(StageUnavailableError):
                 p.coordinator.forward("z", [1, 2], reset=True)

@@ -11,10 +11,20 @@ computes session A's: with as many sessions in flight as stages, every stage has
 takes replies oldest first (the order the last stage produces them), samples the next token, and
 submits that session's next step before handing the token to the caller, so the pipeline never
 waits on the consumer.
+
+Recovery: when a step fails because a stage is gone (its actor or process died, its node left),
+the coordinator asks ``repair`` (``Pipeline`` passes one) to replace the dead stages, rebuilds the
+KV caches of every session in flight by replaying its history through the pipeline in the same
+steps as the first time (so every stage computes bit for bit what it computed then), resubmits the
+steps that were lost, and goes on.  Sessions not in flight are replayed when they next resume.
+The tokens are those of a run without the fault; each recovery is logged and kept in
+``recoveries``.  A stage that hangs gives ``StageUnavailableError`` after ``timeout`` seconds; a
+stage that keeps dying, after ``max_recoveries`` attempts in a row.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,12 +32,14 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import DistRuntimeError
+from ..errors import DistRuntimeError, StageUnavailableError
 from ..transport import decode_message, encode_message
 from .channels import Channel
 from .sampling import Sampling
 from .subgraph import StageGraph
 from .telemetry import RunTelemetry
+
+log = logging.getLogger("dist_runtime.recovery")
 
 
 @dataclass
@@ -64,15 +76,62 @@ class SessionState:
     pos: int = 0  # rows the stages' KV caches hold for this session
     generated: list[int] = field(default_factory=list)  # of the current request
     error: BaseException | None = None
+    chunks: list[int] = field(default_factory=list)  # rows of each step fed, in order (sum = pos)
+    stale: bool = False  # a stage lost this session's KV: replay before its next step
+
+    def fed(self, rows: int) -> None:
+        self.pos += rows
+        self.chunks.append(rows)
+
+    def rewind(self, pos: int) -> None:
+        """Keep the steps that fed rows before ``pos`` (a step cut short keeps its first part)."""
+        kept, total = [], 0
+        for rows in self.chunks:
+            if total + rows > pos:
+                break
+            kept.append(rows)
+            total += rows
+        if total < pos:
+            kept.append(pos - total)
+        self.chunks, self.pos = kept, pos
+
+
+@dataclass(frozen=True)
+class RecoveryEvent:
+    """One session rebuilt after a stage was replaced."""
+
+    session: Hashable
+    stage: int  # the stage that was replaced
+    position: int  # rows replayed
+    seconds: float  # from the failure to the session's step being resubmitted
+    cause: str
+
+
+@dataclass
+class _Pending:
+    """A step travelling through the pipeline."""
+
+    req: Request
+    state: SessionState
+    step: int
+    kind: str
+    tokens: list[int]
+    reset: bool
+    handle: object = None
+    broken: StageUnavailableError | None = None  # the channel refused the step at submission
 
 
 class Coordinator:
     """Sessions over a deployed pipeline (``stages`` and their ``channel``)."""
 
     def __init__(self, stages: list[StageGraph], actors: list, channel: Channel, *,
-                 timeout: float | None = 600.0) -> None:
+                 timeout: float | None = 600.0,
+                 repair: Callable[[list[int]], tuple[list, Channel]] | None = None,
+                 max_recoveries: int = 3, probe_timeout: float = 10.0) -> None:
         self.stages, self.actors, self.channel = stages, actors, channel
         self.timeout = timeout
+        self.repair, self.max_recoveries, self.probe_timeout = repair, max_recoveries, probe_timeout
+        self.recoveries: list[RecoveryEvent] = []
         first, last = stages[0], stages[-1]
         if len(first.receives) != 1:
             raise DistRuntimeError(f"generation needs a graph with one token input, this one takes {list(first.receives)}")
@@ -92,7 +151,7 @@ class Coordinator:
         ray.get([a.reset.remote(session) for a in self.actors], timeout=self.timeout)
         state = self.sessions.get(session)
         if state is not None:
-            state.pos, state.history, state.generated = 0, [], []
+            state.pos, state.history, state.generated, state.chunks, state.stale = 0, [], [], [], False
             state.rng = state.sampling.rng()
 
     def close_session(self, session: Hashable) -> None:
@@ -112,15 +171,20 @@ class Coordinator:
         the logits (every row with ``all_logits``).  No sampling; the position advances."""
         _check_session_id(session)
         state = self.sessions.setdefault(session, SessionState(session, Sampling(), Sampling().rng()))
-        if reset:
-            state.pos, state.history = 0, []
-        at = state.pos if pos is None else pos
+        at = 0 if reset else state.pos if pos is None else pos
+        if at > state.pos:
+            raise DistRuntimeError(f"session {session!r} holds {state.pos} positions; cannot run at {at}")
+        state.rewind(at)
+        state.history = state.history[:at]
+        if state.stale and at:
+            self._replay([state])
         step = self._next_step()
-        reply = self.channel.get(self.channel.submit(self._message(session, tokens, at, step, reset, all_logits)),
-                                 self.timeout)
+        reply = self.channel.get(self.channel.submit(self._message(session, tokens, at, step, reset or state.stale,
+                                                                   all_logits)), self.timeout)
         tensors, _ = decode_message(reply)
-        state.pos = at + len(tokens)
-        state.history = state.history[:at] + list(tokens)
+        state.stale = False
+        state.fed(len(tokens))
+        state.history += list(tokens)
         return np.array(tensors[self.logits_name])
 
     # -- generation ----------------------------------------------------------------------------
@@ -151,13 +215,19 @@ class Coordinator:
             raise DistRuntimeError("one request per session at a time")
         limit = max_in_flight or len(waiting) or 1
         run = self.last_run = RunTelemetry(len(self.stages))
-        inflight: deque = deque()  # (request, state, step id, channel handle, rows fed)
+        inflight: deque[_Pending] = deque()
+        attempts = 0  # recoveries since the last token
 
-        def submit(req: Request, state: SessionState, tokens: Sequence[int], reset: bool, kind: str) -> None:
-            step = self._next_step()
-            run.submitted(step, req.session, kind, len(tokens), time.time())
-            message = self._message(req.session, tokens, state.pos, step, reset, False)
-            inflight.append((req, state, step, self.channel.submit(message), len(tokens)))
+        def submit(p: _Pending) -> None:
+            p.step = self._next_step()
+            run.submitted(p.step, p.req.session, p.kind, len(p.tokens), time.time())
+            message = self._message(p.req.session, p.tokens, p.state.pos, p.step, p.reset, False)
+            p.broken = None
+            try:
+                p.handle = self.channel.submit(message)
+            except StageUnavailableError as e:  # a broken link: fails (and recovers) when its turn comes
+                p.broken = e
+            inflight.append(p)
 
         def start(req: Request) -> None:
             _check_session_id(req.session)
@@ -169,42 +239,121 @@ class Coordinator:
                 raise DistRuntimeError(f"session {req.session!r}: an empty prompt")
             if req.max_new_tokens < 1:
                 raise DistRuntimeError(f"session {req.session!r}: max_new_tokens must be at least 1")
+            if state.stale and state.pos:
+                self._replay([state])
             # On resume, the last generated token was never fed: it goes in before the new turn.
             feed = state.history[state.pos:] + list(req.prompt)
             state.history = state.history + list(req.prompt)
-            submit(req, state, feed, not req.resume, "prefill")
+            submit(_Pending(req, state, 0, "prefill", feed, not req.resume or state.stale))
+
+        def fail(p: _Pending, error: BaseException):
+            run.failed(p.step, time.time(), error)
+            p.state.error = error
+            return TokenEvent(p.req.session, None, len(p.state.generated), True, error)
 
         try:
             while waiting and len(inflight) < limit:
                 start(waiting.popleft())
             while inflight:
-                req, state, step, handle, rows = inflight.popleft()
+                p = inflight.popleft()
                 try:
-                    reply = self.channel.get(handle, self.timeout)
+                    if p.broken is not None:
+                        raise p.broken
+                    reply = self.channel.get(p.handle, self.timeout)
                     received = time.time()
                     t0 = time.perf_counter()
                     tensors, _ = decode_message(reply)
-                    token = state.sampling.choose(tensors[self.logits_name], state.rng)
+                    token = p.state.sampling.choose(tensors[self.logits_name], p.state.rng)
                     sampled = time.perf_counter() - t0
+                except StageUnavailableError as e:
+                    lost = [p, *inflight]
+                    inflight.clear()
+                    try:
+                        attempts = self._recover(lost, e, attempts)
+                    except Exception as final:  # noqa: BLE001 -- no way back: these sessions fail
+                        for q in lost:
+                            yield fail(q, final)
+                        while waiting and len(inflight) < limit:
+                            start(waiting.popleft())
+                        continue
+                    for q in lost:
+                        run.steps.pop(q.step, None)  # it never finished; the resubmission is recorded
+                        submit(q)
+                    continue
                 except Exception as e:  # noqa: BLE001 -- one session's failure ends that session only
-                    run.failed(step, time.time(), e)
-                    state.error = e
-                    yield TokenEvent(req.session, None, len(state.generated), True, e)
+                    yield fail(p, e)
                     if waiting:
                         start(waiting.popleft())
                     continue
-                run.token(step, received, sampled)
-                state.pos += rows
+                attempts = 0
+                run.token(p.step, received, sampled)
+                state = p.state
+                state.fed(len(p.tokens))
                 state.generated.append(token)
                 state.history.append(token)
-                done = len(state.generated) >= req.max_new_tokens or token in req.stop
+                done = len(state.generated) >= p.req.max_new_tokens or token in p.req.stop
                 if not done:
-                    submit(req, state, [token], False, "decode")
+                    submit(_Pending(p.req, state, 0, "decode", [token], False))
                 elif waiting:
                     start(waiting.popleft())
-                yield TokenEvent(req.session, token, len(state.generated) - 1, done)
+                yield TokenEvent(p.req.session, token, len(state.generated) - 1, done)
         finally:
             self._collect(run)
+
+    # -- recovery ------------------------------------------------------------------------------
+    def _recover(self, lost: list[_Pending], cause: BaseException, attempts: int) -> int:
+        """Replace the dead stages and replay the lost sessions' histories, retrying while stages
+        keep failing; returns the attempts made since the last token.  Raises when out of tries."""
+        t0 = time.perf_counter()
+        while True:
+            attempts += 1
+            if self.repair is None or attempts > self.max_recoveries:
+                raise cause
+            dead = self.dead_stages()
+            log.warning("pipeline step failed (%s); replacing stage(s) %s", cause, dead or "none (links only)")
+            try:
+                self.actors, self.channel = self.repair(dead)
+                for state in self.sessions.values():
+                    state.stale = state.stale or state.pos > 0
+                self._replay([p.state for p in lost])
+                break
+            except StageUnavailableError as again:
+                cause = again
+        seconds = time.perf_counter() - t0
+        for p in lost:
+            for k in dead or [-1]:
+                event = RecoveryEvent(p.req.session, k, p.state.pos, seconds, f"{type(cause).__name__}: {cause}")
+                self.recoveries.append(event)
+                log.warning("recovered session %r: stage %s, %d positions replayed, %.3f s",
+                            event.session, event.stage, event.position, event.seconds)
+        return attempts
+
+    def dead_stages(self) -> list[int]:
+        """Stages whose actor does not answer a ping within ``probe_timeout`` seconds."""
+        import ray
+
+        pings = [a.ping.remote() for a in self.actors]
+        dead = []
+        for k, ref in enumerate(pings):
+            try:
+                ray.get(ref, timeout=self.probe_timeout)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(k)
+        return dead
+
+    def _replay(self, states: list[SessionState]) -> None:
+        """Feed each session's history again, step by step as it was first fed (the first step
+        resets the session everywhere), so every stage holds exactly the KV rows it held."""
+        handles = []
+        for state in states:
+            at = 0
+            for rows in state.chunks:
+                message = self._message(state.sid, state.history[at:at + rows], at, self._next_step(), at == 0, False)
+                handles.append(self.channel.submit(message))
+                at += rows
+            state.stale = False
+        for handle in handles:  # stages serve calls in order: every reply must arrive, none is used
+            self.channel.get(handle, self.timeout)
 
     # -- internals -----------------------------------------------------------------------------
     def _next_step(self) -> int:

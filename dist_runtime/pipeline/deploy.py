@@ -42,8 +42,21 @@ class StageOptions:
     placement_timeout: float = 120.0  # seconds for the actors to be placed and load their weights
 
 
+def resolve_cpus(options: StageOptions, n_stages: int) -> StageOptions:
+    """``options`` with ``cpus`` and ``threads`` fixed: a replacement stage started later must
+    reserve what the first ones did, not a share of what happens to be free then."""
+    import dataclasses
+
+    import ray
+
+    # By default the stages share the CPUs still free (another pipeline may hold some already).
+    cpus = options.cpus or max(ray.available_resources().get("CPU", 0.0), 0.01 * n_stages) / n_stages
+    return dataclasses.replace(options, cpus=cpus, threads=options.threads or max(1, int(cpus)))
+
+
 def deploy(model_path: str | os.PathLike, stages: list[StageGraph], options: StageOptions) -> tuple[list, list[dict]]:
-    """Start the stage actors and load their weights; returns (actors, load reports).
+    """Start one actor for each of ``stages`` (all of a plan's, or the ones to replace) and load
+    their weights; returns (actors, load reports).  ``options`` comes from :func:`resolve_cpus`.
 
     On failure every actor started here is killed before the error propagates.
     """
@@ -53,22 +66,20 @@ def deploy(model_path: str | os.PathLike, stages: list[StageGraph], options: Sta
 
     if options.weights not in WEIGHT_SOURCES:
         raise DistRuntimeError(f"weights must be one of {', '.join(WEIGHT_SOURCES)}, got {options.weights!r}")
-    if options.resources is not None and len(options.resources) != len(stages):
-        raise DistRuntimeError(f"{len(options.resources)} resource sets given for {len(stages)} stages")
+    if options.resources is not None and len(options.resources) <= max(st.index for st in stages):
+        raise DistRuntimeError(f"{len(options.resources)} resource sets given for "
+                               f"{max(st.index for st in stages) + 1} stages")
     Actor = stage_actor_class()
-    # By default the stages share the CPUs still free (another pipeline may hold some already).
-    cpus = options.cpus or max(ray.available_resources().get("CPU", 0.0), 0.01 * len(stages)) / len(stages)
-    threads = options.threads or max(1, int(cpus))
     actors = []
     try:
-        for k, stage in enumerate(stages):
-            opts: dict = {"num_cpus": cpus, "max_restarts": 0,
-                          "runtime_env": {"env_vars": {**thread_env(threads), **options.extra_env}}}
+        for stage in stages:
+            opts: dict = {"num_cpus": options.cpus, "max_restarts": 0,
+                          "runtime_env": {"env_vars": {**thread_env(options.threads), **options.extra_env}}}
             if options.resources is not None:
-                opts["resources"] = options.resources[k]
+                opts["resources"] = options.resources[stage.index]
             elif options.spread:
                 opts["scheduling_strategy"] = "SPREAD"
-            kwargs = dict(fuse=options.fuse, backends=options.backends, seed=options.seed, threads=threads)
+            kwargs = dict(fuse=options.fuse, backends=options.backends, seed=options.seed, threads=options.threads)
             if options.max_sessions:
                 kwargs["max_sessions"] = options.max_sessions
             actors.append(Actor.options(**opts).remote(stage, **kwargs))
@@ -77,7 +88,7 @@ def deploy(model_path: str | os.PathLike, stages: list[StageGraph], options: Sta
         kill(actors)
         raise StageUnavailableError(
             f"the stage actors were not all placed and loaded within {options.placement_timeout:.0f} s: "
-            f"each asks for {cpus:g} CPU(s){' and ' + str(options.resources) if options.resources else ''}; "
+            f"each asks for {options.cpus:g} CPU(s){' and ' + str(options.resources) if options.resources else ''}; "
             f"the cluster has {ray.available_resources().get('CPU', 0):g} CPU(s) free") from None
     except BaseException:
         kill(actors)

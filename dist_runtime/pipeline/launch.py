@@ -13,7 +13,7 @@ from pathlib import Path
 from ..errors import DistRuntimeError
 from .channels import DEFAULT_CHANNEL, make_channel
 from .coordinator import Coordinator
-from .deploy import StageOptions, deploy, kill
+from .deploy import StageOptions, deploy, kill, resolve_cpus
 from .subgraph import StageGraph, stages_for_plan
 
 
@@ -43,6 +43,7 @@ class Pipeline:
         self.options = options or StageOptions()
         self.actors: list = []
         self.channel = None
+        self.channel_kind = channel
         self._started_ray = connect(address, num_cpus=num_cpus)
         try:
             with load_model(self.path, tensors=[], validate=False) as model:
@@ -54,12 +55,28 @@ class Pipeline:
                                           reserve=reserve, max_context=max_context, sessions=sessions,
                                           model_name=name)
             self.stages: list[StageGraph] = stages_for_plan(self.graph, self.plan)
+            self.options = resolve_cpus(self.options, len(self.stages))
             self.actors, self.reports = deploy(self.path, self.stages, self.options)
             self.channel = make_channel(channel, self.actors)
-            self.coordinator = Coordinator(self.stages, self.actors, self.channel, timeout=timeout)
+            self.coordinator = Coordinator(self.stages, self.actors, self.channel, timeout=timeout,
+                                           repair=self.repair)
         except BaseException:
             self.close()
             raise
+
+    def repair(self, dead: list[int]) -> tuple[list, object]:
+        """Replace the actors of the ``dead`` stages (killed first, in case they only hang) and
+        rebuild the channel over all stages; returns (actors, channel).  The coordinator calls it."""
+        kill([self.actors[k] for k in dead])  # first: closing the links of a frozen actor would wait
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if dead:
+            fresh, reports = deploy(self.path, [self.stages[k] for k in dead], self.options)
+            for k, actor, report in zip(dead, fresh, reports):
+                self.actors[k], self.reports[k] = actor, report
+        self.channel = make_channel(self.channel_kind, self.actors)
+        return self.actors, self.channel
 
     def close(self) -> None:
         """Tear down the channel, kill the stage actors, and stop Ray if this pipeline started it."""
