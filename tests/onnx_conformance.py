@@ -582,27 +582,79 @@ def check_case(case: Case, unchecked: tuple[str, ...] = ()) -> Run:
     """Run ``case`` and assert that shape inference and every compared output agree with ONNX."""
     run = run_case(case, unchecked)
     check_structure(run.graph)
-    specs = infer_shapes(run.graph)
-    for name in run.outputs:
-        actual, expected = run.values[name], case.outputs[name]
+    check_outputs(case, run.graph, {name: run.values[name] for name in run.outputs})
+    return run
+
+
+def check_outputs(case: Case, graph: Graph, actual: dict[str, np.ndarray]) -> None:
+    """Assert that ``actual`` (by ONNX output name) agrees with the shapes and dtypes our shape
+    rules predict for ``graph`` and with ONNX's expected outputs."""
+    specs = infer_shapes(graph)
+    for name, got in actual.items():
+        expected = case.outputs[name]
         spec = specs[name]
         predicted = spec.shape
-        assert len(predicted) == actual.ndim and all(p in (-1, a) for p, a in zip(predicted, actual.shape)), (
-            f"{name}: shape rules predict {list(predicted)}, the kernels made {list(actual.shape)}")
-        assert spec.dtype == DType.from_numpy(actual.dtype), (
-            f"{name}: shape rules predict {spec.dtype.name}, the kernels made {actual.dtype}")
-        assert actual.shape == expected.shape, f"{name}: shape {actual.shape}, ONNX expects {expected.shape}"
-        assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype}, ONNX expects {expected.dtype}"
+        assert len(predicted) == got.ndim and all(p in (-1, a) for p, a in zip(predicted, got.shape)), (
+            f"{name}: shape rules predict {list(predicted)}, the kernels made {list(got.shape)}")
+        assert spec.dtype == DType.from_numpy(got.dtype), (
+            f"{name}: shape rules predict {spec.dtype.name}, the kernels made {got.dtype}")
+        assert got.shape == expected.shape, f"{name}: shape {got.shape}, ONNX expects {expected.shape}"
+        assert got.dtype == expected.dtype, f"{name}: dtype {got.dtype}, ONNX expects {expected.dtype}"
         if expected.dtype.kind == "f" or expected.dtype.name == "bfloat16":
             rtol = case.rtol
             if expected.dtype.name == "bfloat16":
                 rtol = max(rtol, 2.0**-6)
-                actual, expected = actual.astype(np.float32), expected.astype(np.float32)
-            np.testing.assert_allclose(actual, expected, rtol=rtol, atol=case.atol, equal_nan=True,
+                got, expected = got.astype(np.float32), expected.astype(np.float32)
+            np.testing.assert_allclose(got, expected, rtol=rtol, atol=case.atol, equal_nan=True,
                                        err_msg=f"output {name} of {case.name}")
         else:
-            np.testing.assert_array_equal(actual, expected, err_msg=f"output {name} of {case.name}")
-    return run
+            np.testing.assert_array_equal(got, expected, err_msg=f"output {name} of {case.name}")
+
+
+# -- a case as a whole model through the importer and the executor ---------------------------------
+def as_model(case: Case, unchecked: tuple[str, ...] = ()) -> onnx.ModelProto:
+    """``case.model`` as an importer sees a deployed model: the test inputs at the positions
+    ``CONSTANT_INPUTS`` names are initializers (the harness passes them as constants too), and the
+    ``unchecked`` outputs are not requested."""
+    model = onnx.ModelProto.FromString(case.model.SerializeToString())
+    graph = model.graph
+    fixed = {name for node in graph.node for i, name in enumerate(node.input)
+             if i in CONSTANT_INPUTS.get(node.op_type, ()) and name in case.inputs}
+    graph.initializer.extend(numpy_helper.from_array(case.inputs[n], n) for n in sorted(fixed))
+    keep = [v for v in graph.input if v.name not in fixed]
+    del graph.input[:]
+    graph.input.extend(keep)
+    for node in graph.node:
+        for i, out in enumerate(node.output):
+            if out in unchecked:
+                node.output[i] = ""
+    outputs = [v for v in graph.output if v.name not in unchecked]
+    del graph.output[:]
+    graph.output.extend(outputs)
+    return model
+
+
+def check_imported(case: Case, unchecked: tuple[str, ...] = ()):
+    """Import ``case`` as a whole ONNX model (``importers.onnx_model``), run it with the
+    GraphExecutor and compare its outputs as :func:`check_case` does.  Returns the Imported."""
+    from dist_runtime.executor import GraphExecutor
+    from dist_runtime.importers.onnx_model import load
+
+    imported = load(as_model(case, unchecked))
+    executor = GraphExecutor((imported.graph, imported.weights))
+    session = executor.session()
+    for primed in imported.config.kv_caches:  # ONNX past_key/past_value: the session's cache
+        node = imported.graph.nodes[primed.node]
+        step = next(i for i, n in enumerate(executor.graph.nodes) if n.outputs == node.outputs)
+        past_k, past_v = case.inputs[primed.past_key], case.inputs[primed.past_value]
+        state = session.kv[step] = KvState.for_op(node.op)
+        state.write(0, past_k, past_v)
+        session.pos = past_k.shape[-2]
+    feeds = {n: case.inputs[n] for n in imported.graph.input_names}
+    with np.errstate(all="ignore"):  # IEEE inf/NaN arithmetic of the edge cases is intended
+        outputs = executor.run(feeds)
+    check_outputs(case, imported.graph, outputs)
+    return imported
 
 
 # -- every case at once: the table and the coverage test -------------------------------------------

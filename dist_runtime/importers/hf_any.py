@@ -16,6 +16,7 @@ from .hf import HFImportError
 #: model_type -> the module (in this package) that imports it.
 ARCHITECTURES = {
     "llama": "hf", "mistral": "hf", "qwen2": "hf", "phi": "hf",
+    "bert": "hf_encoder", "gpt2": "hf_gpt2",
 }
 
 

