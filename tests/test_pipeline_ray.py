@@ -188,3 +188,29 @@ def test_cli_pipeline_command(model_path, tmp_path, capsys):
     assert "give --stages N" in capsys.readouterr().err
     with pytest.raises(StageUnavailableError, match="not all placed"):  # no hanging on a full cluster
         Pipeline(model_path, stages=1, max_context=64, options=StageOptions(cpus=64, placement_timeout=2))
+
+
+def test_encoder_runs_split_with_batches_in_flight(tmp_path, capsys):
+    """A stateless graph with three inputs (the tiny BERT fixture, sentence-transformers head) on
+    3 stages: ``run_many`` keeps several batches in flight and returns what one process returns."""
+    from pathlib import Path
+
+    from dist_runtime.importers import convert
+    from dist_runtime.importers.hf_encoder import pad_batch
+
+    bert = Path(__file__).resolve().parent / "fixtures" / "hf" / "bert"
+    path = convert(bert, tmp_path / "bert.model").out
+    rng = np.random.default_rng(0)
+    batches = [pad_batch([list(rng.integers(1, 90, n)) for n in lens]) for lens in ([3, 7], [5], [2, 2, 9])]
+    with load_model(path) as model:
+        single = GraphExecutor(model)
+        want = [single.run(b) for b in batches]
+    with Pipeline(path, stages=3, options=StageOptions(cpus=0.5)) as p:
+        got = p.coordinator.run_many(batches)
+        assert not any(ray.get([a.sessions.remote() for a in p.actors]))  # one-off passes keep nothing
+        with pytest.raises(Exception, match="generation needs a graph with one token input"):
+            p.coordinator.generate([Request("x", [1], 1)])
+    for g, w in zip(got, want):
+        assert set(g) == {"last_hidden_state", "sentence_embedding"}
+        np.testing.assert_allclose(g["sentence_embedding"], w["sentence_embedding"], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(g["last_hidden_state"], w["last_hidden_state"], rtol=0, atol=1e-5)

@@ -132,12 +132,9 @@ class Coordinator:
         self.timeout = timeout
         self.repair, self.max_recoveries, self.probe_timeout = repair, max_recoveries, probe_timeout
         self.recoveries: list[RecoveryEvent] = []
+        # A graph with one token input and logits can generate; any graph can ``run``.
         first, last = stages[0], stages[-1]
-        if len(first.receives) != 1:
-            raise DistRuntimeError(f"generation needs a graph with one token input, this one takes {list(first.receives)}")
-        self.input_name = first.receives[0]
-        if last.logits is None:
-            raise DistRuntimeError("the graph has no logits output to sample from (no Sample node and no 'logits')")
+        self.input_name = first.receives[0] if len(first.receives) == 1 else None
         self.logits_name = last.logits
         self.sessions: dict[Hashable, SessionState] = {}
         self._step = 0
@@ -170,6 +167,7 @@ class Coordinator:
         """Run ``tokens`` for ``session`` at ``pos`` (default: the session's position) and return
         the logits (every row with ``all_logits``).  No sampling; the position advances."""
         _check_session_id(session)
+        self._check_generative()
         state = self.sessions.setdefault(session, SessionState(session, Sampling(), Sampling().rng()))
         at = 0 if reset else state.pos if pos is None else pos
         if at > state.pos:
@@ -186,6 +184,25 @@ class Coordinator:
         state.fed(len(tokens))
         state.history += list(tokens)
         return np.array(tensors[self.logits_name])
+
+    # -- stateless graphs (encoders, classifiers) -------------------------------------------------
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One pass of a stateless graph: its inputs in, the last stage's outputs out."""
+        return self.run_many([inputs])[0]
+
+    def run_many(self, batches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Several passes in flight at once (stage k works on batch i while stage k+1 works on
+        batch i-1); results in input order.  Each pass is its own session, closed after."""
+        want = set(self.stages[0].receives)
+        for i, inputs in enumerate(batches):
+            if set(inputs) != want:
+                raise DistRuntimeError(f"batch {i}: the graph takes {sorted(want)}, given {sorted(inputs)}")
+        handles = []
+        for inputs in batches:
+            step = self._next_step()
+            meta = {"session": f"run:{step}", "pos": 0, "step": step, "reset": True, "close": True}
+            handles.append(self.channel.submit(encode_message(dict(inputs), meta)))
+        return [decode_message(self.channel.get(h, self.timeout))[0] for h in handles]
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], *, max_in_flight: int | None = None,
@@ -209,6 +226,7 @@ class Coordinator:
 
     def stream(self, requests: Iterable[Request], *, max_in_flight: int | None = None) -> Iterator[TokenEvent]:
         """Tokens as they are produced, interleaved across sessions (see the module docstring)."""
+        self._check_generative()
         waiting = deque(requests)
         ids = [r.session for r in waiting]
         if len(set(ids)) != len(ids):
@@ -359,6 +377,13 @@ class Coordinator:
     def _next_step(self) -> int:
         self._step += 1
         return self._step
+
+    def _check_generative(self) -> None:
+        if self.input_name is None:
+            raise DistRuntimeError(f"generation needs a graph with one token input, this one takes "
+                                   f"{list(self.stages[0].receives)}: use run()")
+        if self.logits_name is None:
+            raise DistRuntimeError("the graph has no logits output to sample from (no Sample node and no 'logits')")
 
     def _message(self, session, tokens, pos, step, reset, all_logits) -> bytes:
         meta = {"session": session, "pos": int(pos), "step": step}

@@ -29,11 +29,22 @@ def make_plan(graph, *, stages: int | None = None, budgets=None, speeds=None, re
     return partition(graph, machines, max_context=max_context, sessions=sessions, model_name=model_name)
 
 
+DEFAULT_CONTEXT = 4096
+
+
+def context_limit(metadata: dict, default: int = DEFAULT_CONTEXT) -> int:
+    """The longest sequence the model takes (its position table, as the importers record it),
+    capped at ``default``: what unknown sequence dims are planned for."""
+    config = metadata.get("config") if isinstance(metadata.get("config"), dict) else {}
+    known = [v for v in (config.get("context_length"), config.get("positions")) if isinstance(v, int) and v > 0]
+    return min([default, *known])
+
+
 class Pipeline:
     """A model running as one Ray actor per stage of a plan."""
 
     def __init__(self, model_path: str | os.PathLike, *, plan=None, stages: int | None = None,
-                 budgets=None, speeds=None, reserve="0", max_context: int = 4096, sessions: int = 1,
+                 budgets=None, speeds=None, reserve="0", max_context: int | None = None, sessions: int = 1,
                  channel: str = DEFAULT_CHANNEL, options: StageOptions | None = None, address: str | None = None,
                  num_cpus: int | None = None, timeout: float | None = 600.0) -> None:
         from ..model import load_model
@@ -51,6 +62,7 @@ class Pipeline:
                     raise DistRuntimeError(f"{self.path} has no graph section: there is nothing to run")
                 self.graph = model.graph
                 name = str(model.metadata.get("name") or self.path.name)
+                max_context = max_context or context_limit(model.metadata)
             self.plan = plan or make_plan(self.graph, stages=stages, budgets=budgets, speeds=speeds,
                                           reserve=reserve, max_context=max_context, sessions=sessions,
                                           model_name=name)

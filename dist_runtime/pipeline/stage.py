@@ -163,7 +163,7 @@ class StageWorker:
                 t1 = time.perf_counter()
                 outputs = self._run(tensors, meta, sid, pos)
                 t2 = time.perf_counter()
-            out_meta = {k: meta[k] for k in ("session", "pos", "step", "logits", "tokens") if k in meta}
+            out_meta = {k: meta[k] for k in ("session", "pos", "step", "reset", "close", "logits", "tokens") if k in meta}
             reply = encode_message(outputs, out_meta)
         except BaseException:
             self.errors += 1
@@ -187,6 +187,8 @@ class StageWorker:
             if meta.get("reset"):
                 ex.reset(sid)
             outputs.update(ex.run({n: tensors[n] for n in stage.executor_inputs}, session=sid, pos=pos))
+            if meta.get("close"):  # a one-off pass (Coordinator.run): keep no session state
+                ex.close_session(sid)
         elif self.source is None and stage.weights:
             raise DistRuntimeError(f"stage {stage.index} has no weights loaded")
         logits = stage.logits
