@@ -105,3 +105,16 @@ def wait_dead(actor, pid: int, seconds: float = 60.0) -> None:
                 return
         time.sleep(0.05)
     raise AssertionError("the killed actor is still running")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """An embedded Ray with 4 CPUs (so stages of 0.5 CPU fit) for one test module, no dashboard;
+    a module asks for it with ``pytestmark = pytest.mark.usefixtures("local_ray")``."""
+    ray = pytest.importorskip("ray")
+    from dist_runtime.pipeline.cluster import connect
+
+    assert not ray.is_initialized()
+    connect(num_cpus=4)
+    yield
+    ray.shutdown()

@@ -27,6 +27,7 @@ from dist_runtime.importers.hf_gpt2 import gpt2_config, load
 from dist_runtime.ir.graph import POS
 from dist_runtime.ir.ops import Gelu, KvCache, LayerNorm, PosEmbed, Sdpa, Split
 from dist_runtime.model import load_model
+from test_hf_import import greedy_run, relative_error
 
 pytest.importorskip("safetensors")
 
@@ -37,22 +38,6 @@ TOLERANCE = 1e-4  # of the logits' scale (max |logit| of the reference)
 def reference() -> dict[str, np.ndarray]:
     with np.load(FIXTURE.with_suffix(".npz")) as f:
         return dict(f)
-
-
-def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
-
-
-def greedy_run(model, prompt: np.ndarray, steps: int, feed: np.ndarray | None = None):
-    """Prefill then ``steps`` single-token runs feeding our greedy pick (or ``feed[i]``)."""
-    ex = GraphExecutor(model)
-    rows = [ex.run({"tokens": prompt.astype(np.int32)})["logits"]]
-    picks = []
-    for i in range(steps):
-        picks.append(int(rows[-1][-1].argmax()))
-        token = picks[-1] if feed is None else int(feed[i])
-        rows.append(ex.run({"tokens": np.array([token], np.int32)})["logits"])
-    return np.concatenate(rows), picks
 
 
 @pytest.fixture(scope="module")

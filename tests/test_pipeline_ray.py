@@ -21,7 +21,6 @@ from dist_runtime.examples import LlamaConfig  # noqa: E402
 from dist_runtime.executor import GraphExecutor  # noqa: E402
 from dist_runtime.model import load_model  # noqa: E402
 from dist_runtime.pipeline import Pipeline, Request, Sampling, StageOptions  # noqa: E402
-from dist_runtime.pipeline.cluster import connect  # noqa: E402
 from dist_runtime.pipeline.reference import reference_tokens  # noqa: E402
 
 CFG = LlamaConfig(vocab=96, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64)
@@ -41,12 +40,7 @@ def reference(model_path):
         yield GraphExecutor(model, fuse=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    assert not ray.is_initialized()
-    connect(num_cpus=4)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # Ray once for the module (conftest)
 
 
 def _requests(n_new: int = 6) -> list[Request]:

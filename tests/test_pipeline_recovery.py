@@ -23,7 +23,6 @@ from dist_runtime.examples import LlamaConfig  # noqa: E402
 from dist_runtime.executor import GraphExecutor  # noqa: E402
 from dist_runtime.model import load_model  # noqa: E402
 from dist_runtime.pipeline import Pipeline, Request, Sampling, StageOptions  # noqa: E402
-from dist_runtime.pipeline.cluster import connect  # noqa: E402
 from dist_runtime.pipeline.reference import reference_tokens  # noqa: E402
 
 CFG = LlamaConfig(vocab=96, hidden=32, layers=3, heads=4, kv_heads=2, ffn=64)
@@ -35,12 +34,7 @@ def model_path(tmp_path_factory):
     return save_example(tmp_path_factory.mktemp("recovery") / "tiny3.model", CFG, seed=5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    assert not ray.is_initialized()
-    connect(num_cpus=4)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # Ray once for the module (conftest)
 
 
 def _requests() -> list[Request]:
