@@ -63,3 +63,57 @@ def test_stages_on_distinct_nodes_hold_only_their_weights(cluster, tmp_path):
             assert stage.memory.weights <= resident <= stage.memory.weights + 256 * 1024 < total * 0.6
     with load_model(path) as model:
         assert got == reference_tokens(GraphExecutor(model, fuse=False), reqs)
+
+
+def test_node_hosting_a_stage_is_removed_mid_run(cluster, tmp_path):
+    """Three more 1-CPU nodes, each with the resource ``pool`` (shared, so it pins no stage to a
+    node); each stage takes a whole CPU and a sliver of ``pool``, so the two stages land on two of
+    the three and the third is spare (the head and node_a/node_b have no ``pool``).  With four
+    sessions in flight, the node of stage 1 is removed (its raylet and worker processes killed).
+    The coordinator must notice, place stage 1 again on the spare node, replay the sessions, and
+    finish with the tokens of a fault-free run."""
+    from dist_runtime.pipeline import Sampling
+
+    path = save_example(tmp_path / "llama4.model", CFG, seed=2)
+    added = [cluster.add_node(num_cpus=1, resources={"pool": 1}) for _ in range(3)]
+    cluster.wait_for_nodes()
+    try:
+        reqs = [Request("a", [5, 17, 3, 9], 8), Request("b", [42], 8, Sampling(temperature=0.8, top_k=10, seed=11)),
+                Request("c", [7, 7, 7, 1], 8, Sampling(temperature=1.1, top_p=0.9, seed=12)), Request("d", [1, 2], 8)]
+        with load_model(path) as model:
+            want = reference_tokens(GraphExecutor(model, fuse=False), reqs)
+        options = StageOptions(fuse=False, cpus=1, resources=[{"pool": 0.01}, {"pool": 0.01}])
+        with Pipeline(path, stages=2, max_context=64, options=options) as p:
+            co = p.coordinator
+            pool_ids = {n.node_id for n in added}
+            placed = [r["node_id"] for r in p.reports]
+            assert set(placed) <= pool_ids and placed[0] != placed[1]
+            removed: list = []
+
+            def remove_stage_1_node() -> None:
+                node = next(n for n in cluster.list_all_nodes() if n.node_id == p.reports[1]["node_id"])
+                cluster.remove_node(node)
+                removed.append(node)
+
+            got: dict = {}
+            for i, event in enumerate(co.stream(reqs)):
+                assert event.error is None, event.error
+                got.setdefault(event.session, []).append(event.token)
+                if i == 9:  # mid-run: every session has a step in flight
+                    remove_stage_1_node()
+            assert removed, "the fault was not injected"
+            assert got == want  # bit-identical tokens, no session lost
+            assert co.recoveries and {e.stage for e in co.recoveries} == {1}
+            assert {e.session for e in co.recoveries} <= set("abcd")
+            new = p.reports[1]["node_id"]
+            spare = pool_ids - {placed[0], placed[1]}
+            assert new != placed[1] and {new} == spare  # the spare node took stage 1
+            assert p.reports[0]["node_id"] == placed[0]  # stage 0 was kept where it was
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            assert placed[1] not in alive and new in alive
+            # and the replacement serves new work
+            assert co.generate([Request("e", [3], 2)])["e"]
+    finally:
+        for node in added:
+            if node in cluster.worker_nodes:
+                cluster.remove_node(node)

@@ -7,12 +7,18 @@
 The main CLI adds the command with :func:`register`; :func:`main` runs it standalone (the cluster
 job script uses it).  Without ``--address`` or ``RAY_ADDRESS`` an embedded local Ray is started and
 stopped; with them the command joins the cluster.
+
+Ctrl-C (SIGINT) stops the run: the pipeline is closed (stage actors killed, the embedded Ray
+stopped), a one-line note goes to stderr and the exit status is 130, with no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
+import sys
 from pathlib import Path
 
 from partitioner.cli import positive_int
@@ -39,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     plan.add_argument("--budgets", metavar="SIZES", help="memory budget per stage, in pipeline order, e.g. 8GiB,16GiB")
     plan.add_argument("--speeds", metavar="LIST", help="relative speed per stage, e.g. 1,2 (default: all 1)")
     plan.add_argument("--reserve", default="0", metavar="SIZE", help="memory kept free per machine (default: 0)")
-    plan.add_argument("--max-context", type=positive_int, default=4096, metavar="TOKENS",
-                      help="longest context a session may reach; sizes the KV caches in the plan (default: 4096)")
+    plan.add_argument("--max-context", type=positive_int, default=None, metavar="TOKENS",
+                      help="longest context a session may reach; sizes the KV caches in the plan "
+                           "(default: the model's context length, at most 4096)")
     plan.add_argument("--plan", metavar="PLAN.json", help="use a plan from `dist-runtime partition -o` instead")
     gen = p.add_argument_group("generation")
     gen.add_argument("--sessions", type=positive_int, default=1, metavar="K",
@@ -114,8 +121,37 @@ def _options(args):
                         weights=args.weights, worker_path=args.worker_path, fuse=not args.no_fuse)
 
 
+#: Exit status after Ctrl-C: 128 + SIGINT, what a shell reports for a process SIGINT ended.
+INTERRUPTED = 128 + signal.SIGINT
+
+
 def run_pipeline_generate(args: argparse.Namespace) -> int:
-    """The ``pipeline`` command: plan, deploy, generate, report."""
+    """The ``pipeline`` command: plan, deploy, generate, report.  Ctrl-C: see the module docstring."""
+    try:
+        return _run_pipeline_generate(args)
+    except KeyboardInterrupt:
+        # By now the pipeline is closed (actors killed, Ray stopped if this command started it):
+        # _run_pipeline_generate closes it before the interrupt reaches here.
+        print("dist-runtime pipeline: interrupted; the pipeline was shut down", file=sys.stderr, flush=True)
+        return INTERRUPTED
+
+
+@contextlib.contextmanager
+def _no_sigint():
+    """Ignore further Ctrl-Cs while the pipeline is torn down (a second one would cut ``close``
+    short and leave actors or an embedded Ray behind); restores the handler afterwards."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals are not ours to change
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _run_pipeline_generate(args: argparse.Namespace) -> int:
     from .cluster import describe
     from .launch import Pipeline
 
@@ -127,22 +163,32 @@ def run_pipeline_generate(args: argparse.Namespace) -> int:
 
         plan = Plan.from_json(Path(args.plan).read_text())
     requests = _requests(args)
-    with Pipeline(args.model, plan=plan, stages=args.stages, budgets=args.budgets, speeds=args.speeds,
-                  reserve=args.reserve, max_context=args.max_context, sessions=args.sessions,
-                  channel=args.channel, options=_options(args), address=args.address,
-                  num_cpus=args.num_cpus, timeout=args.timeout) as pipe:
+    pipe = Pipeline(args.model, plan=plan, stages=args.stages, budgets=args.budgets, speeds=args.speeds,
+                    reserve=args.reserve, max_context=args.max_context, sessions=args.sessions,
+                    channel=args.channel, options=_options(args), address=args.address,
+                    num_cpus=args.num_cpus, timeout=args.timeout)
+    try:
         tokens: dict = {}
-        for event in pipe.coordinator.stream(requests, max_in_flight=args.max_in_flight):
-            if event.error is not None:
-                raise event.error
-            tokens.setdefault(event.session, []).append(event.token)
-            if args.stream and not args.json:
-                print(f"session {event.session}: {event.token}", flush=True)
+        # closing(): on an exception (Ctrl-C included) the stream is finished here, while the
+        # actors and Ray are still up -- not later by the garbage collector, after Ray is gone.
+        with contextlib.closing(pipe.coordinator.stream(requests, max_in_flight=args.max_in_flight)) as events:
+            for event in events:
+                if event.error is not None:
+                    raise event.error
+                tokens.setdefault(event.session, []).append(event.token)
+                if args.stream and not args.json:
+                    print(f"session {event.session}: {event.token}", flush=True)
         run = pipe.coordinator.last_run
         reports, plan_hash = pipe.reports, pipe.plan.hash
         nodes = describe()["nodes"]
         if args.timeline:
             Path(args.timeline).write_text(run.svg())
+    except KeyboardInterrupt:
+        with _no_sigint():
+            pipe.close()
+        raise
+    finally:
+        pipe.close()  # idempotent: a no-op after the close above
     check = None
     if args.check:
         check = _check(args, requests, tokens)
