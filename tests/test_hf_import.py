@@ -296,3 +296,25 @@ def test_progress_without_tqdm(tmp_path, capsys, monkeypatch):
     convert_hf(FIXTURES / "mistral", tmp_path / "m.model", progress=True)
     err = capsys.readouterr().err
     assert "converting [" in err and err.endswith("] 21/21\n")
+
+
+def test_convert_detects_the_format_and_names_what_it_cannot_read(tmp_path, capsys):
+    """``convert`` dispatches on what the source is; anything else is named, and nothing is written."""
+    from dist_runtime.importers import convert, detect_format
+
+    assert detect_format(FIXTURES / "llama") == "huggingface"
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    (t5 / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(HFImportError, match=r"model_type 't5' is not supported; supported: bert, gpt2, "
+                                            r"llama, mistral, phi, qwen2"):
+        convert(t5, tmp_path / "t5.model")
+    fake = tmp_path / "weights.gguf"
+    fake.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(DistRuntimeError, match=r"ends in .gguf but does not start with the GGUF magic"):
+        detect_format(fake)
+    other = tmp_path / "model.bin"
+    other.write_bytes(b"\x00" * 16)
+    assert main(["convert", str(other), "-o", str(tmp_path / "x.model")]) == 1
+    assert "cannot tell the format of" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.bin", "t5", "weights.gguf"]
