@@ -1,6 +1,5 @@
-"""Decode tokens/s of the GraphExecutor next to PyTorch eager (transformers), on the same random
-~125M-parameter Llama, measured in one run.  (llama.cpp is not a column yet: it needs
-llama-cpp-python, a ~15-minute build, and these weights written as GGUF.)
+"""Decode tokens/s of the GraphExecutor next to PyTorch eager (transformers) and llama.cpp
+(llama-cpp-python), on the same random ~125M-parameter Llama, measured in one run.
 
 The model: hidden 768, 12 layers, 12 heads, 4 KV heads, FFN 2048, vocab 32000 (the executor
 issue's benchmark model), seeded random weights with Hugging Face names, so the very same tensors
@@ -13,15 +12,23 @@ Run as (see the OPENBLAS trap in shared/notes/performance.md: unset both for thi
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/bench_decode.py
 
-torch/transformers are not project dependencies: install them to get the PyTorch column
-(``pip install torch==2.13.0 transformers``).
+torch/transformers and llama-cpp-python are not project dependencies: install them to get their
+columns (``pip install torch==2.13.0 transformers``; llama-cpp-python builds llama.cpp from source,
+~15 minutes here: ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON" pip install
+llama-cpp-python``).  llama.cpp reads the weights from GGUF files (F32 and Q8_0) written here with
+the ``gguf`` package exactly as llama.cpp's own converter writes them (the tests' writer,
+``tests/test_gguf_import.py``); the first decode step's logits are compared with ours to show it
+runs the same model.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -116,6 +123,55 @@ def torch_decoder(weights):
     return run
 
 
+def write_gguf_files(weights, directory: Path) -> dict[str, Path]:
+    """The model as GGUF, F32 and Q8_0, through the tests' convert_hf_to_gguf-equivalent writer."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from gguf import GGMLQuantizationType as Q
+    from test_gguf_import import SPM, write_gguf
+
+    cfg = {"max_position_embeddings": 2048, "hidden_size": CFG.hidden, "num_hidden_layers": CFG.layers,
+           "intermediate_size": CFG.ffn, "head_dim": CFG.hidden // CFG.heads,
+           "num_attention_heads": CFG.heads, "num_key_value_heads": CFG.kv_heads,
+           "rms_norm_eps": CFG.eps, "vocab_size": CFG.vocab}
+    vocab = SPM + [f"t{i}" for i in range(CFG.vocab - len(SPM))]
+    meta = {"llama.rope.freq_base": float(CFG.rope_base), "tokenizer.ggml.tokens": vocab,
+            "tokenizer.ggml.scores": [0.0] * CFG.vocab,
+            "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * (CFG.vocab - 259)}
+    return {name: write_gguf(directory / f"bench-{name}.gguf", q, weights=weights, cfg=cfg, meta=meta)
+            for name, q in (("f32", Q.F32), ("q8_0", Q.Q8_0))}
+
+
+def llama_cpp_decoder(path: Path):
+    """A function timing one decode run of llama.cpp on ``path``, and the logits of the prompt's
+    last position; None when llama-cpp-python is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None, None
+    llm = Llama(model_path=str(path), n_ctx=256, n_threads=2, n_threads_batch=2, n_batch=64,
+                verbose=False)
+
+    def last_logits() -> np.ndarray:
+        # Without logits_all, llama-cpp-python keeps no scores: read the context's last row.
+        return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(CFG.vocab,))
+
+    def run(tokens: int) -> list[float]:
+        llm.reset()
+        llm.eval([int(t) for t in PROMPT])
+        tok = int(np.argmax(last_logits()))
+        steps = []
+        for _ in range(tokens):
+            t = time.perf_counter()
+            llm.eval([tok])
+            tok = int(np.argmax(last_logits()))
+            steps.append(time.perf_counter() - t)
+        return steps
+
+    llm.reset()
+    llm.eval([int(t) for t in PROMPT])
+    return run, last_logits().copy()
+
+
 def context_ratio(ex: GraphExecutor) -> tuple[float, float]:
     """Median decode step at context 32 and at 1024."""
     def step_at(ctx: int) -> float:
@@ -134,6 +190,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32, help="decode steps per run (default 32)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per engine (default 3)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="leave the llama.cpp columns out")
     args = parser.parse_args()
 
     w = llama_weights(CFG, seed=0)
@@ -152,6 +209,14 @@ def main() -> None:
     engines = {name: (lambda ex=ex: time_ours(ex, args.tokens)) for name, ex in ours.items()}
     torch_run = torch_decoder(w)
     engines["PyTorch eager f32"] = (lambda: torch_run(args.tokens)) if torch_run else (lambda: None)
+    tmp = tempfile.TemporaryDirectory()
+    ours_logits = our_executor(w, False).run({"tokens": PROMPT})["logits"][-1]
+    agreement = {}
+    for name, path in ({} if args.no_llama_cpp else write_gguf_files(w, Path(tmp.name))).items():
+        run, logits = llama_cpp_decoder(path)
+        engines[f"llama.cpp {name.upper()}"] = (lambda run=run: run(args.tokens)) if run else (lambda: None)
+        if logits is not None:
+            agreement[name] = float(np.abs(logits - ours_logits).max() / np.abs(ours_logits).max())
     # Rounds interleave the engines, so that a burst of load from elsewhere on this shared
     # machine hits all of them rather than one.
     runs: dict[str, list] = {name: [] for name in engines}
@@ -162,14 +227,18 @@ def main() -> None:
         add(name, runs[name])
 
     ref = dict(rows).get("PyTorch eager f32")
+    cpp = dict(rows).get("llama.cpp F32")
     print(f"decode, {CFG.layers} layers x hidden {CFG.hidden}, prompt {len(PROMPT)}, {args.tokens} steps, median of {args.repeat}")
-    print(f"{'engine':<22} {'ms/token':>9} {'tok/s':>8} {'vs PyTorch':>11}")
+    print(f"{'engine':<22} {'ms/token':>9} {'tok/s':>8} {'vs PyTorch':>11} {'vs llama.cpp F32':>17}")
     for name, sec in rows:
         if sec is None:
             print(f"{name:<22} {'(not installed)':>30}")
             continue
         ratio = f"{ref / sec:.2f}x" if ref else "-"
-        print(f"{name:<22} {sec * 1e3:9.2f} {1 / sec:8.1f} {ratio:>11}")
+        ratio_cpp = f"{cpp / sec:.2f}x" if cpp else "-"
+        print(f"{name:<22} {sec * 1e3:9.2f} {1 / sec:8.1f} {ratio:>11} {ratio_cpp:>17}")
+    for name, err in agreement.items():
+        print(f"llama.cpp {name.upper()} vs ours, logits of the prompt's last position: max |diff| / max |logit| = {err:.1e}")
 
     per_token, in_kernels = kernel_share(ours["ours f32 (fused)"], args.tokens)
     print(f"\nper-token Python overhead (fused f32): {(per_token - in_kernels) * 1e3:.2f} ms of "

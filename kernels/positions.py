@@ -7,6 +7,7 @@ positions round the same way; the data is then combined in the compute dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -49,20 +50,30 @@ def rope_cos_sin(start: int, length: int, rope_dim: int,
     return np.cos(theta), np.sin(theta)
 
 
+@functools.lru_cache(maxsize=32)
+def _rotation(start: int, length: int, rope_dim: int, base: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``(C, S)``, ``[length, 1, rope_dim]`` in ``dtype``, read-only: the rotation as
+    ``x * C + concat(x2, x1) * S`` with ``C = [cos, cos]`` and ``S = [-sin, sin]``.  Every Rope
+    node of a step (q and k of every layer) rotates by the same positions: computed once, cached."""
+    cos, sin = rope_cos_sin(start, length, rope_dim, base)
+    c = np.concatenate([cos, cos], axis=-1)[:, None, :].astype(dtype)
+    s = np.concatenate([-sin, sin], axis=-1)[:, None, :].astype(dtype)
+    c.flags.writeable = s.flags.writeable = False
+    return c, s
+
+
 def rope(x, pos, *, head_dim: int, rope_dim: int, base: float) -> np.ndarray:
     """Rotate-half rotary embedding of the first ``rope_dim`` dims of every head of ``x``."""
     dtype = compute_dtype(x)
-    t = x.shape[-2]
     heads = x.shape[-1] // head_dim
     xs = as_compute(x, dtype).reshape(*x.shape[:-1], heads, head_dim)
-    cos, sin = rope_cos_sin(position("Rope", pos), t, rope_dim, base)
-    cos, sin = cos[:, None, :].astype(dtype), sin[:, None, :].astype(dtype)  # [T, 1, r/2]
+    c, s = _rotation(position("Rope", pos), x.shape[-2], rope_dim, float(base), np.dtype(dtype))
     half = rope_dim // 2
-    x1, x2 = xs[..., :half], xs[..., half:rope_dim]
-    y = np.empty_like(xs)
-    y[..., :half] = x1 * cos - x2 * sin
-    y[..., half:rope_dim] = x2 * cos + x1 * sin
-    y[..., rope_dim:] = xs[..., rope_dim:]  # partial rotary: the rest passes through
+    rot = xs[..., :rope_dim]
+    y = rot * c
+    y += np.concatenate([rot[..., half:], rot[..., :half]], axis=-1) * s
+    if rope_dim < head_dim:  # partial rotary: the rest passes through
+        y = np.concatenate([y, xs[..., rope_dim:]], axis=-1)
     return cast_back(y.reshape(x.shape), x)
 
 

@@ -145,6 +145,11 @@ def test_unrecoverable_stage_fails_typed_within_deadline(model_path):
         assert {e.session for e in failed} == set("abcd")
         assert all(isinstance(e.error, StageUnavailableError) and e.done for e in failed)
         assert "were not all placed" in str(failed[0].error)
+    # nothing leaked: once the pipeline is closed, every CPU its actors held is free again
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
 
 
 def test_resumed_session_is_replayed(model_path):
