@@ -211,3 +211,18 @@ def test_cluster_configs_pass_rays_schema():
         for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
             assert "RAY_AUTH_MODE=token" in " ".join(commands), path
         assert "~/.ray/auth_token" in config["file_mounts"], path
+
+
+def test_run_telemetry_stays_bounded():
+    """A stream that serves for hours keeps the last ``max_steps`` step records, not all."""
+    from dist_runtime.pipeline.telemetry import RunTelemetry
+
+    run = RunTelemetry(2, max_steps=100)
+    for step in range(1000):
+        run.submitted(step, step % 4, "decode", 1, float(step))
+        run.token(step, step + 0.5, 0.0)
+    run.token(10**6, 0.0, 0.0)  # a step dropped while in flight is ignored, not a KeyError
+    assert len(run.steps) == 100 and min(run.steps) == 900
+    assert run.tokens[0] == [0.5, 996.5, 250]
+    summary = run.summary()
+    assert summary["tokens"] == 100 and summary["session_decode_tokens_per_s"] > 0

@@ -56,31 +56,43 @@ class StepRecord:
         return self.done - self.stages[-1].end
 
 
+#: Step records one run keeps, the oldest dropped first: a stream serving for hours stays bounded
+#: (its figures then describe the last MAX_STEPS steps).
+MAX_STEPS = 200_000
+
+
 class RunTelemetry:
     """Everything measured in one run (``Coordinator.stream`` / ``generate``)."""
 
-    def __init__(self, num_stages: int) -> None:
+    def __init__(self, num_stages: int, max_steps: int = MAX_STEPS) -> None:
         self.num_stages = num_stages
+        self.max_steps = max_steps
         self.steps: dict[int, StepRecord] = {}
         self.first_token: dict[Hashable, float] = {}
         self.session_start: dict[Hashable, float] = {}
-        self.tokens: dict[Hashable, list[float]] = {}  # wall time of every token, per session
+        self.tokens: dict[Hashable, list] = {}  # per session: [first token's time, last's, count]
         self._idle_from: dict[tuple[int, int], float] = {}  # (stage, step) -> end of its previous call
 
     # -- recording -----------------------------------------------------------------------------
     def submitted(self, step: int, session, kind: str, rows: int, at: float) -> None:
         self.steps[step] = StepRecord(step, session, kind, rows, at)
         self.session_start.setdefault(session, at)
+        if len(self.steps) > self.max_steps:
+            self.steps.pop(next(iter(self.steps)))
 
     def token(self, step: int, at: float, sample_seconds: float) -> None:
-        rec = self.steps[step]
+        rec = self.steps.get(step)
+        if rec is None:  # dropped while in flight (MAX_STEPS)
+            return
         rec.done, rec.sample = at, sample_seconds
         self.first_token.setdefault(rec.session, at)
-        self.tokens.setdefault(rec.session, []).append(at)
+        seen = self.tokens.setdefault(rec.session, [at, at, 0])
+        seen[1], seen[2] = at, seen[2] + 1
 
     def failed(self, step: int, at: float, error: BaseException) -> None:
-        rec = self.steps[step]
-        rec.done, rec.error = at, f"{type(error).__name__}: {error}"
+        rec = self.steps.get(step)
+        if rec is not None:
+            rec.done, rec.error = at, f"{type(error).__name__}: {error}"
 
     def add_stage_records(self, stage: int, records: list[tuple]) -> None:
         """Records from ``StageWorker.telemetry()``; steps of other runs are ignored."""
@@ -117,7 +129,7 @@ class RunTelemetry:
         firsts = [self.first_token[s] - self.session_start[s] for s in self.first_token]
         starts = list(self.first_token.values())
         decode_wall = t1 - min(starts) if starts else 0.0
-        per_session = [(len(ts) - 1) / (ts[-1] - ts[0]) for ts in self.tokens.values() if len(ts) > 1 and ts[-1] > ts[0]]
+        per_session = [(n - 1) / (last - first) for first, last, n in self.tokens.values() if n > 1 and last > first]
         stages = []
         for k in range(self.num_stages):
             timings = [t for r in ok for t in r.stages if t.stage == k]
