@@ -154,6 +154,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     sessions=args.sessions, new_tokens=args.new_tokens, address=args.address)
 
 
+# -- embed --------------------------------------------------------------------------------------
+def cmd_embed(args: argparse.Namespace) -> int:
+    from .embed import embed_texts, similarity_table
+
+    emb = embed_texts(args.model, args.texts, stages=args.stages, address=args.address)
+    if args.json:
+        print(json.dumps({"texts": args.texts, "embeddings": emb.tolist()}))
+        return 0
+    where = f"{args.stages} pipeline stages" if args.stages else "this process"
+    print(f"{len(args.texts)} text(s), {emb.shape[1]} dims, on {where}")
+    print(similarity_table(args.texts, emb))
+    return 0
+
+
 # -- convert ------------------------------------------------------------------------------------
 def _per_layer(names: list[str]) -> str:
     """Tensor names with the layer index folded: ``model.layers.*.x.weight (x32)``."""
@@ -374,6 +388,20 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--address", default=None,
                     help="a Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
     dm.set_defaults(func=cmd_demo)
+
+    em = sub.add_parser("embed", help="Sentence embeddings of texts with a converted sentence-transformers "
+                        "model, in this process or split into pipeline stages.",
+                        description="Embed texts with a .model converted from a sentence-transformers "
+                                    "directory (e.g. all-MiniLM-L6-v2) and print their cosine "
+                                    "similarity matrix, or the vectors with --json. --stages N runs it "
+                                    "split into N Ray actors with batches in flight.")
+    em.add_argument("model", metavar="MODEL", help="a .model with a sentence_embedding output")
+    em.add_argument("texts", metavar="TEXT", nargs="+", help="texts to embed")
+    em.add_argument("--stages", type=positive_int, default=None, help="pipeline stages (default: run in this process)")
+    em.add_argument("--address", default=None, help="a Ray cluster address (with --stages; default: RAY_ADDRESS, "
+                                                    "else an embedded local Ray)")
+    em.add_argument("--json", action="store_true", help="print the vectors as JSON")
+    em.set_defaults(func=cmd_embed)
 
     ex = sub.add_parser("example", help="Write a small random-weight Llama-architecture model.",
                         description="Write a small random-weight Llama-architecture model "

@@ -34,35 +34,8 @@ def _step(what: str):
     print(f"   done in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def _similarity_table(sentences, emb: np.ndarray) -> str:
-    sim = emb @ emb.T
-    rows = [f"   {'':>4}" + "".join(f"{j:>7}" for j in range(len(sentences)))]
-    for i, s in enumerate(sentences):
-        rows.append(f"   [{i}] " + "".join(f"{sim[i, j]:7.3f}" for j in range(len(sentences))) + f"   {s}")
-    return "\n".join(rows)
-
-
-def embed_on_pipeline(model_path: Path, sentences, stages: int, per_batch: int = 2) -> np.ndarray:
-    """Sentence embeddings of a converted sentence-transformers model, its stages on Ray actors,
-    batches of ``per_batch`` sentences in flight together."""
-    from .importers.hf_encoder import pad_batch
-    from .importers.tokenizer import Tokenizer, find_tokenizer
-    from .model import load_model
-    from .pipeline import Pipeline, StageOptions
-
-    with load_model(model_path, tensors=[]) as model:
-        tok = Tokenizer(find_tokenizer(model_path, model.metadata))
-    ids = [tok.encode(s) for s in sentences]
-    batches = [pad_batch(ids[i:i + per_batch]) for i in range(0, len(ids), per_batch)]
-    with Pipeline(model_path, stages=stages, options=StageOptions(cpus=0.5)) as pipe:
-        print(f"   {stages} stages: " + "; ".join(
-            f"stage {r['stage']} pid {r['pid']} {len(r['weights'])} tensors "
-            f"{r['weight_bytes'] / 2**20:.1f} MiB ({r['source'].split()[0]})" for r in pipe.reports))
-        outs = pipe.coordinator.run_many(batches)
-    return np.concatenate([o["sentence_embedding"] for o in outs])
-
-
 def part_embeddings(out: Path, stages: int) -> bool:
+    from .embed import embed_texts, similarity_table
     from .importers import convert
     from .importers.hf_encoder import minilm_dir
 
@@ -78,11 +51,15 @@ def part_embeddings(out: Path, stages: int) -> bool:
         print(f"   {report.architecture}: {report.tensors} tensors, {report.bytes / 2**20:.1f} MiB, "
               f"{sum(report.ops.values())} nodes")
     with _step(f"embed {len(sentences)} sentences on {stages} pipeline stages"):
-        emb = embed_on_pipeline(model_path, sentences, stages)
+        reports: list = []
+        emb = embed_texts(model_path, sentences, stages=stages, reports=reports)
+        print(f"   {stages} stages: " + "; ".join(
+            f"stage {r['stage']} pid {r['pid']} {len(r['weights'])} tensors "
+            f"{r['weight_bytes'] / 2**20:.1f} MiB ({r['source'].split()[0]})" for r in reports))
     cos = np.sum(emb * ref["embeddings"], axis=1) / (
         np.linalg.norm(emb, axis=1) * np.linalg.norm(ref["embeddings"], axis=1))
     print("   cosine similarity matrix:")
-    print(_similarity_table(sentences, emb))
+    print(similarity_table(sentences, emb, "   "))
     ok = bool(np.all(cos >= MIN_COSINE))
     print(f"   vs sentence-transformers: cosine min {cos.min():.6f} (need >= {MIN_COSINE}) "
           f"-> {'OK' if ok else 'MISMATCH'}")

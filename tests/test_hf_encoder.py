@@ -246,3 +246,26 @@ def test_minilm_matches_sentence_transformers(tmp_path):
     cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
     assert ours.shape == (6, 384) and cosine.min() >= 0.9999, cosine
     assert np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)
+
+
+def test_embed_command(tmp_path, capsys):
+    """``dist-runtime embed``: the similarity matrix of a converted sentence-transformers model,
+    the vectors with --json, and a clear error for a model without a sentence_embedding."""
+    from dist_runtime.cli import main
+    from dist_runtime.importers import convert
+
+    path = convert(Path(__file__).parent / "fixtures" / "hf" / "bert", tmp_path / "bert.model").out
+    texts = ["hello world", "hello there", "bye"]
+    assert main(["embed", str(path), *texts]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("3 text(s), ") and "on this process" in out and "[2] " in out
+    assert main(["embed", str(path), *texts, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    emb = np.array(got["embeddings"], np.float32)
+    assert emb.shape[0] == 3 and np.allclose(np.linalg.norm(emb, axis=1), 1, atol=1e-5)
+    from dist_runtime.importers.hf_encoder import embed
+
+    np.testing.assert_allclose(emb, embed(path, texts), rtol=0, atol=1e-6)
+    llama = convert(Path(__file__).parent / "fixtures" / "hf" / "llama", tmp_path / "llama.model").out
+    assert main(["embed", str(llama), "x"]) == 1
+    assert "has no sentence_embedding output" in capsys.readouterr().err
