@@ -166,3 +166,21 @@ def test_resumed_session_is_replayed(model_path):
         assert co.generate([Request("s", [1], 2)])["s"]
         assert co.sessions["r"].stale
         assert co.generate([Request("r", [8], 3, resume=True)]) == want2
+
+
+def test_fast_replay_is_one_prefill(model_path, expected):
+    """``exact_replay=False`` rebuilds a session with one prefill step instead of one step per
+    token; on this model the tokens still agree (it is not guaranteed where logits nearly tie)."""
+    with Pipeline(model_path, stages=2, max_context=64, options=StageOptions(fuse=False, cpus=0.5)) as p:
+        co = p.coordinator
+        co.exact_replay = False
+        sent = []
+        message = co._message
+        co._message = lambda sid, tokens, pos, *rest, **kw: sent.append((sid, len(tokens), pos)) or message(sid, tokens, pos, *rest, **kw)
+        assert _run_with_faults(p, {2 * N_NEW: _kill_actor(1)}) == expected
+        events = [e for e in co.recoveries if e.stage == 1]
+        assert events and all(e.position > 1 for e in events)
+        for e in events:  # the session's whole history went in one step from position 0
+            assert (e.session, e.position, 0) in sent
+        summary = co.last_run.summary()
+        assert summary["errors"] == 0

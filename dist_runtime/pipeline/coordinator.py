@@ -127,10 +127,14 @@ class Coordinator:
     def __init__(self, stages: list[StageGraph], actors: list, channel: Channel, *,
                  timeout: float | None = 600.0,
                  repair: Callable[[list[int]], tuple[list, Channel]] | None = None,
-                 max_recoveries: int = 3, probe_timeout: float = 10.0) -> None:
+                 max_recoveries: int = 3, probe_timeout: float = 10.0, exact_replay: bool = True) -> None:
         self.stages, self.actors, self.channel = stages, actors, channel
         self.timeout = timeout
         self.repair, self.max_recoveries, self.probe_timeout = repair, max_recoveries, probe_timeout
+        # Exact: replay in the steps first fed (bit-identical caches; one step per generated token).
+        # Otherwise the whole history as one prefill: far fewer steps for long sessions, caches
+        # equal within float rounding, so a later token may differ where two logits nearly tie.
+        self.exact_replay = exact_replay
         self.recoveries: list[RecoveryEvent] = []
         # A graph with one token input and logits can generate; any graph can ``run``.
         first, last = stages[0], stages[-1]
@@ -361,11 +365,12 @@ class Coordinator:
 
     def _replay(self, states: list[SessionState]) -> None:
         """Feed each session's history again, step by step as it was first fed (the first step
-        resets the session everywhere), so every stage holds exactly the KV rows it held."""
+        resets the session everywhere), so every stage holds exactly the KV rows it held; or, with
+        ``exact_replay`` off, as one prefill."""
         handles = []
         for state in states:
             at = 0
-            for rows in state.chunks:
+            for rows in (state.chunks if self.exact_replay else [state.pos] if state.pos else []):
                 message = self._message(state.sid, state.history[at:at + rows], at, self._next_step(), at == 0, False)
                 handles.append(self.channel.submit(message))
                 at += rows
