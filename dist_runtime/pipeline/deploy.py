@@ -74,7 +74,7 @@ def deploy(model_path: str | os.PathLike, stages: list[StageGraph], options: Sta
     try:
         for stage in stages:
             opts: dict = {"num_cpus": options.cpus, "max_restarts": 0,
-                          "runtime_env": {"env_vars": {**thread_env(options.threads), **options.extra_env}}}
+                          "runtime_env": {"env_vars": {**thread_env(options.threads, options.cpus), **options.extra_env}}}
             if options.resources is not None:
                 opts["resources"] = options.resources[stage.index]
             elif options.spread:
