@@ -75,7 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "through the object store (default: auto)")
     run.add_argument("--worker-path", metavar="PATH", help="where the workers find the model (default: MODEL, absolute)")
     run.add_argument("--cpus-per-stage", type=float, metavar="N", help="CPU reservation per stage (default: shared evenly)")
-    run.add_argument("--threads-per-stage", type=positive_int, metavar="N", help="BLAS threads per stage (default: its CPUs)")
+    run.add_argument("--threads-per-stage", type=positive_int, metavar="N",
+                     help="BLAS threads per stage (default: its CPUs). With one session at a time the "
+                          "stages take turns: give each the machine's cores (idle stages' threads then "
+                          "sleep); with many sessions keep the default share")
     run.add_argument("--stage-resources", metavar="NAMES",
                      help="pin stage k to the node with resource NAME_k, e.g. node:10.0.0.11,node:10.0.0.12 "
                           "(Ray's per-node resource) or custom ones like stage0,stage1")
