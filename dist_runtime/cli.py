@@ -482,6 +482,13 @@ def run_command(func, args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"error: cannot open {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: what was printed stands; no traceback
+        print(f"\ndist-runtime {getattr(args, 'command', '') or ''}: interrupted".rstrip(), file=sys.stderr)
+        return INTERRUPTED
+
+
+#: Exit status after Ctrl-C: 128 + SIGINT, what a shell reports for a process SIGINT ended.
+INTERRUPTED = 128 + 2
 
 
 if __name__ == "__main__":

@@ -124,10 +124,6 @@ def _options(args):
                         weights=args.weights, worker_path=args.worker_path, fuse=not args.no_fuse)
 
 
-#: Exit status after Ctrl-C: 128 + SIGINT, what a shell reports for a process SIGINT ended.
-INTERRUPTED = 128 + signal.SIGINT
-
-
 def run_pipeline_generate(args: argparse.Namespace) -> int:
     """The ``pipeline`` command: plan, deploy, generate, report.  Ctrl-C: see the module docstring."""
     try:
@@ -135,6 +131,8 @@ def run_pipeline_generate(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # By now the pipeline is closed (actors killed, Ray stopped if this command started it):
         # _run_pipeline_generate closes it before the interrupt reaches here.
+        from ..cli import INTERRUPTED
+
         print("dist-runtime pipeline: interrupted; the pipeline was shut down", file=sys.stderr, flush=True)
         return INTERRUPTED
 
