@@ -257,8 +257,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if problem:
         print(f"dist-runtime generate: error: {problem}", file=sys.stderr)
         return 2
+    if args.stages or args.budgets:
+        return _generate_on_pipeline(args, prompt)
     with load_model(args.model) as model:
         return _generate(args, model, prompt)
+
+
+def _generate_on_pipeline(args: argparse.Namespace, prompt: list[int] | None) -> int:
+    """``generate --stages N`` / ``--budgets``: the same run as ``dist-runtime pipeline``, which
+    takes the prompt as ids (a text prompt is tokenized here) and prints each session's tokens."""
+    from .pipeline.cli import build_parser, run_pipeline_generate
+
+    if prompt is None:
+        from .importers.tokenizer import Tokenizer, find_tokenizer
+        from .model import load_model
+
+        with load_model(args.model, tensors=[]) as model:
+            tok_path = find_tokenizer(args.model, model.metadata, args.tokenizer)
+        if tok_path is None:
+            raise DistRuntimeError(f"{args.model} has no tokenizer: give --ids, or --tokenizer PATH")
+        prompt = Tokenizer(tok_path).encode(args.prompt)
+    argv = [str(args.model), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(args.max_tokens),
+            "--sessions", str(args.sessions)]
+    for flag, value in (("--stages", args.stages), ("--budgets", args.budgets), ("--address", args.address),
+                        ("--timeline", args.timeline), ("--temperature", args.temperature),
+                        ("--top-k", args.top_k), ("--top-p", args.top_p), ("--min-p", args.min_p),
+                        ("--seed", args.seed)):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += [flag for flag, on in (("--stats", args.stats), ("--json", args.json), ("--stream", not args.json)) if on]
+    return run_pipeline_generate(build_parser("dist-runtime generate").parse_args(argv))
 
 
 def _generate(args: argparse.Namespace, model, prompt: list[int] | None) -> int:
@@ -452,6 +480,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     gen.add_argument("--show-ids", action="store_true", help="print token ids even when there is a tokenizer")
     gen.add_argument("--json", action="store_true", help="print one JSON result at the end instead of streaming")
+    dist = gen.add_argument_group("split into pipeline stages on Ray (runs `dist-runtime pipeline`, which has "
+                                  "every option)")
+    dist.add_argument("--stages", type=positive_int, metavar="N", help="run as N pipeline stages, one Ray actor each")
+    dist.add_argument("--budgets", metavar="SIZES", help="one stage per memory budget, e.g. 8GiB,16GiB")
+    dist.add_argument("--sessions", type=positive_int, default=1, metavar="K",
+                      help="sessions generating at once from the prompt (default: 1)")
+    dist.add_argument("--address", metavar="ADDR", help="an existing Ray cluster (default: RAY_ADDRESS, else a local one)")
+    dist.add_argument("--timeline", metavar="FILE.svg", help="draw the per-stage timeline")
+    dist.add_argument("--stats", action="store_true", help="print the per-stage timing table")
     gen.set_defaults(func=cmd_generate)
 
     from partitioner.cli import register as register_partition

@@ -222,3 +222,13 @@ def test_demo_parts(tmp_path, capsys):
     assert part_generation(tmp_path, 2, 4, 6)
     out = capsys.readouterr().out
     assert "-> OK" in out and "the same tokens" in out and "bubble" in out
+
+
+def test_generate_with_stages_runs_the_pipeline(model_path, reference, capsys):
+    """``dist-runtime generate MODEL --stages N`` is the pipeline run (the issue's spelling)."""
+    from dist_runtime.cli import main
+
+    assert main(["generate", str(model_path), "--ids", "4,5,6", "-n", "5", "--stages", "2", "--stats"]) == 0
+    out = capsys.readouterr().out
+    want = reference_tokens(reference, [Request(0, [4, 5, 6], 5)])[0]
+    assert f"session 0: {','.join(map(str, want))}" in out and "bubble" in out
