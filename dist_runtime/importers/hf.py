@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -460,45 +460,76 @@ def _token_ids(hf_dir: Path, config: Mapping) -> dict:
     return out
 
 
-def load_hf(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
-    """Read a Hugging Face model directory and convert it: graph, weights (``dtype`` per
-    :func:`_target`), metadata.  Checkpoint tensors the graph does not read are skipped."""
+def checkpoint_prefix(names: Sequence[str], anchor: str, prefixes: Sequence[str], where: Path) -> str:
+    """The prefix (of ``prefixes``) under which the checkpoint holds ``anchor``."""
+    have = set(names)
+    for prefix in prefixes:
+        if prefix + anchor in have:
+            return prefix
+    tried = " or ".join(repr(p + anchor) for p in prefixes)
+    raise HFImportError(f"the checkpoint in {where} has no {tried}: not the model its config.json describes")
+
+
+def read_weights(hf_dir: Path, graph: Graph, shapes: Mapping[str, tuple[int, ...]], dtype: str, *,
+                 prefixes: Sequence[str], made: Mapping[str, np.ndarray], transposed: frozenset[str] = frozenset(),
+                 unprefixed: frozenset[str] = frozenset(), what: str,
+                 progress: bool = False) -> tuple[Graph, dict[str, Array], dict[str, int], list[str]]:
+    """Read the weights ``graph`` names from the checkpoint in ``hf_dir`` and store them as ``dtype``.
+
+    A graph weight ``n`` is ``made[n]``, or the checkpoint tensor ``n`` when in ``unprefixed`` (a
+    head beside the base model), else ``prefix + n`` for the first of ``prefixes`` under which the
+    checkpoint holds ``shapes``' first weight; a name in ``transposed`` is stored ``[in, out]``
+    in the checkpoint (GPT-2's Conv1D) and transposed here.  Returns the graph with weight specs,
+    the weights, the checkpoint's dtype counts and the checkpoint tensors left unread."""
     if dtype not in DTYPES:
         raise HFImportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     from kernels.quant import quantize
 
-    hf_dir = Path(hf_dir)
-    config = read_config(hf_dir)
-    cfg = decoder_config(config)
-    shapes = weight_shapes(cfg)
-    graph = decoder_graph(cfg)
     graph.weights = {n: TensorSpec(s, DType.F32) for n, s in shapes.items()}
     targets = storage_targets(graph, DType[dtype.upper()])
+    wanted = [n for n in shapes if n not in made]
     weights: dict[str, Array] = {}
     source_dtypes: dict[str, int] = {}
     with Checkpoint(hf_dir) as ckpt:
-        have = set(ckpt.names())
-        missing = [n for n in shapes if n not in have]
+        prefix = checkpoint_prefix(ckpt.names(), wanted[0], prefixes, hf_dir)
+        source = {n: n if n in unprefixed else prefix + n for n in wanted}
+        stored = {n: shapes[n][::-1] if n in transposed else shapes[n] for n in wanted}
+        missing = [n for n in wanted if source[n] not in ckpt.file_of]
         if missing:
-            raise HFImportError(
-                f"the checkpoint in {hf_dir} lacks {len(missing)} tensor(s) a {SUPPORTED[cfg.architecture]} "
-                f"with this config.json needs: " + ", ".join(f"{n} {list(shapes[n])}" for n in missing[:8])
-                + (" ..." if len(missing) > 8 else ""))
-        wrong = [f"{n}: {list(ckpt.shape(n))}, expected {list(s)}" for n, s in shapes.items() if ckpt.shape(n) != s]
+            listed = ", ".join(f"{source[n]} {list(stored[n])}" for n in missing[:8])
+            raise HFImportError(f"the checkpoint in {hf_dir} lacks {len(missing)} tensor(s) a {what} with this "
+                                f"config.json needs: {listed}" + (" ..." if len(missing) > 8 else ""))
+        wrong = [f"{source[n]}: {list(ckpt.shape(source[n]))}, expected {list(stored[n])}"
+                 for n in wanted if ckpt.shape(source[n]) != stored[n]]
         if wrong:
             raise HFImportError(f"tensor shapes disagree with config.json: {'; '.join(wrong[:8])}")
         bar = Progress(len(shapes), "converting", progress)
         try:
             for name in shapes:
-                source = ckpt.dtype(name)
-                source_dtypes[source] = source_dtypes.get(source, 0) + 1
-                x = np.ascontiguousarray(ckpt.get(name), dtype=np.float32)
+                if name in made:
+                    x = made[name]
+                else:
+                    kind = ckpt.dtype(source[name])
+                    source_dtypes[kind] = source_dtypes.get(kind, 0) + 1
+                    x = ckpt.get(source[name])
+                    x = np.ascontiguousarray(x.T if name in transposed else x, dtype=np.float32)
                 weights[name] = x if targets[name] == DType.F32 else quantize(x, targets[name])
                 bar.update()
         finally:
             bar.close()
-        ignored = sorted(have - set(shapes))
-    graph = with_weight_specs(graph, weights)
+        ignored = sorted(set(ckpt.names()) - set(source.values()))
+    return with_weight_specs(graph, weights), weights, source_dtypes, ignored
+
+
+def load_hf(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
+    """Read a Hugging Face model directory and convert it: graph, weights (``dtype`` per
+    ``common.storage_targets``), metadata.  Checkpoint tensors the graph does not read are skipped."""
+    hf_dir = Path(hf_dir)
+    config = read_config(hf_dir)
+    cfg = decoder_config(config)
+    graph, weights, source_dtypes, ignored = read_weights(
+        hf_dir, decoder_graph(cfg), weight_shapes(cfg), dtype, prefixes=("",), made={},
+        what=SUPPORTED[cfg.architecture], progress=progress)
     metadata = {
         "name": config.get("_name_or_path") or hf_dir.resolve().name,
         "architecture": cfg.architecture,

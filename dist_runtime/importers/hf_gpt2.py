@@ -28,8 +28,7 @@ from ..dtypes import DType
 from ..ir.graph import POS, Graph, TensorSpec
 from ..ir.ops import Add, Gelu, KvCache, LayerNorm, PosEmbed, Sdpa, Split, TokenEmbed
 from .common import Imported
-from .hf import HFImportError, _Builder, _token_ids, read_config
-from .hf_encoder import read_weights
+from .hf import HFImportError, _Builder, _token_ids, read_config, read_weights
 
 _GELU = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
 #: config keys whose value changes the computation, and the one value this importer implements.
