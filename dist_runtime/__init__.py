@@ -15,10 +15,16 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'dist_runtime' has no attribute {name!r}")
-    import importlib
+def _lazy_exports(package: str, table: dict[str, tuple[str, str]]):
+    """A module ``__getattr__`` that imports ``table[name] = (module, attribute)`` on first use."""
+    def __getattr__(name: str):
+        if name not in table:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        import importlib
 
-    module, attr = _LAZY[name]
-    return getattr(importlib.import_module(module), attr)
+        module, attr = table[name]
+        return getattr(importlib.import_module(module), attr)
+    return __getattr__
+
+
+__getattr__ = _lazy_exports(__name__, _LAZY)

@@ -100,16 +100,32 @@ def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return g
 
 
-class NumpyBlasBackend:
+class MatmulFamilyBackend:
+    """What the matmul-family backends (numpy-blas, torch) share: the ops they take, ``execute``
+    as their bound kernel, and block-quantized weights left to the CPU library's kernel."""
+
+    def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
+        return matmul_family_supports(op, input_specs)
+
+    def execute(self, node: Node, inputs: Sequence[Array], ctx: object) -> tuple:
+        return self.bind(node)(inputs, ctx)
+
+    def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray:
+        """``x @ w^T``: F32/F16 weights in :meth:`float_matmul`, others in the CPU library."""
+        if isinstance(w, QuantizedArray) or w.dtype not in (np.float16, np.float32):
+            from kernels.quant import quant_matmul
+
+            return quant_matmul(x, w)
+        return self.float_matmul(x, w)
+
+
+class NumpyBlasBackend(MatmulFamilyBackend):
     """The matmul family on numpy/BLAS in F32, F16 weights widened once (see the module docstring)."""
 
     name = "numpy-blas"
 
     def __init__(self, hint: BackendHint = BackendHint.CPU) -> None:
         self.hint = BackendHint(hint)
-
-    def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
-        return matmul_family_supports(op, input_specs)
 
     def bind(self, node: Node) -> BoundKernel:
         op, packed = node.op, PackCache(_f32)
@@ -145,15 +161,7 @@ class NumpyBlasBackend:
             raise ValueError(f"{self.name} has no kernel for node {node.id} ({node.op_name})")
         return run
 
-    def execute(self, node: Node, inputs: Sequence[Array], ctx: object) -> tuple:
-        return self.bind(node)(inputs, ctx)
-
-    def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray:
-        """``x @ w^T``: F32/F16 weights here, block weights through the CPU library's kernel."""
-        if isinstance(w, QuantizedArray) or w.dtype not in (np.float16, np.float32):
-            from kernels.quant import quant_matmul
-
-            return quant_matmul(x, w)
+    def float_matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return (_f32(x) @ _f32(w).T).astype(x.dtype, copy=False)
 
 

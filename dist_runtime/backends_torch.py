@@ -14,18 +14,16 @@ torch raises ``ImportError``, and ``make_backends(["torch"])`` names the missing
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .backends import BoundKernel, register_backend
-from .backends_blas import PackCache, matmul_family_supports
-from .ir.graph import Node, TensorSpec
-from .ir.ops import FusedNormMatmul, FusedSwiGlu, LoraApply, Matmul, OpPayload
+from .backends_blas import MatmulFamilyBackend, PackCache
+from .ir.graph import Node
+from .ir.ops import FusedNormMatmul, FusedSwiGlu, LoraApply, Matmul
 from .ir.validate import BackendHint
-from .tensor import Array, QuantizedArray
 
 F32 = np.dtype(np.float32)
 
@@ -49,7 +47,7 @@ def _out(y: torch.Tensor, like: np.ndarray) -> np.ndarray:
     return y.numpy().astype(like.dtype, copy=False)
 
 
-class TorchBackend:
+class TorchBackend(MatmulFamilyBackend):
     """The matmul family through ``torch.nn.functional.linear`` (see the module docstring)."""
 
     name = "torch"
@@ -58,9 +56,6 @@ class TorchBackend:
     def __init__(self, threads: int | None = None) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
-
-    def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
-        return matmul_family_supports(op, input_specs)
 
     def bind(self, node: Node) -> BoundKernel:
         op, packed = node.op, PackCache(_tensor)
@@ -94,15 +89,7 @@ class TorchBackend:
             raise ValueError(f"{self.name} has no kernel for node {node.id} ({node.op_name})")
         return run
 
-    def execute(self, node: Node, inputs: Sequence[Array], ctx: object) -> tuple:
-        return self.bind(node)(inputs, ctx)
-
-    def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray:
-        """``x @ w^T``: F32/F16 weights in torch, block weights through the CPU library's kernel."""
-        if isinstance(w, QuantizedArray) or w.dtype not in (np.float16, np.float32):
-            from kernels.quant import quant_matmul
-
-            return quant_matmul(x, w)
+    def float_matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return _out(F.linear(_tensor(x), _tensor(w)), x)
 
 

@@ -8,8 +8,6 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import DistRuntimeError
-
 
 def embed_texts(model_path: str | Path, texts: Sequence[str], *, stages: int | None = None,
                 per_batch: int = 2, address: str | None = None, options=None,
@@ -17,24 +15,16 @@ def embed_texts(model_path: str | Path, texts: Sequence[str], *, stages: int | N
     """``f32[len(texts), H]``: the model's ``sentence_embedding`` of each text.  With ``stages``,
     one Ray actor per stage and batches of ``per_batch`` texts in flight together; ``reports``,
     if given, receives each stage's report (process, weights held)."""
-    from .importers.hf_encoder import embed, pad_batch
-    from .importers.tokenizer import Tokenizer, find_tokenizer
+    from .importers.hf_encoder import embed, sentence_tokenizer, token_batches
     from .model import load_model
 
-    model_path = Path(model_path)
-    with load_model(model_path, tensors=[]) as model:
-        if model.graph is None or "sentence_embedding" not in model.graph.outputs:
-            raise DistRuntimeError(f"{model_path} has no sentence_embedding output: convert a "
-                                   f"sentence-transformers model (modules.json with mean pooling)")
-        tok_path = find_tokenizer(model_path, model.metadata)
-    if tok_path is None:
-        raise DistRuntimeError(f"{model_path} has no tokenizer beside it")
     if not stages:
         return embed(model_path, texts)
     from .pipeline import Pipeline, StageOptions
-    tok = Tokenizer(tok_path)
-    ids = [tok.encode(t) for t in texts]
-    batches = [pad_batch(ids[i:i + per_batch]) for i in range(0, len(ids), per_batch)]
+
+    model_path = Path(model_path)
+    with load_model(model_path, tensors=[]) as model:
+        batches = token_batches(sentence_tokenizer(model_path, model), texts, per_batch)
     with Pipeline(model_path, stages=stages, address=address,
                   options=options or StageOptions(cpus=0.5)) as pipe:
         outs = pipe.coordinator.run_many(batches)

@@ -542,21 +542,26 @@ def _read_graph(raw: bytes, s: SectionInfo, where: str, index: dict[str, TensorS
             graph = graph_from_toml(raw, what=where)
         except GraphValidationError as e:
             raise ModelFormatError(f"{where}: {e}") from None
-        if graph.weights:  # a TOML graph may list its weights; they must agree with the index
-            missing = sorted(set(graph.weights) - set(index))
-            extra = sorted(set(index) - set(graph.weights))
-            if missing or extra:
-                raise ModelFormatError(
-                    f"{where}: the graph's weights do not match the tensors index: not in the "
-                    f"index {missing[:5]}, not in the graph {extra[:5]}"
-                )
-            for name, spec in graph.weights.items():
-                ref = index[name]
-                if (spec.shape, spec.dtype) != (ref.shape, ref.dtype):
-                    raise ModelFormatError(
-                        f"{where}: weight {name!r} is {spec} in the graph but {ref} in the index"
-                    )
+        problem = _weights_disagree(graph.weights, index, "the tensors index")
+        if problem:  # a TOML graph may list its weights; they must agree with the index
+            raise ModelFormatError(f"{where}: {problem}")
     return Graph(graph.nodes, graph.inputs, graph.outputs, dict(index))
+
+
+def _weights_disagree(declared: Mapping[str, TensorSpec], index: Mapping[str, TensorSpec], other: str) -> str | None:
+    """What differs between a graph's declared weights and ``other`` (names, shapes, dtypes);
+    None when they agree or the graph declares none."""
+    if not declared:
+        return None
+    missing = sorted(set(declared) - set(index))
+    extra = sorted(set(index) - set(declared))
+    if missing or extra:
+        return (f"the graph's weights do not match {other}: not in {other} {missing[:5]}, "
+                f"not in the graph {extra[:5]}")
+    for name, spec in declared.items():
+        if (spec.shape, spec.dtype) != (index[name].shape, index[name].dtype):
+            return f"weight {name!r} is {spec} in the graph but {index[name]} in {other}"
+    return None
 
 
 def _validate(graph: Graph, max_memory: int | None) -> list[str]:
@@ -652,19 +657,9 @@ def save_model(
     if index:
         sections.append(("tensors.toml", encode_index(index).encode("utf-8")))
     if graph is not None:
-        if graph.weights:
-            missing = sorted(set(graph.weights) - set(index))
-            extra = sorted(set(index) - set(graph.weights))
-            if missing or extra:
-                raise GraphValidationError(
-                    f"graph.weights and the weights given differ: only in the graph {missing[:5]}, "
-                    f"only in the weights {extra[:5]}"
-                )
-            for name, spec in graph.weights.items():
-                if (spec.shape, spec.dtype) != (index[name].shape, index[name].dtype):
-                    raise GraphValidationError(
-                        f"weight {name!r} is {spec} in graph.weights but {index[name]} as given"
-                    )
+        problem = _weights_disagree(graph.weights, index, "the weights given")
+        if problem:
+            raise GraphValidationError(problem)
         stored = Graph(list(graph.nodes), list(graph.inputs), list(graph.outputs), dict(index))
         if graph_format == "binary":
             sections.append(("graph", encode_graph(stored)))

@@ -118,3 +118,13 @@ def local_ray():
     connect(num_cpus=4)
     yield
     ray.shutdown()
+
+
+#: The pipeline tests' model: 4 layers, so 1 to 4 stages each get whole layers.
+PIPELINE_CFG = LlamaConfig(vocab=96, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64)
+
+
+@pytest.fixture(scope="module")
+def pipeline_model(tmp_path_factory):
+    """``PIPELINE_CFG`` with seeded weights, written once per test module."""
+    return save_example(tmp_path_factory.mktemp("pipeline") / "tiny4.model", PIPELINE_CFG, seed=3)

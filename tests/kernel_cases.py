@@ -87,3 +87,16 @@ def load_cases(path: Path) -> list[Case]:
         op = getattr(ops, meta["op"])(**meta["fields"])
         cases.append(Case(name, op, inputs, entries[f"{name}/expected"], meta["dtype"]))
     return cases
+
+
+def run_kernel(op, *inputs) -> tuple:
+    """The registered kernel of ``op`` on ``inputs``, with a fresh context: its output tuple."""
+    from kernels.registry import KernelContext, kernel_for
+
+    return kernel_for(type(op))(op, list(inputs), KernelContext())
+
+
+def run_one(op, *inputs):
+    """``run_kernel`` for a one-output op: the output."""
+    (y,) = run_kernel(op, *inputs)
+    return y

@@ -19,16 +19,10 @@ import pytest
 import kernels.conv as kc
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir import ops
-from kernel_cases import load_cases
+from kernel_cases import load_cases, run_one as run
 from kernels._common import KernelError
-from kernels.registry import KernelContext, kernel_for
 
 CASES = load_cases(Path(__file__).parent / "fixtures" / "kernels" / "conv.npz")
-
-
-def run(op, *inputs):
-    (y,) = kernel_for(type(op))(op, list(inputs), KernelContext())
-    return y
 
 
 # -- 1. PyTorch fixtures -------------------------------------------------------------------------

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_cases import load_cases
+from kernel_cases import load_cases, run_one as run
 
 import kernels.elementwise as E
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir import ops
-from kernels.registry import KernelContext, kernel_for
+from kernels.registry import kernel_for
 
 # IEEE specials (x / 0, inf - inf, 0 * inf) are part of the cases: numpy's RuntimeWarning about
 # them is expected, the kernels deliberately do not pay for np.errstate on every call.
@@ -32,11 +32,6 @@ CASES = load_cases(Path(__file__).parent / "fixtures" / "kernels" / "elementwise
 BF16 = np.dtype(ml_dtypes.bfloat16)
 OPS = ["Add", "Sub", "Mul", "Div", "Clamp", "NanToNum", "Relu", "LeakyRelu", "PRelu", "Sigmoid", "Tanh",
        "Silu", "Gelu", "GeGlu", "SwiGlu", "Glu", "Softmax", "Argmax"]
-
-
-def run(op, *inputs):
-    (y,) = kernel_for(type(op))(op, list(inputs), KernelContext())
-    return y
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -14,13 +14,9 @@ import pytest
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir import ops
 from kernels import layout  # noqa: F401  (registers the kernels)
-from kernels.registry import KernelContext, kernel_for
+from kernel_cases import run_kernel as run
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def run(op, *inputs):
-    return kernel_for(type(op))(op, list(inputs), KernelContext())
 
 
 def sample(shape, dtype=np.float32, seed=0) -> np.ndarray:

@@ -23,14 +23,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
-from kernel_cases import load_cases
+from kernel_cases import load_cases, run_kernel as run
 
 import kernels.matmul as MM
 from dist_runtime.dtypes import DType
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir import ops
 from dist_runtime.tensor import QuantizedArray
-from kernels.registry import KernelContext, kernel_for
+from kernels.registry import kernel_for
 
 CASES = load_cases(Path(__file__).parent / "fixtures" / "kernels" / "matmul.npz")
 OPS = ["Matmul", "LoraApply", "Kron", "MatrixInverse", "FusedNormMatmul", "FusedSwiGlu"]
@@ -40,10 +40,6 @@ U_COMPUTE = {"f32": 2.0**-24, "f16": 2.0**-24, "bf16": 2.0**-24, "f64": 2.0**-53
 U_OUT = {"f32": 2.0**-24, "f16": 2.0**-11, "bf16": 2.0**-8, "f64": 2.0**-53}
 #: below f16's normal range its rounding error is absolute: half its smallest subnormal
 ATOL_OUT = {"f32": 0.0, "f16": 2.0**-25, "bf16": 0.0, "f64": 0.0}
-
-
-def run(op, *inputs):
-    return kernel_for(type(op))(op, list(inputs), KernelContext())
 
 
 def gamma(n: int, u: float) -> float:

@@ -14,19 +14,15 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from kernel_cases import TOLERANCES, load_cases
+from kernel_cases import TOLERANCES, load_cases, run_kernel as run
 
 import kernels.norms as N
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir import ops
-from kernels.registry import KernelContext, kernel_for
+from kernels.registry import kernel_for
 
 CASES = load_cases(Path(__file__).parent / "fixtures" / "kernels" / "norms.npz")
 OPS = ["RmsNorm", "LayerNorm", "BatchNorm", "GroupNorm", "InstanceNorm", "AdaLN", "FusedSkipNorm"]
-
-
-def run(op, *inputs):
-    return kernel_for(type(op))(op, list(inputs), KernelContext())
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -17,14 +17,10 @@ import pytest
 import kernels.positions as P
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir.ops import PosEmbed, RelativePosEmbedding, Rope, SinusoidalEmbed
-from kernels.registry import KernelContext, kernel_for
+from kernel_cases import run_kernel as run
 
 FIXTURES = np.load(Path(__file__).parent / "fixtures" / "kernels" / "positions.npz")
 F32 = np.finfo(np.float32).eps
-
-
-def run(op, *inputs):
-    return kernel_for(type(op))(op, list(inputs), KernelContext())
 
 
 def names(prefix):

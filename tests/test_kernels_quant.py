@@ -28,7 +28,7 @@ from dist_runtime.dtypes import DType
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir import ops
 from dist_runtime.tensor import QuantizedArray
-from kernels.registry import KernelContext, kernel_for
+from kernel_cases import run_kernel as run
 
 LEGACY = [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0]
 K_QUANTS = [DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K, DType.Q6_K]
@@ -36,10 +36,6 @@ K_QUANTS = [DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K, DType.Q6_K]
 F16_FIELDS = {DType.Q4_0: (0,), DType.Q4_1: (0, 2), DType.Q5_0: (0,), DType.Q5_1: (0, 2), DType.Q8_0: (0,),
               DType.Q2_K: (80, 82), DType.Q3_K: (108,), DType.Q4_K: (0, 2), DType.Q5_K: (0, 2),
               DType.Q6_K: (208,)}
-
-
-def run(op, *inputs):
-    return kernel_for(type(op))(op, list(inputs), KernelContext())
 
 
 def gg(dtype: DType) -> GGMLQuantizationType:

@@ -15,23 +15,20 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from conftest import save_example, wait_dead  # noqa: E402
+from conftest import PIPELINE_CFG, wait_dead  # noqa: E402
 from dist_runtime.errors import StageUnavailableError, TransportError  # noqa: E402
-from dist_runtime.examples import LlamaConfig  # noqa: E402
 from dist_runtime.executor import GraphExecutor  # noqa: E402
 from dist_runtime.model import load_model  # noqa: E402
 from dist_runtime.pipeline import Pipeline, Request, Sampling, StageOptions  # noqa: E402
 from dist_runtime.pipeline.reference import reference_tokens  # noqa: E402
 
-CFG = LlamaConfig(vocab=96, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64)
+CFG = PIPELINE_CFG
 PROMPTS = {"a": [5, 17, 3, 9], "b": [42], "c": [7, 7, 7, 7, 7, 1]}
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pipeline") / "tiny4.model"
-    save_example(path, CFG, seed=3)
-    return path
+def model_path(pipeline_model):
+    return pipeline_model
 
 
 @pytest.fixture(scope="module")

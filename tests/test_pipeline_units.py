@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from conftest import save_example
+from conftest import PIPELINE_CFG, save_example
 from dist_runtime.errors import DistRuntimeError, TransportError
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
 from dist_runtime.executor import GraphExecutor
@@ -29,14 +29,12 @@ from dist_runtime.pipeline.weights import fingerprint
 from dist_runtime.transport import decode_message, encode_message
 from kernels.generation import MIN_P, TOP_K, TOP_P, sample
 
-CFG = LlamaConfig(vocab=96, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64)
+CFG = PIPELINE_CFG
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pipeline") / "tiny4.model"
-    save_example(path, CFG, seed=3)
-    return path
+def model_path(pipeline_model):
+    return pipeline_model
 
 
 @pytest.fixture(scope="module")

@@ -268,6 +268,33 @@ def pad_batch(ids: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
     return {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": np.zeros_like(input_ids)}
 
 
+def _require_sentence_embedding(graph: Graph | None, where: Path) -> None:
+    if graph is None or "sentence_embedding" not in graph.outputs:
+        raise HFImportError(f"{where} has no sentence_embedding output: not a sentence-transformers model "
+                            f"(modules.json with mean pooling)")
+
+
+def sentence_tokenizer(path: Path, model, override: str | Path | None = None) -> Path:
+    """The tokenizer.json of a converted sentence-transformers model (``override``, else the one
+    beside it); the error names what the model lacks, its sentence_embedding output first."""
+    from .tokenizer import find_tokenizer
+
+    _require_sentence_embedding(model.graph, path)
+    tok = find_tokenizer(path, model.metadata, override)
+    if tok is None:
+        raise HFImportError(f"{path} has no tokenizer beside it; pass tokenizer=PATH")
+    return tok
+
+
+def token_batches(tokenizer: Path, texts: Sequence[str], size: int) -> list[dict[str, np.ndarray]]:
+    """``texts`` tokenized and padded into graph inputs, ``size`` texts a batch."""
+    from .tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer)
+    ids = [tok.encode(t) for t in texts]
+    return [pad_batch(ids[i:i + size]) for i in range(0, len(ids), size)]
+
+
 def embed(model_path: str | Path, sentences: Sequence[str], *, tokenizer: str | Path | None = None,
           batch_size: int = 32) -> np.ndarray:
     """Sentence embeddings ``f32[len(sentences), H]`` of a sentence-transformers model: a converted
@@ -278,33 +305,24 @@ def embed(model_path: str | Path, sentences: Sequence[str], *, tokenizer: str | 
         import tempfile
 
         imported = load(path)
+        _require_sentence_embedding(imported.graph, path)
         if imported.tokenizer is None and tokenizer is None:
             raise HFImportError(f"{path} has no tokenizer.json; pass tokenizer=PATH")
         with tempfile.TemporaryDirectory() as tmp:
             if tokenizer is None:
                 tokenizer = Path(tmp) / "tokenizer.json"
                 tokenizer.write_bytes(imported.tokenizer)
-            return _embed((imported.graph, imported.weights), tokenizer, sentences, batch_size, path)
+            return _embed((imported.graph, imported.weights), tokenizer, sentences, batch_size)
     from ..model import load_model
-    from .tokenizer import find_tokenizer
 
     with load_model(path) as model:
-        tok = find_tokenizer(path, model.metadata, tokenizer)
-        if tok is None:
-            raise HFImportError(f"{path} has no tokenizer beside it; pass tokenizer=PATH")
-        return _embed(model, tok, sentences, batch_size, path)
+        return _embed(model, sentence_tokenizer(path, model, tokenizer), sentences, batch_size)
 
 
-def _embed(model, tokenizer: Path, sentences: Sequence[str], batch_size: int, where: Path) -> np.ndarray:
+def _embed(model, tokenizer: Path, sentences: Sequence[str], batch_size: int) -> np.ndarray:
     from ..executor import GraphExecutor
-    from .tokenizer import Tokenizer
 
-    tok = Tokenizer(tokenizer)
     ex = GraphExecutor(model)
-    if "sentence_embedding" not in ex.graph.outputs:
-        raise HFImportError(f"{where} has no sentence_embedding output: not a sentence-transformers model "
-                            f"(modules.json with mean pooling)")
-    ids = [tok.encode(s) for s in sentences]
-    parts = [ex.run(pad_batch(ids[i:i + batch_size]))["sentence_embedding"] for i in range(0, len(ids), batch_size)]
+    parts = [ex.run(batch)["sentence_embedding"] for batch in token_batches(tokenizer, sentences, batch_size)]
     width = ex.graph.weights["embeddings.word_embeddings.weight"].shape[1]
     return np.concatenate(parts) if parts else np.zeros((0, width), np.float32)

@@ -742,11 +742,7 @@ def convert_conv(node, opset, inputs):
     s = len(w_shape) - 2
     if s not in _AXES or b.rank(0) != s + 2:
         raise b.fail(f"{s}-D convolution")
-    kernel = tuple(b.attr("kernel_shape", w_shape[2:]))
-    if kernel != tuple(w_shape[2:]):
-        raise b.fail(f"kernel_shape {list(kernel)} differs from the weight's {list(w_shape[2:])}")
-    strides = tuple(b.attr("strides", [1] * s))
-    dilations = tuple(b.attr("dilations", [1] * s))
+    kernel, strides, dilations = _conv_geometry(b, w_shape)
     pads = _symmetric(b, _window_pads(b, 0, kernel, strides, dilations))
     group = int(b.attr("group", 1))
     names = [b.name(i) for i in range(3) if b.has(i)]
@@ -766,6 +762,16 @@ def convert_conv(node, opset, inputs):
     return b.done()
 
 
+def _conv_geometry(b: _Build, w_shape) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(kernel, strides, dilations) of a Conv/ConvTranspose; ``kernel_shape``, when given, must be
+    the weight's spatial shape."""
+    s = len(w_shape) - 2
+    kernel = tuple(b.attr("kernel_shape", w_shape[2:]))
+    if kernel != tuple(w_shape[2:]):
+        raise b.fail(f"kernel_shape {list(kernel)} differs from the weight's {list(w_shape[2:])}")
+    return kernel, tuple(b.attr("strides", [1] * s)), tuple(b.attr("dilations", [1] * s))
+
+
 @_converter("ConvTranspose", targets=("ConvTranspose2d",))
 def convert_conv_transpose(node, opset, inputs):
     """ConvTranspose2d; a 1-D one runs as 2-D with a unit height (Reshape around it).
@@ -782,11 +788,7 @@ def convert_conv_transpose(node, opset, inputs):
     s = len(w_shape) - 2
     if s not in (1, 2) or len(x_shape) != s + 2:
         raise b.fail(f"{s}-D transposed convolution: we have ConvTranspose2d only")
-    kernel = tuple(b.attr("kernel_shape", w_shape[2:]))
-    if kernel != tuple(w_shape[2:]):
-        raise b.fail(f"kernel_shape {list(kernel)} differs from the weight's {list(w_shape[2:])}")
-    strides = tuple(b.attr("strides", [1] * s))
-    dilations = tuple(b.attr("dilations", [1] * s))
+    kernel, strides, dilations = _conv_geometry(b, w_shape)
     extra = tuple(b.attr("output_padding", [0] * s))
     output_shape = b.attr("output_shape")
     auto_pad = b.attr("auto_pad", "NOTSET")

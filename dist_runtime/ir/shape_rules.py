@@ -870,18 +870,27 @@ def _linear_params(op, x: Arg, scale: Arg, zero_point: Arg | None, zp_dtype: DTy
         _same_shape(op, scale, zero_point)
 
 
+def _quant_params(op, x, scale, zero_point, qtype, blocks: bool, n_inputs: int, linear: str) -> bool:
+    """Check the scale inputs of a (de)quantization to/from ``qtype``: none for GGML blocks (they
+    carry their own), a scale (and zero point) for linear I8/U8.  False for any other type."""
+    if blocks:
+        if scale is not None:
+            _fail(op, f"{qtype.name} blocks carry their own scales: one input, got {n_inputs}")
+        _blocks(op, x, qtype)
+    elif qtype in LINEAR_Q:
+        if scale is None:
+            _fail(op, f"{linear} needs a scale (input 1)")
+        _linear_params(op, x, scale, zero_point, qtype)
+    else:
+        return False
+    return True
+
+
 def quantize(op, inputs):
     x, scale, zero_point = _args(op, inputs, "x", "scale", "zero_point")
     _float(op, x)
-    if op.dtype in BLOCK_KV:
-        if scale is not None:
-            _fail(op, f"{op.dtype.name} blocks carry their own scales: one input, got {len(inputs)}")
-        _blocks(op, x, op.dtype)
-    elif op.dtype in LINEAR_Q:
-        if scale is None:
-            _fail(op, f"linear quantization to {op.dtype.name} needs a scale (input 1)")
-        _linear_params(op, x, scale, zero_point, op.dtype)
-    else:
+    if not _quant_params(op, x, scale, zero_point, op.dtype, op.dtype in BLOCK_KV, len(inputs),
+                         f"linear quantization to {op.dtype.name}"):
         _fail(op, f"dtype={op.dtype.name}: Quantize produces Q8_0, Q4_0, I8 or U8")
     return [_out(x.shape, op.dtype)]
 
@@ -890,15 +899,8 @@ def dequantize(op, inputs):
     x, scale, zero_point = _args(op, inputs, "x", "scale", "zero_point")
     if not op.dtype.is_float:
         _fail(op, f"dtype={op.dtype.name} must be a float type (F32)")
-    if x.dtype.is_quantized:
-        if scale is not None:
-            _fail(op, f"{x.dtype.name} blocks carry their own scales: one input, got {len(inputs)}")
-        _blocks(op, x, x.dtype)
-    elif x.dtype in LINEAR_Q:
-        if scale is None:
-            _fail(op, f"linear dequantization of {x} needs a scale (input 1)")
-        _linear_params(op, x, scale, zero_point, x.dtype)
-    else:
+    if not _quant_params(op, x, scale, zero_point, x.dtype, x.dtype.is_quantized, len(inputs),
+                         f"linear dequantization of {x}"):
         _fail(op, f"{x} must be a GGML block type, I8 or U8, got {x.dtype.name}")
     return [_out(x.shape, op.dtype)]
 

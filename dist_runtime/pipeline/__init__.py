@@ -20,6 +20,8 @@ Imports are lazy: ``import dist_runtime.pipeline`` does not import Ray.
 
 from __future__ import annotations
 
+from .. import _lazy_exports
+
 _LAZY = {
     "Pipeline": ("dist_runtime.pipeline.launch", "Pipeline"),
     "make_plan": ("dist_runtime.pipeline.launch", "make_plan"),
@@ -34,10 +36,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'dist_runtime.pipeline' has no attribute {name!r}")
-    import importlib
-
-    module, attr = _LAZY[name]
-    return getattr(importlib.import_module(module), attr)
+__getattr__ = _lazy_exports(__name__, _LAZY)
