@@ -4,7 +4,9 @@
 The model: hidden 768, 12 layers, 12 heads, 4 KV heads, FFN 2048, vocab 32000 (the executor
 issue's benchmark model), seeded random weights with Hugging Face names, so the very same tensors
 load into ``transformers.LlamaForCausalLM``.  Each engine: a 16-token prompt, then ``--tokens``
-greedy decode steps; the median step time over ``--repeat`` runs.  Also printed: the decode step
+greedy decode steps; the median step time over ``--repeat`` runs.  Ours runs as a user gets it
+(the default backends: numba's compiled small ops, then the CPU library), and once more on the CPU
+library alone, to show what the compiled ops are worth.  Also printed: the decode step
 at context 1024 next to the step at context 32 (the KV cache must keep it flat), and the
 executor's per-token Python overhead (time per token minus the time spent inside kernels).
 
@@ -14,8 +16,9 @@ Run as (see the OPENBLAS trap in shared/notes/performance.md: unset both for thi
 
 torch/transformers and llama-cpp-python are not project dependencies: install them to get their
 columns (``pip install torch==2.13.0 transformers``; llama-cpp-python builds llama.cpp from source,
-~15 minutes here: ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON" pip install
-llama-cpp-python``).  llama.cpp reads the weights from GGUF files (F32 and Q8_0) written here with
+~20 minutes here: ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+-DGGML_F16C=ON -DGGML_AVX512=OFF" pip install llama-cpp-python``, as this machine's CPU has no
+AVX512).  llama.cpp reads the weights from GGUF files (F32 and Q8_0) written here with
 the ``gguf`` package exactly as llama.cpp's own converter writes them (the tests' writer,
 ``tests/test_gguf_import.py``); the first decode step's logits are compared with ours to show it
 runs the same model.
@@ -43,11 +46,12 @@ CFG = LlamaConfig(vocab=32000, hidden=768, layers=12, heads=12, kv_heads=4, ffn=
 PROMPT = np.arange(1, 17)
 
 
-def our_executor(weights, fuse: bool) -> GraphExecutor:
+def our_executor(weights, fuse: bool, backends=None) -> GraphExecutor:
+    """The executor as a user gets it (``backends=None``: numba, then the CPU library)."""
     g = llama_graph(CFG)
     specs = {n: TensorSpec(w.shape, w.dtype if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype))
              for n, w in weights.items()}
-    return GraphExecutor((Graph(g.nodes, g.inputs, g.outputs, specs), weights), fuse=fuse)
+    return GraphExecutor((Graph(g.nodes, g.inputs, g.outputs, specs), weights), backends, fuse=fuse)
 
 
 def time_ours(ex: GraphExecutor, tokens: int) -> list[float]:
@@ -210,6 +214,7 @@ def main() -> None:
         rows.append((name, statistics.median(statistics.median(r) for r in per_run)))
 
     ours = {"ours f32 (fused)": our_executor(w, True), "ours f32 (unfused)": our_executor(w, False),
+            "ours f32 (CPU library)": our_executor(w, True, ["cpu"]),
             "ours Q8_0 (fused)": our_executor(q8, True)}
     engines = {name: (lambda ex=ex: time_ours(ex, args.tokens)) for name, ex in ours.items()}
     torch_run = torch_decoder(w)
@@ -234,14 +239,14 @@ def main() -> None:
     ref = dict(rows).get("PyTorch eager f32")
     cpp = dict(rows).get("llama.cpp F32")
     print(f"decode, {CFG.layers} layers x hidden {CFG.hidden}, prompt {len(PROMPT)}, {args.tokens} steps, median of {args.repeat}")
-    print(f"{'engine':<22} {'ms/token':>9} {'tok/s':>8} {'vs PyTorch':>11} {'vs llama.cpp F32':>17}")
+    print(f"{'engine':<24} {'ms/token':>9} {'tok/s':>8} {'vs PyTorch':>11} {'vs llama.cpp F32':>17}")
     for name, sec in rows:
         if sec is None:
-            print(f"{name:<22} {'(not installed)':>30}")
+            print(f"{name:<24} {'(not installed)':>30}")
             continue
         ratio = f"{ref / sec:.2f}x" if ref else "-"
         ratio_cpp = f"{cpp / sec:.2f}x" if cpp else "-"
-        print(f"{name:<22} {sec * 1e3:9.2f} {1 / sec:8.1f} {ratio:>11} {ratio_cpp:>17}")
+        print(f"{name:<24} {sec * 1e3:9.2f} {1 / sec:8.1f} {ratio:>11} {ratio_cpp:>17}")
     for name, err in agreement.items():
         print(f"llama.cpp {name.upper()} vs ours, logits of the prompt's last position: max |diff| / max |logit| = {err:.1e}")
 

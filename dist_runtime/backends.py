@@ -14,6 +14,7 @@ ggml's backend scheduler, and records the cause of every decision:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
@@ -73,7 +74,8 @@ class CpuBackend:
 _REGISTRY: dict[str, Callable[[], Backend]] = {"cpu": CpuBackend}
 
 #: Backends in their own modules, imported on first use by name (each registers itself).
-_OPTIONAL = {"numpy-blas": "dist_runtime.backends_blas", "torch": "dist_runtime.backends_torch"}
+_OPTIONAL = {"numpy-blas": "dist_runtime.backends_blas", "torch": "dist_runtime.backends_torch",
+             "numba": "dist_runtime.backends_numba"}
 
 
 def register_backend(name: str, factory: Callable[[], Backend]) -> None:
@@ -85,10 +87,17 @@ def available_backends() -> list[str]:
     return sorted({*_REGISTRY, *_OPTIONAL})
 
 
+def default_backends() -> list[str]:
+    """What ``backends=None`` means: the compiled small ops (``numba``) when numba is installed,
+    then the CPU library."""
+    return ["numba"] if importlib.util.find_spec("numba") is not None else []
+
+
 def make_backends(spec: Sequence[str | Backend] | None) -> list[Backend]:
-    """Backend objects from names or instances; the CPU library is always appended last."""
+    """Backend objects from names or instances (None: :func:`default_backends`); the CPU library
+    is always appended last."""
     out: list[Backend] = []
-    for item in spec or []:
+    for item in default_backends() if spec is None else spec:
         if isinstance(item, str):
             if item not in _REGISTRY and item in _OPTIONAL:
                 try:

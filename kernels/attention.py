@@ -96,6 +96,11 @@ class _Problem:
         if causal and self.tq > self.tk:  # the shape rule's check, for a Tk unknown at load time
             raise fail(name, f"causal attention needs Tq <= Tk, but q has Tq={self.tq} rows and "
                              f"k has Tk={self.tk} (the first query rows would see no key)")
+        widths = {"q": (q, num_heads), "k": (k, kv_heads), "v": (v, kv_heads)}
+        for what, (x, heads) in widths.items():  # the shape rule's check, for dims unknown at load
+            if x.shape[-1] != heads * head_dim:
+                raise fail(name, f"{what} has rows of width {x.shape[-1]}, but {heads} heads x "
+                                 f"head_dim {head_dim} need {heads * head_dim}")
         self.dtype = compute_dtype(q, k, v, mask)
         self.groups = num_heads // kv_heads
         # Scaling q once is cheaper than scaling every score; a Python float keeps the dtype.

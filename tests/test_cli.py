@@ -83,6 +83,11 @@ def test_inspect_plan_lists_every_node_with_backend_and_reason(tmp_path, capsys)
     plan = json.loads(out)["plan"]
     with load_model(path) as m:
         assert [p["id"] for p in plan] == [n.id for n in m.graph.nodes]
+    reasons = {(p["op"], p["backend"], p["reason"]) for p in plan}
+    assert code == 0 and {("Sdpa", "numba", "default"), ("Matmul", "numba", "default"),
+                          ("KvCache", "cpu", "default numba does not support it; fallback to cpu")} <= reasons
+    code, out, _ = run(capsys, "inspect", str(path), "--plan", "--no-fuse", "--json", "--backends", "cpu")
+    plan = json.loads(out)["plan"]
     assert code == 0 and all(p["backend"] == "cpu" and p["reason"] == "default" for p in plan)
     code, out, _ = run(capsys, "inspect", str(path), "--plan")
     assert code == 0 and "backend plan:" in out

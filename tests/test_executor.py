@@ -199,6 +199,14 @@ def test_graph_without_kv_cache_advances_by_one_per_run_as_in_the_seed():
 def test_plan_names_backend_and_reason():
     plan = executor().plan()
     assert len(plan) == len(llama_graph(CFG).nodes)
+    by_op: dict[str, set] = {}
+    for p in plan:
+        by_op.setdefault(p["op"], set()).add((p["backend"], p["reason"]))
+    for op in ("RmsNorm", "Matmul", "Rope", "Sdpa"):  # by default, numba first (when installed)
+        assert by_op[op] == {("numba", "default")}, op
+    for op in ("TokenEmbed", "KvCache", "Sample"):
+        assert by_op[op] == {("cpu", "default numba does not support it; fallback to cpu")}, op
+    plan = executor(backends=["cpu"]).plan()
     assert {p["backend"] for p in plan} == {"cpu"} and all(p["reason"] == "default" for p in plan)
 
 

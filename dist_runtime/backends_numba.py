@@ -1,0 +1,312 @@
+"""``numba``: the small ops of a decode step compiled, and the F32 matmul family on BLAS.
+
+A decode step of a Llama-family model is mostly matrix-vector products, which BLAS runs at memory
+bandwidth; between them come ~10 small ops per layer, on which numpy spends its dispatch and
+temporaries: in a 30 ms token of ``benchmarks/bench_decode.py``'s model, Sdpa took 272 us a call,
+FusedSkipNorm 60, Rope 48 -- 6 ms in all.  This backend compiles those ops with numba, one pass over
+the data each (2-22 us a call):
+
+- RmsNorm and FusedSkipNorm, any rank (rows of the last dim);
+- Rope on ``[T, heads * head_dim]``, full or partial rotary;
+- Sdpa and SdpaWindow without a mask input, on ``[Tq, heads * head_dim]`` queries and
+  ``[Tk, kv_heads * head_dim]`` keys and values: grouped-query, end-aligned, causal or not,
+  windowed.  Only small products run here (one query row, or ``Tq * Tk <= SMALL_ATTENTION``);
+  a prefill's go to the CPU library, whose BLAS products win there
+  (``benchmarks/bench_attention.py``).
+
+and the matmul family with F32 weights as numpy-blas runs it (stored weights straight to BLAS, no
+per-call conversion), FusedSwiGlu's ``silu(gate) * up`` and FusedNormMatmul's norm compiled.
+
+It takes F32 only; every other dtype and op it declines at plan time, and
+:func:`dist_runtime.backends.assign_backends` sends those nodes to the CPU library.  A node whose
+inputs at run time leave the fast path (a large attention, an empty tensor, a shape the CPU library
+would reject) is run by the CPU library's kernel, which gives the same result or the same error.
+Results agree with the CPU library within float rounding (``tests/test_backends_numba.py``).
+
+No kernel uses numba's thread pool: its threads and OpenBLAS's, spinning on the same 2 cores, made
+the next matrix-vector product 60x slower (8 ms instead of 0.13).  numba compiles each kernel on
+first use and caches the machine code beside this file (8 s for all of them in a new checkout,
+0.6 s to load them in a later process).  With numba installed, ``GraphExecutor(model)`` uses this
+backend by default (:func:`dist_runtime.backends.default_backends`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Sequence
+
+import numba
+import numpy as np
+
+from .backends import BoundKernel, CpuBackend, register_backend
+from .dtypes import DType
+from .ir.graph import Node, TensorSpec
+from .backends_blas import NumpyBlasBackend, matmul_family_supports
+from .ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, LoraApply, Matmul, OpPayload, RmsNorm, Rope,
+                     Sdpa, SdpaWindow)
+from .ir.validate import BackendHint
+from .tensor import Array
+from kernels.positions import position, rope_cos_sin
+
+F32 = np.dtype(np.float32)
+
+#: Attention runs here for one query row, or while query rows x keys <= this; beyond, the CPU
+#: library's BLAS products win (``benchmarks/bench_attention.py``).
+SMALL_ATTENTION = 2048
+
+
+def small_attention(query_rows: int, keys: int) -> bool:
+    """Whether an attention of this size runs in the compiled loop (else in the CPU library)."""
+    return query_rows == 1 or query_rows * keys <= SMALL_ATTENTION
+
+# Reassociation lets the reductions vectorise; no "nnan"/"ninf", so NaN and inf propagate as in
+# numpy.  The numpy error model makes x / 0 an inf, not a ZeroDivisionError.
+_jit = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy",
+                  fastmath={"reassoc", "contract", "nsz", "arcp"})
+
+
+@_jit
+def _rms_rows(x, weight, eps, out):
+    """``out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * weight`` for each row ``i`` of a 2-D ``x``."""
+    n = x.shape[1]
+    for i in range(x.shape[0]):
+        ss = 0.0  # f64: the sum of squares of a wide row loses nothing
+        for j in range(n):
+            ss += np.float64(x[i, j]) * x[i, j]
+        inv = np.float32(1.0 / math.sqrt(ss / max(n, 1) + eps))
+        for j in range(n):
+            out[i, j] = x[i, j] * inv * weight[j]
+
+
+@_jit
+def _skip_rms_rows(x, residual, weight, eps, total, out):
+    """``total = x + residual`` and ``out = RmsNorm(total)``, row by row in one pass each."""
+    n = x.shape[1]
+    for i in range(x.shape[0]):
+        ss = 0.0
+        for j in range(n):
+            s = x[i, j] + residual[i, j]
+            total[i, j] = s
+            ss += np.float64(s) * s
+        inv = np.float32(1.0 / math.sqrt(ss / max(n, 1) + eps))
+        for j in range(n):
+            out[i, j] = total[i, j] * inv * weight[j]
+
+
+@_jit
+def _rope_rows(x, cos, sin, head_dim, rope_dim, out):
+    """Rotate-half rotary embedding of row ``t`` by ``cos[t]``, ``sin[t]`` (``[T, rope_dim/2]``)."""
+    half = rope_dim // 2
+    for t in range(x.shape[0]):
+        for base in range(0, x.shape[1], head_dim):
+            for i in range(half):
+                x1, x2 = x[t, base + i], x[t, base + half + i]
+                out[t, base + i] = x1 * cos[t, i] - x2 * sin[t, i]
+                out[t, base + half + i] = x2 * cos[t, i] + x1 * sin[t, i]
+            for i in range(base + rope_dim, base + head_dim):
+                out[t, i] = x[t, i]
+
+
+@_jit
+def _attend(q, k, v, lo, hi, kb, scale, out):
+    """One query row of one head: ``out = softmax(K @ q * scale) @ V`` over the key rows
+    ``[lo, hi)`` of ``k``, ``v`` and their columns ``[kb, kb + len(q))`` (that head's kv head).
+
+    Keys go four at a time: one pass over ``q`` (or the accumulator) serves four rows, which
+    measured 1.3x faster at 1024 keys than one row at a time.
+    """
+    head_dim, n = q.shape[0], hi - lo
+    scores = np.empty(n, np.float32)
+    for t in range(0, n - n % 4, 4):
+        k0, k1 = k[lo + t, kb:kb + head_dim], k[lo + t + 1, kb:kb + head_dim]
+        k2, k3 = k[lo + t + 2, kb:kb + head_dim], k[lo + t + 3, kb:kb + head_dim]
+        d0 = d1 = d2 = d3 = np.float32(0.0)
+        for i in range(head_dim):
+            d0 += q[i] * k0[i]
+            d1 += q[i] * k1[i]
+            d2 += q[i] * k2[i]
+            d3 += q[i] * k3[i]
+        scores[t], scores[t + 1], scores[t + 2], scores[t + 3] = d0, d1, d2, d3
+    for t in range(n - n % 4, n):
+        kt = k[lo + t, kb:kb + head_dim]
+        d = np.float32(0.0)
+        for i in range(head_dim):
+            d += q[i] * kt[i]
+        scores[t] = d
+    m = np.float32(-np.inf)
+    for t in range(n):
+        scores[t] *= scale
+        m = max(m, scores[t])
+    total = np.float32(0.0)
+    for t in range(n):
+        e = np.exp(scores[t] - m)
+        scores[t] = e
+        total += e
+    scores *= np.float32(1.0) / total
+    acc = np.zeros(head_dim, np.float32)
+    for t in range(0, n - n % 4, 4):
+        v0, v1 = v[lo + t, kb:kb + head_dim], v[lo + t + 1, kb:kb + head_dim]
+        v2, v3 = v[lo + t + 2, kb:kb + head_dim], v[lo + t + 3, kb:kb + head_dim]
+        p0, p1, p2, p3 = scores[t], scores[t + 1], scores[t + 2], scores[t + 3]
+        for i in range(head_dim):
+            acc[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i]
+    for t in range(n - n % 4, n):
+        vt = v[lo + t, kb:kb + head_dim]
+        for i in range(head_dim):
+            acc[i] += scores[t] * vt[i]
+    out[:] = acc
+
+
+@_jit
+def _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out):
+    """Softmax attention of each query row and head over the keys it may see.
+
+    Query row ``r`` sits at key position ``r + Tk - Tq`` (end-aligned, as with a KV cache).
+    Causal: it sees keys up to its own position; ``window > 0`` keeps the ``window`` nearest
+    (behind it if causal, on either side if not).  The caller makes sure every row sees a key.
+    """
+    tq, tk = q.shape[0], k.shape[0]
+    groups = num_heads // kv_heads
+    scale = np.float32(1.0 / math.sqrt(head_dim))
+    for r in range(tq):
+        at = r + tk - tq
+        lo, hi = 0, tk
+        if causal:
+            hi = at + 1
+        if window > 0:
+            lo = max(0, at - window + 1)
+            if not causal:
+                hi = min(tk, at + window)
+        for h in range(num_heads):
+            qb, kb = h * head_dim, (h // groups) * head_dim
+            _attend(q[r, qb:qb + head_dim], k, v, lo, hi, kb, scale, out[r, qb:qb + head_dim])
+
+
+@_jit
+def _silu_mul(gate, up):
+    """``gate = silu(gate) * up``, in place (both fresh, contiguous 1-D products)."""
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        gate[i] = g / (np.float32(1.0) + np.exp(-g)) * up[i]
+
+
+#: Every Rope node of a step (q and k of every layer) rotates by the same positions.
+_cos_sin = functools.lru_cache(maxsize=64)(rope_cos_sin)
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """``x`` as contiguous 2-D rows of its last dim (a view when it already is)."""
+    return np.ascontiguousarray(x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x)
+
+
+def _is_f32(*arrays) -> bool:
+    """Plain, non-empty F32 arrays (anything else is the CPU library's to run or reject)."""
+    return all(type(a) is np.ndarray and a.dtype == F32 and a.size for a in arrays)
+
+
+class NumbaBackend:
+    """The small ops of a decode step, compiled (see the module docstring)."""
+
+    name = "numba"
+
+    def __init__(self, hint: BackendHint = BackendHint.CPU) -> None:
+        self.hint = BackendHint(hint)
+        self._cpu = CpuBackend()
+        self._blas = NumpyBlasBackend(hint)
+
+    def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
+        if any(s.dtype != DType.F32 for s in input_specs):
+            return False
+        if matmul_family_supports(op, input_specs):
+            return True
+        ranks = [len(s.shape) for s in input_specs]
+        if isinstance(op, (RmsNorm, FusedSkipNorm)):
+            return ranks[0] >= 1
+        if isinstance(op, Rope):
+            return ranks[0] == 2 and op.rope_dim % 2 == 0
+        if isinstance(op, (Sdpa, SdpaWindow)):
+            windowed = isinstance(op, SdpaWindow)
+            return (len(input_specs) == 3 and ranks == [2, 2, 2] and op.kv_heads > 0
+                    and (op.window > 0 if windowed else True))
+        return False
+
+    def bind(self, node: Node) -> BoundKernel:
+        op, reference = node.op, self._cpu.bind(node)
+        if isinstance(op, RmsNorm):
+            def run(inputs, ctx):
+                x, weight = inputs
+                if not (_is_f32(x, weight) and weight.shape == x.shape[-1:]):
+                    return reference(inputs, ctx)
+                out = np.empty(x.shape, F32)
+                _rms_rows(_rows(x), weight, op.eps, out.reshape(-1, x.shape[-1]))
+                return (out,)
+        elif isinstance(op, FusedSkipNorm):
+            def run(inputs, ctx):
+                x, residual, weight = inputs
+                if not (_is_f32(x, residual, weight) and residual.shape == x.shape
+                        and weight.shape == x.shape[-1:]):
+                    return reference(inputs, ctx)
+                total, out = np.empty(x.shape, F32), np.empty(x.shape, F32)
+                width = x.shape[-1]
+                _skip_rms_rows(_rows(x), _rows(residual), weight, op.eps,
+                               total.reshape(-1, width), out.reshape(-1, width))
+                return total, out
+        elif isinstance(op, FusedSwiGlu):
+            def run(inputs, ctx):
+                x, w_gate, w_up = inputs
+                if not (_is_f32(x, w_gate, w_up) and w_gate.shape == w_up.shape
+                        and w_gate.shape[1] == x.shape[-1]):
+                    return reference(inputs, ctx)
+                gate, up = x @ w_gate.T, x @ w_up.T
+                _silu_mul(gate.reshape(-1), up.reshape(-1))
+                return (gate,)
+        elif isinstance(op, FusedNormMatmul):
+            def run(inputs, ctx):
+                x, norm_weight, w = inputs
+                if not (_is_f32(x, norm_weight, w) and norm_weight.shape == x.shape[-1:]
+                        and w.shape[1] == x.shape[-1]):
+                    return reference(inputs, ctx)
+                normed = np.empty(x.shape, F32)
+                _rms_rows(_rows(x), norm_weight, op.eps, normed.reshape(-1, x.shape[-1]))
+                return (normed @ w.T,)
+        elif isinstance(op, (Matmul, LoraApply)):  # BLAS as it is; nothing to compile around it
+            return self._blas.bind(node)
+        elif isinstance(op, Rope):
+            def run(inputs, ctx):
+                x, pos = inputs
+                if not (_is_f32(x) and x.ndim == 2 and op.head_dim and x.shape[1] % op.head_dim == 0
+                        and op.rope_dim <= op.head_dim):
+                    return reference(inputs, ctx)
+                cos, sin = _cos_sin(position("Rope", pos), x.shape[0], op.rope_dim, float(op.base))
+                out = np.empty(x.shape, F32)
+                _rope_rows(_rows(x), cos, sin, op.head_dim, op.rope_dim, out)
+                return (out,)
+        elif isinstance(op, (Sdpa, SdpaWindow)):
+            window = op.window if isinstance(op, SdpaWindow) else 0
+            widths = (op.num_heads * op.head_dim, op.kv_heads * op.head_dim)
+
+            def run(inputs, ctx):
+                q, k, v = inputs
+                if not (_is_f32(q, k, v) and q.ndim == k.ndim == v.ndim == 2
+                        and small_attention(q.shape[0], k.shape[0])
+                        and k.shape[0] == v.shape[0]
+                        and (q.shape[1], k.shape[1]) == widths and v.shape[1] == widths[1]
+                        and not (op.causal and q.shape[0] > k.shape[0])):
+                    return reference(inputs, ctx)
+                out = np.empty(q.shape, F32)
+                _attention_rows(_rows(q), _rows(k), _rows(v), op.num_heads, op.kv_heads,
+                                op.head_dim, bool(op.causal), window, out)
+                return (out,)
+        else:
+            raise ValueError(f"{self.name} has no kernel for node {node.id} ({node.op_name})")
+        return run
+
+    def execute(self, node: Node, inputs: Sequence[Array], ctx: object) -> tuple:
+        return self.bind(node)(inputs, ctx)
+
+    def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray:
+        return self._cpu.quant_matmul(x, w)
+
+
+register_backend("numba", NumbaBackend)

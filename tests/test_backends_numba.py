@@ -1,0 +1,222 @@
+"""The numba backend (dist_runtime/backends_numba.py): what it takes, and that every kernel agrees
+with the CPU library (itself proven against ONNX, transformers and closed-form references) on the
+shapes a model gives it, its edge cases included, and falls back to the CPU library's kernel --
+same result, same error -- off its fast path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dist_runtime.backends import CpuBackend, default_backends, make_backends
+from dist_runtime.backends_numba import SMALL_ATTENTION, NumbaBackend, small_attention
+from dist_runtime.dtypes import DType
+from kernels._common import KernelError
+from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
+from dist_runtime.executor import GraphExecutor
+from dist_runtime.ir import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, Graph, Matmul, Node, RmsNorm, Rope,
+                             Sdpa, SdpaWindow, TensorSpec)
+from kernels.registry import KernelContext
+
+RNG = np.random.default_rng(11)
+NUMBA, CPU = NumbaBackend(), CpuBackend()
+
+
+def spec(*shape, dtype=DType.F32) -> TensorSpec:
+    return TensorSpec(shape, dtype)
+
+
+def f32(*shape, scale=1.0) -> np.ndarray:
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def both(op, *inputs):
+    """The op's outputs from the numba backend and from the CPU library."""
+    node = Node(0, op, [f"in{i}" for i in range(len(inputs))], [f"out{i}" for i in range(2)])
+    ctx = KernelContext()
+    return NUMBA.bind(node)(list(inputs), ctx), CPU.bind(node)(list(inputs), ctx)
+
+
+def assert_agree(got, want, rtol=2e-6) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == np.float32 and g.shape == w.shape
+        scale = max(1.0, float(np.abs(w).max()))
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale)
+
+
+# -- what it takes -------------------------------------------------------------------------------
+@pytest.mark.parametrize("op, specs, ok", [
+    (RmsNorm(eps=1e-6), [spec(-1, 8), spec(8)], True),
+    (RmsNorm(), [spec(2, -1, 8), spec(8)], True),
+    (RmsNorm(), [spec(-1, 8, dtype=DType.F16), spec(8, dtype=DType.F16)], False),
+    (FusedSkipNorm(), [spec(-1, 8), spec(-1, 8), spec(8)], True),
+    (Rope(head_dim=8, rope_dim=8), [spec(-1, 16), spec(1)], True),
+    (Rope(head_dim=8, rope_dim=8), [spec(2, -1, 16), spec(1)], False),  # batched: CPU's
+    (Sdpa(num_heads=2, kv_heads=1, head_dim=8, causal=True), [spec(-1, 16), spec(-1, 8), spec(-1, 8)], True),
+    (Sdpa(num_heads=2, kv_heads=1, head_dim=8), [spec(-1, 16), spec(-1, 8), spec(-1, 8), spec(-1, -1)], False),
+    (Sdpa(num_heads=2, kv_heads=1, head_dim=8), [spec(1, -1, 16), spec(1, -1, 8), spec(1, -1, 8)], False),
+    (SdpaWindow(num_heads=2, kv_heads=1, head_dim=8, window=4), [spec(-1, 16), spec(-1, 8), spec(-1, 8)], True),
+    (SdpaWindow(num_heads=2, kv_heads=1, head_dim=8, window=0), [spec(-1, 16), spec(-1, 8), spec(-1, 8)], False),
+    (Matmul(), [spec(-1, 8), spec(4, 8)], True),
+    (Matmul(), [spec(-1, 8), spec(4, 8, dtype=DType.F16)], False),  # F16 weights: numpy-blas/CPU
+    (Matmul(), [spec(-1, 32), spec(4, 32, dtype=DType.Q8_0)], False),
+    (FusedSwiGlu(), [spec(-1, 8), spec(6, 8), spec(6, 8)], True),
+    (FusedNormMatmul(), [spec(-1, 8), spec(8), spec(4, 8)], True),
+])
+def test_supports(op, specs, ok):
+    assert NUMBA.supports(op, specs) is ok
+
+
+def test_default_backends_put_numba_first_and_cpu_last():
+    assert default_backends() == ["numba"]
+    assert [b.name for b in make_backends(None)] == ["numba", "cpu"]
+    assert [b.name for b in make_backends([])] == ["cpu"]  # an explicit list is taken as given
+
+
+# -- each kernel against the CPU library -----------------------------------------------------------
+@pytest.mark.parametrize("shape", [(1, 768), (7, 32), (2, 3, 16), (5, 1), (4, 4096)])
+def test_rms_norm(shape):
+    x, w = f32(*shape, scale=3.0), f32(shape[-1])
+    assert_agree(*both(RmsNorm(eps=1e-5), x, w))
+
+
+def test_rms_norm_propagates_nan_and_inf_as_numpy():
+    x, w = f32(3, 8), f32(8)
+    x[0, 2], x[1, 5] = np.nan, np.inf
+    with np.errstate(invalid="ignore"):
+        got, want = both(RmsNorm(eps=1e-6), x, w)
+    np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want[0]))
+    np.testing.assert_allclose(got[0][2], want[0][2], rtol=2e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 768), (9, 32), (2, 3, 16)])
+def test_fused_skip_norm(shape):
+    x, r, w = f32(*shape), f32(*shape), f32(shape[-1])
+    assert_agree(*both(FusedSkipNorm(eps=1e-6), x, r, w))
+
+
+@pytest.mark.parametrize("rows, heads, head_dim, rope_dim, start", [
+    (1, 12, 64, 64, 0), (1, 4, 64, 64, 1000), (16, 3, 32, 32, 5),
+    (5, 2, 64, 32, 7),  # partial rotary (Phi): the rest of each head passes through
+    (3, 2, 16, 0, 2),   # no rotary dims at all
+])
+def test_rope(rows, heads, head_dim, rope_dim, start):
+    x = f32(rows, heads * head_dim)
+    op = Rope(head_dim=head_dim, rope_dim=rope_dim, base=10000.0)
+    assert_agree(*both(op, x, np.array([start], np.float32)), rtol=1e-5)
+
+
+def test_rope_bad_position_is_the_cpu_librarys_error():
+    x = f32(1, 16)
+    for pos in (np.array([-1.0], np.float32), np.array([1.5], np.float32), np.zeros(2, np.float32)):
+        with pytest.raises(KernelError, match="Rope") as ours:
+            both(Rope(head_dim=8, rope_dim=8), x, pos)
+        with pytest.raises(KernelError) as ref:
+            CPU.bind(Node(0, Rope(head_dim=8, rope_dim=8), ["a", "b"], ["c"]))([x, pos], KernelContext())
+        assert str(ours.value) == str(ref.value)
+
+
+def attention_inputs(tq, tk, heads, kv_heads, head_dim, scale=1.0):
+    return f32(tq, heads * head_dim, scale=scale), f32(tk, kv_heads * head_dim), f32(tk, kv_heads * head_dim)
+
+
+@pytest.mark.parametrize("tq, tk, heads, kv_heads, head_dim, causal", [
+    (1, 1, 12, 4, 64, True),      # the first decode step
+    (1, 37, 12, 4, 64, True),     # grouped-query decode, keys not a multiple of 4
+    (1, 1024, 4, 1, 64, True),    # multi-query, a long context
+    (7, 7, 4, 2, 16, True),       # a short prefill
+    (3, 10, 4, 4, 8, True),       # end-aligned: 3 new rows after 7 cached ones
+    (5, 9, 6, 3, 32, False),      # encoder-style, no causal mask
+    (16, 128, 2, 1, 8, True),     # the size limit exactly
+])
+def test_sdpa(tq, tk, heads, kv_heads, head_dim, causal):
+    op = Sdpa(num_heads=heads, kv_heads=kv_heads, head_dim=head_dim, causal=causal)
+    assert_agree(*both(op, *attention_inputs(tq, tk, heads, kv_heads, head_dim)), rtol=1e-5)
+
+
+def test_sdpa_large_scores_are_stable():
+    """Scores in the hundreds: the max is subtracted before exp, as in the CPU library."""
+    op = Sdpa(num_heads=2, kv_heads=1, head_dim=16, causal=True)
+    assert_agree(*both(op, *attention_inputs(1, 50, 2, 1, 16, scale=60.0)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("tq, tk, window, causal", [
+    (1, 40, 8, True), (4, 12, 3, True), (5, 9, 2, False), (1, 6, 100, True), (6, 6, 1, True)])
+def test_sdpa_window(tq, tk, window, causal):
+    op = SdpaWindow(num_heads=4, kv_heads=2, head_dim=16, window=window, causal=causal)
+    assert_agree(*both(op, *attention_inputs(tq, tk, 4, 2, 16)), rtol=1e-5)
+
+
+def test_large_attention_is_the_cpu_librarys(monkeypatch):
+    """A prefill beyond SMALL_ATTENTION runs the CPU library's kernel: bit-identical results."""
+    import dist_runtime.backends_numba as numba_backend
+
+    calls = []
+    monkeypatch.setattr(numba_backend, "_attention_rows", lambda *a: calls.append(a))
+    tq, tk = 64, 64
+    assert tq * tk > SMALL_ATTENTION and not small_attention(tq, tk) and small_attention(1, 10**6)
+    got, want = both(Sdpa(num_heads=2, kv_heads=1, head_dim=8, causal=True), *attention_inputs(tq, tk, 2, 1, 8))
+    np.testing.assert_array_equal(got[0], want[0])
+    assert calls == []
+
+
+@pytest.mark.parametrize("case", ["causal_more_queries_than_keys", "no_keys", "v_rows", "width"])
+def test_attention_off_the_fast_path_gives_the_cpu_librarys_answer(case):
+    op = Sdpa(num_heads=2, kv_heads=1, head_dim=8, causal=True)
+    q, k, v = attention_inputs(3, 5, 2, 1, 8)
+    if case == "causal_more_queries_than_keys":
+        k, v = k[:2], v[:2]
+    elif case == "no_keys":
+        op = Sdpa(num_heads=2, kv_heads=1, head_dim=8, causal=False)
+        k, v = k[:0], v[:0]
+    elif case == "v_rows":
+        v = v[:4]
+    else:
+        q = q[:, :8]
+    node = Node(0, op, ["q", "k", "v"], ["o"])
+    try:
+        want = CPU.bind(node)([q, k, v], KernelContext())
+    except KernelError as e:
+        with pytest.raises(KernelError) as ours:
+            NUMBA.bind(node)([q, k, v], KernelContext())
+        assert str(ours.value) == str(e)
+    else:
+        np.testing.assert_array_equal(NUMBA.bind(node)([q, k, v], KernelContext())[0], want[0])
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_fused_swiglu_and_norm_matmul(rows):
+    x = f32(rows, 48)
+    assert_agree(*both(FusedSwiGlu(), x, f32(96, 48, scale=0.2), f32(96, 48, scale=0.2)), rtol=1e-5)
+    assert_agree(*both(FusedNormMatmul(eps=1e-5), x, f32(48), f32(80, 48, scale=0.2)), rtol=1e-5)
+
+
+def test_non_contiguous_and_read_only_inputs():
+    """A KV cache hands out read-only views; a transposed activation is not contiguous."""
+    q, k, v = attention_inputs(1, 20, 4, 2, 16)
+    k.flags.writeable = v.flags.writeable = False
+    assert_agree(*both(Sdpa(num_heads=4, kv_heads=2, head_dim=16, causal=True), q, k, v), rtol=1e-5)
+    x = f32(32, 6).T  # [6, 32], Fortran order
+    assert_agree(*both(RmsNorm(eps=1e-6), x, f32(32)))
+
+
+# -- whole models: the default executor (numba) against the CPU library alone ------------------------
+@pytest.mark.parametrize("cfg", [
+    LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64),
+    LlamaConfig(vocab=50, hidden=48, layers=1, heads=6, kv_heads=1, ffn=40),
+])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_llama_decode_matches_the_cpu_library(cfg, fuse):
+    weights = llama_weights(cfg, seed=4)
+    g = llama_graph(cfg)
+    specs = {n: TensorSpec(w.shape, DType.from_numpy(w.dtype)) for n, w in weights.items()}
+    graph = Graph(g.nodes, g.inputs, g.outputs, specs)
+    ours, ref = GraphExecutor((graph, weights), fuse=fuse), GraphExecutor((graph, weights), ["cpu"], fuse=fuse)
+    assert {p["op"] for p in ours.plan() if p["backend"] == "numba"} >= {"Rope", "Sdpa", "Matmul"}
+    prompt = np.array([3, 17, 42, 5, 9, 8, 11, 2, 30], np.int32)
+    for tokens in [prompt, *([t] for t in (4, 9, 1, 33, 7))]:
+        got = ours.run({"tokens": np.asarray(tokens, np.int32)})["logits"]
+        want = ref.run({"tokens": np.asarray(tokens, np.int32)})["logits"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
