@@ -4,7 +4,7 @@ Prints, for causal grouped-query attention with the decode benchmark's heads (12
 heads, head_dim 64), the median time of ``dist_runtime.backends_numba``'s kernel and of
 ``kernels.attention.sdpa`` for several (query rows, keys), and their ratio.  The compiled loop wins
 when the product is small (a decode step: one query row) and BLAS wins on large ones (a prefill):
-``backends_numba.SMALL_ATTENTION`` is set from this table.  Keys and values of 12 layers are cycled,
+``backends_numba.SMALL_ATTENTION`` and ``DECODE_KEYS`` are set from this table.  Keys and values of 12 layers are cycled,
 so they come from memory as in a real step rather than from cache.
 
 Run as (see the OPENBLAS trap in shared/notes/performance.md: unset both for this command only)::
@@ -20,11 +20,11 @@ import time
 
 import numpy as np
 
-from dist_runtime.backends_numba import SMALL_ATTENTION, _attention_rows, small_attention
+from dist_runtime.backends_numba import DECODE_KEYS, SMALL_ATTENTION, _attention_rows, small_attention
 from kernels.attention import sdpa
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 12, 4, 64, 12
-SIZES = [(1, 64), (1, 1024), (1, 4096), (4, 64), (4, 1024), (16, 64), (16, 128), (16, 512),
+SIZES = [(1, 64), (1, 1024), (1, 2048), (1, 4096), (4, 64), (4, 1024), (16, 64), (16, 128), (16, 512),
          (32, 64), (64, 64), (64, 512), (256, 256)]
 
 
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"causal attention, {HEADS} heads / {KV_HEADS} kv heads x {HEAD_DIM}; median of {args.repeat}; "
-          f"SMALL_ATTENTION = {SMALL_ATTENTION}")
+          f"SMALL_ATTENTION = {SMALL_ATTENTION}, DECODE_KEYS = {DECODE_KEYS}")
     print(f"{'Tq':>5} {'Tk':>5} {'numba us':>10} {'cpu us':>10} {'cpu / numba':>12}  runs on")
     for tq, tk in SIZES:
         q = rng.standard_normal((tq, HEADS * HEAD_DIM), dtype=np.float32)

@@ -10,8 +10,8 @@ the data each (2-22 us a call):
 - Rope on ``[T, heads * head_dim]``, full or partial rotary;
 - Sdpa and SdpaWindow without a mask input, on ``[Tq, heads * head_dim]`` queries and
   ``[Tk, kv_heads * head_dim]`` keys and values: grouped-query, end-aligned, causal or not,
-  windowed.  Only small products run here (one query row, or ``Tq * Tk <= SMALL_ATTENTION``);
-  a prefill's go to the CPU library, whose BLAS products win there
+  windowed.  Only small products run here (``small_attention``: a decode step over up to 2048
+  keys, or ``Tq * Tk <= 1024``); larger ones go to the CPU library, whose BLAS products win there
   (``benchmarks/bench_attention.py``).
 
 and the matmul family with F32 weights as numpy-blas runs it (stored weights straight to BLAS, no
@@ -51,14 +51,17 @@ from kernels.positions import position, rope_cos_sin
 
 F32 = np.dtype(np.float32)
 
-#: Attention runs here for one query row, or while query rows x keys <= this; beyond, the CPU
-#: library's BLAS products win (``benchmarks/bench_attention.py``).
-SMALL_ATTENTION = 2048
+#: Attention runs here while query rows x keys <= SMALL_ATTENTION, or for one query row (a decode
+#: step) over at most DECODE_KEYS keys; beyond, the CPU library's BLAS products, on every core,
+#: win (``benchmarks/bench_attention.py``: 1.3x faster here at 1 x 1024, 2.5x slower at 1 x 4096).
+SMALL_ATTENTION = 1024
+DECODE_KEYS = 2048
 
 
 def small_attention(query_rows: int, keys: int) -> bool:
     """Whether an attention of this size runs in the compiled loop (else in the CPU library)."""
-    return query_rows == 1 or query_rows * keys <= SMALL_ATTENTION
+    return query_rows * keys <= SMALL_ATTENTION or (query_rows == 1 and keys <= DECODE_KEYS)
+
 
 # Reassociation lets the reductions vectorise; no "nnan"/"ninf", so NaN and inf propagate as in
 # numpy.  The numpy error model makes x / 0 an inf, not a ZeroDivisionError.

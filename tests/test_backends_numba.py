@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dist_runtime.backends import CpuBackend, default_backends, make_backends
-from dist_runtime.backends_numba import SMALL_ATTENTION, NumbaBackend, small_attention
+from dist_runtime.backends_numba import DECODE_KEYS, SMALL_ATTENTION, NumbaBackend, small_attention
 from dist_runtime.dtypes import DType
 from kernels._common import KernelError
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
@@ -129,7 +129,7 @@ def attention_inputs(tq, tk, heads, kv_heads, head_dim, scale=1.0):
     (7, 7, 4, 2, 16, True),       # a short prefill
     (3, 10, 4, 4, 8, True),       # end-aligned: 3 new rows after 7 cached ones
     (5, 9, 6, 3, 32, False),      # encoder-style, no causal mask
-    (16, 128, 2, 1, 8, True),     # the size limit exactly
+    (16, 64, 2, 1, 8, True),      # the size limit exactly
 ])
 def test_sdpa(tq, tk, heads, kv_heads, head_dim, causal):
     op = Sdpa(num_heads=heads, kv_heads=kv_heads, head_dim=head_dim, causal=causal)
@@ -156,7 +156,8 @@ def test_large_attention_is_the_cpu_librarys(monkeypatch):
     calls = []
     monkeypatch.setattr(numba_backend, "_attention_rows", lambda *a: calls.append(a))
     tq, tk = 64, 64
-    assert tq * tk > SMALL_ATTENTION and not small_attention(tq, tk) and small_attention(1, 10**6)
+    assert tq * tk > SMALL_ATTENTION and not small_attention(tq, tk)
+    assert small_attention(1, DECODE_KEYS) and not small_attention(1, DECODE_KEYS + 1)
     got, want = both(Sdpa(num_heads=2, kv_heads=1, head_dim=8, causal=True), *attention_inputs(tq, tk, 2, 1, 8))
     np.testing.assert_array_equal(got[0], want[0])
     assert calls == []
