@@ -393,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also show the backend the executor chooses for each node, and why")
     inspect.add_argument("--backends", type=lambda s: s.split(","), metavar="NAMES",
                          help="with --plan: backends in priority order, comma-separated (the CPU "
-                              "library is always last)")
+                              "library is always last; default: numba when installed, then cpu; "
+                              "'cpu' alone plans the CPU library only)")
     inspect.add_argument("--no-fuse", action="store_true", help="with --plan: plan the unfused graph")
     model_command("validate", "Check a model file and its graph; exit 0 if valid, 1 with a "
                   "message naming the problem otherwise.", cmd_validate)
