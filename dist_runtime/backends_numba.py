@@ -84,17 +84,11 @@ def _rms_rows(x, weight, eps, out):
 
 @_jit
 def _skip_rms_rows(x, residual, weight, eps, total, out):
-    """``total = x + residual`` and ``out = RmsNorm(total)``, row by row in one pass each."""
-    n = x.shape[1]
+    """``total = x + residual`` and ``out = RmsNorm(total)``."""
     for i in range(x.shape[0]):
-        ss = 0.0
-        for j in range(n):
-            s = x[i, j] + residual[i, j]
-            total[i, j] = s
-            ss += np.float64(s) * s
-        inv = np.float32(1.0 / math.sqrt(ss / max(n, 1) + eps))
-        for j in range(n):
-            out[i, j] = total[i, j] * inv * weight[j]
+        for j in range(x.shape[1]):
+            total[i, j] = x[i, j] + residual[i, j]
+    _rms_rows(total, weight, eps, out)
 
 
 @_jit
@@ -203,6 +197,13 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x)
 
 
+def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RmsNorm of F32 ``x`` over its last dim, any rank."""
+    out = np.empty(x.shape, F32)
+    _rms_rows(_rows(x), weight, eps, out.reshape(-1, x.shape[-1]))
+    return out
+
+
 def _is_f32(*arrays) -> bool:
     """Plain, non-empty F32 arrays (anything else is the CPU library's to run or reject)."""
     return all(type(a) is np.ndarray and a.dtype == F32 and a.size for a in arrays)
@@ -241,9 +242,7 @@ class NumbaBackend:
                 x, weight = inputs
                 if not (_is_f32(x, weight) and weight.shape == x.shape[-1:]):
                     return reference(inputs, ctx)
-                out = np.empty(x.shape, F32)
-                _rms_rows(_rows(x), weight, op.eps, out.reshape(-1, x.shape[-1]))
-                return (out,)
+                return (_rms(x, weight, op.eps),)
         elif isinstance(op, FusedSkipNorm):
             def run(inputs, ctx):
                 x, residual, weight = inputs
@@ -270,9 +269,7 @@ class NumbaBackend:
                 if not (_is_f32(x, norm_weight, w) and norm_weight.shape == x.shape[-1:]
                         and w.shape[1] == x.shape[-1]):
                     return reference(inputs, ctx)
-                normed = np.empty(x.shape, F32)
-                _rms_rows(_rows(x), norm_weight, op.eps, normed.reshape(-1, x.shape[-1]))
-                return (normed @ w.T,)
+                return (_rms(x, norm_weight, op.eps) @ w.T,)
         elif isinstance(op, (Matmul, LoraApply)):  # BLAS as it is; nothing to compile around it
             return self._blas.bind(node)
         elif isinstance(op, Rope):
