@@ -2,7 +2,7 @@
 
 Prints, for causal grouped-query attention with the decode benchmark's heads (12 query heads, 4 kv
 heads, head_dim 64), the median time of ``dist_runtime.backends_numba``'s kernel and of
-``kernels.attention.sdpa`` for several (query rows, keys), and their ratio.  The compiled loop wins
+``dist_runtime.kernels.attention.sdpa`` for several (query rows, keys), and their ratio.  The compiled loop wins
 when the product is small (a decode step: one query row) and BLAS wins on large ones (a prefill):
 ``backends_numba.SMALL_ATTENTION`` and ``DECODE_KEYS`` are set from this table.  Keys and values of 12 layers are cycled,
 so they come from memory as in a real step rather than from cache.
@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from dist_runtime.backends_numba import DECODE_KEYS, SMALL_ATTENTION, _attention_rows, small_attention
-from kernels.attention import sdpa
+from dist_runtime.kernels.attention import sdpa
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 12, 4, 64, 12
 SIZES = [(1, 64), (1, 1024), (1, 2048), (1, 4096), (4, 64), (4, 1024), (16, 64), (16, 128), (16, 512),

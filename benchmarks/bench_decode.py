@@ -40,7 +40,7 @@ from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
 from dist_runtime.executor import GraphExecutor
 from dist_runtime.ir import Graph, TensorSpec
 from dist_runtime.tensor import QuantizedArray
-from kernels.quant import quantize
+from dist_runtime.kernels.quant import quantize
 
 CFG = LlamaConfig(vocab=32000, hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048)
 PROMPT = np.arange(1, 17)

@@ -1,7 +1,7 @@
 """Matrix-vector products on a 4096 x 4096 weight: GB/s of weight read, per weight format.
 
 Rows: plain numpy ``x @ W.T`` on the f32 weight (the reference, measured in the same run, since
-this machine is shared and noisy: compare the ratios), then ``kernels.quant.quant_matmul`` on the
+this machine is shared and noisy: compare the ratios), then ``dist_runtime.kernels.quant.quant_matmul`` on the
 weight stored as F32, F16, BF16, Q8_0 and Q4_0.  GB/s = the weight's stored bytes / the median time
 of ``--runs`` products; "vs numpy" = our GB/s / the reference's GB/s; "time x" = our time / the
 reference's time.  A decode step is a chain of such products, so this bounds decoding speed.
@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from dist_runtime.dtypes import DType
-from kernels.quant import quant_matmul, quantize
+from dist_runtime.kernels.quant import quant_matmul, quantize
 
 
 def blas_info() -> str:

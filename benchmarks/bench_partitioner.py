@@ -27,11 +27,11 @@ from dist_runtime.dtypes import DType  # noqa: E402
 from dist_runtime.examples import LlamaConfig, llama_graph  # noqa: E402
 from dist_runtime.ir.graph import TensorSpec  # noqa: E402
 from dist_runtime.units import format_bytes  # noqa: E402
-from partitioner.costs import CostModel  # noqa: E402
-from partitioner.graph_costs import graph_costs  # noqa: E402
-from partitioner.machines import Machine  # noqa: E402
-from partitioner.planner import build_plan, solve_at  # noqa: E402
-from partitioner.solver import solve  # noqa: E402
+from dist_runtime.partitioner.costs import CostModel  # noqa: E402
+from dist_runtime.partitioner.graph_costs import graph_costs  # noqa: E402
+from dist_runtime.partitioner.machines import Machine  # noqa: E402
+from dist_runtime.partitioner.planner import build_plan, solve_at  # noqa: E402
+from dist_runtime.partitioner.solver import solve  # noqa: E402
 
 SPEEDS = [1, 2, Fraction(3, 2), 1, 3, 1, 2, Fraction(5, 4)]
 BUDGET_SHARE = [0.10, 0.20, 0.16, 0.10, 0.30, 0.10, 0.20, 0.14]  # of the whole model's memory

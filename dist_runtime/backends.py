@@ -51,7 +51,7 @@ class CpuBackend:
     hint = BackendHint.CPU
 
     def __init__(self) -> None:
-        import kernels  # registers every family module
+        from dist_runtime import kernels  # registers every family module
 
         self._kernels = kernels.registered()
 
@@ -66,7 +66,7 @@ class CpuBackend:
         return self.bind(node)(inputs, ctx)
 
     def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray:
-        from kernels.quant import quant_matmul
+        from dist_runtime.kernels.quant import quant_matmul
 
         return quant_matmul(x, w)
 

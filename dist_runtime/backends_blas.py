@@ -113,7 +113,7 @@ class MatmulFamilyBackend:
     def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray:
         """``x @ w^T``: F32/F16 weights in :meth:`float_matmul`, others in the CPU library."""
         if isinstance(w, QuantizedArray) or w.dtype not in (np.float16, np.float32):
-            from kernels.quant import quant_matmul
+            from dist_runtime.kernels.quant import quant_matmul
 
             return quant_matmul(x, w)
         return self.float_matmul(x, w)

@@ -47,7 +47,7 @@ from .ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, LoraApply, Mat
                      Sdpa, SdpaWindow)
 from .ir.validate import BackendHint
 from .tensor import Array
-from kernels.positions import position, rope_cos_sin
+from dist_runtime.kernels.positions import position, rope_cos_sin
 
 F32 = np.dtype(np.float32)
 

@@ -207,7 +207,7 @@ def _sampler(args: argparse.Namespace):
     (temperature, top-k, top-p, min-p) over ``kernels.generation`` and one seeded draw."""
     import numpy as np
 
-    from kernels.generation import GREEDY, MIN_P, TEMPERATURE, TOP_K, TOP_P, draw, filter_logits, sample
+    from dist_runtime.kernels.generation import GREEDY, MIN_P, TEMPERATURE, TOP_K, TOP_P, draw, filter_logits, sample
 
     if args.greedy:
         return lambda row: int(sample(row, method=GREEDY))
@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_command("validate", "Check a model file and its graph; exit 0 if valid, 1 with a "
                   "message naming the problem otherwise.", cmd_validate)
 
-    from partitioner.cli import positive_int
+    from dist_runtime.partitioner.cli import positive_int
 
     dm = sub.add_parser("demo", help="The main job: real MiniLM embeddings on 3 pipeline stages, then "
                         "4 generation sessions on 2 stages, checked against references.",
@@ -492,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--stats", action="store_true", help="print the per-stage timing table")
     gen.set_defaults(func=cmd_generate)
 
-    from partitioner.cli import register as register_partition
+    from dist_runtime.partitioner.cli import register as register_partition
 
     register_partition(sub)
 

@@ -19,9 +19,9 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
-from kernels.attention import KvState
-from kernels.quant import to_float
-from kernels.registry import KernelContext
+from dist_runtime.kernels.attention import KvState
+from dist_runtime.kernels.quant import to_float
+from dist_runtime.kernels.registry import KernelContext
 
 from .backends import Assignment, Backend, assign_backends, make_backends
 from .errors import GraphValidationError

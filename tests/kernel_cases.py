@@ -91,7 +91,7 @@ def load_cases(path: Path) -> list[Case]:
 
 def run_kernel(op, *inputs) -> tuple:
     """The registered kernel of ``op`` on ``inputs``, with a fresh context: its output tuple."""
-    from kernels.registry import KernelContext, kernel_for
+    from dist_runtime.kernels.registry import KernelContext, kernel_for
 
     return kernel_for(type(op))(op, list(inputs), KernelContext())
 

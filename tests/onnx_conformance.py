@@ -43,19 +43,19 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-import kernels  # noqa: F401  (registers every family module's kernels)
+import dist_runtime.kernels  # noqa: F401  (registers every family module's kernels)
 from dist_runtime.dtypes import DType
 from dist_runtime.importers.onnx_ops import (CONSTANT_INPUTS, CONVERTERS, TARGETS, OnnxValue,
                                              UnsupportedOnnxError, convert_node)
 from dist_runtime.ir.graph import Graph, Node, TensorSpec
 from dist_runtime.ir.ops import OPS_BY_NAME, OPS_BY_TAG, KvCache
 from dist_runtime.ir.validate import check_structure, infer_shapes
-from kernels.attention import KvState
-from kernels.registry import KernelContext, kernel_for
+from dist_runtime.kernels.attention import KvState
+from dist_runtime.kernels.registry import KernelContext, kernel_for
 
 for _family in ("quant", "matmul"):  # registered by kernels/__init__ once that imports them
     try:
-        importlib.import_module(f"kernels.{_family}")
+        importlib.import_module(f"dist_runtime.kernels.{_family}")
     except ImportError:
         pass
 

@@ -27,8 +27,8 @@ from dist_runtime.fusion import backend_acceptor, fuse_graph
 from dist_runtime.ir import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, Graph, LoraApply, Matmul, Node,
                              RmsNorm, Sdpa, TensorSpec)
 from dist_runtime.ir.validate import BackendHint
-from kernels.quant import quantize
-from kernels.registry import KernelContext, kernel_for
+from dist_runtime.kernels.quant import quantize
+from dist_runtime.kernels.registry import KernelContext, kernel_for
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64)
 PROMPT = np.array([3, 17, 42, 5, 60, 8, 11], np.int32)

@@ -12,12 +12,12 @@ import pytest
 from dist_runtime.backends import CpuBackend, default_backends, make_backends
 from dist_runtime.backends_numba import DECODE_KEYS, SMALL_ATTENTION, NumbaBackend, small_attention
 from dist_runtime.dtypes import DType
-from kernels._common import KernelError
+from dist_runtime.kernels._common import KernelError
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
 from dist_runtime.executor import GraphExecutor
 from dist_runtime.ir import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, Graph, Matmul, Node, RmsNorm, Rope,
                              Sdpa, SdpaWindow, TensorSpec)
-from kernels.registry import KernelContext
+from dist_runtime.kernels.registry import KernelContext
 
 RNG = np.random.default_rng(11)
 NUMBA, CPU = NumbaBackend(), CpuBackend()

@@ -13,7 +13,7 @@ from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
 from dist_runtime.executor import GraphExecutor
 from dist_runtime.ir import Graph, Node, Relu, TensorSpec
 from dist_runtime.tensor import QuantizedArray
-from kernels.quant import quantize
+from dist_runtime.kernels.quant import quantize
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48)
 

@@ -229,7 +229,7 @@ def test_dtype_restores_float_tensors_only(files):
 def test_k_quant_and_legacy_blocks_are_kept_and_unpermuted(tmp_path):
     """Q4_1/Q5_0/Q5_1 and K-quant blocks (random bytes, sane scales) come through unchanged except
     for the Q/K row order: decoding ours equals un-permuting gguf's decoding of the file."""
-    from kernels.quant import dequantize
+    from dist_runtime.kernels.quant import dequantize
 
     cfg = dict(CONFIG, hidden_size=256, intermediate_size=256, num_hidden_layers=1, vocab_size=16, head_dim=64)
     weights = random_weights(DecoderConfig(vocab=16, hidden=256, layers=1, heads=4, kv_heads=2, head_dim=64, ffn=256))

@@ -17,13 +17,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import kernels.attention as A
-import kernels.positions  # noqa: F401  (registers Rope, for the prefill-versus-decode test)
+import dist_runtime.kernels.attention as A
+import dist_runtime.kernels.positions  # noqa: F401  (registers Rope, for the prefill-versus-decode test)
 from dist_runtime.dtypes import DType
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir.ops import FlashAttention, KvCache, Rope, Sdpa, SdpaCross, SdpaWindow
 from dist_runtime.tensor import QuantizedArray
-from kernels.registry import KernelContext, kernel_for
+from dist_runtime.kernels.registry import KernelContext, kernel_for
 
 FIXTURES = np.load(Path(__file__).parent / "fixtures" / "kernels" / "attention.npz")
 CASES = sorted({k.split(".")[0] for k in FIXTURES.files if not k.startswith("kv.")})

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kernels.conv as kc
+import dist_runtime.kernels.conv as kc
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir import ops
 from kernel_cases import load_cases, run_one as run
-from kernels._common import KernelError
+from dist_runtime.kernels._common import KernelError
 
 CASES = load_cases(Path(__file__).parent / "fixtures" / "kernels" / "conv.npz")
 

@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import load_cases, run_one as run
 
-import kernels.elementwise as E
+import dist_runtime.kernels.elementwise as E
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir import ops
-from kernels.registry import kernel_for
+from dist_runtime.kernels.registry import kernel_for
 
 # IEEE specials (x / 0, inf - inf, 0 * inf) are part of the cases: numpy's RuntimeWarning about
 # them is expected, the kernels deliberately do not pay for np.errstate on every call.

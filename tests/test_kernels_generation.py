@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kernels.generation as G
+import dist_runtime.kernels.generation as G
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir.ops import FlowStep, NoiseSchedule, Sample
-from kernels.registry import KernelContext, kernel_for
+from dist_runtime.kernels.registry import KernelContext, kernel_for
 
 FIXTURES = np.load(Path(__file__).parent / "fixtures" / "kernels" / "generation.npz")
 LOGITS = FIXTURES["warp.logits"]

@@ -13,7 +13,7 @@ import pytest
 
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir import ops
-from kernels import layout  # noqa: F401  (registers the kernels)
+from dist_runtime.kernels import layout  # noqa: F401  (registers the kernels)
 from kernel_cases import run_kernel as run
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

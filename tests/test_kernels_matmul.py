@@ -25,12 +25,12 @@ import pytest
 from gguf import GGMLQuantizationType
 from kernel_cases import load_cases, run_kernel as run
 
-import kernels.matmul as MM
+import dist_runtime.kernels.matmul as MM
 from dist_runtime.dtypes import DType
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir import ops
 from dist_runtime.tensor import QuantizedArray
-from kernels.registry import kernel_for
+from dist_runtime.kernels.registry import kernel_for
 
 CASES = load_cases(Path(__file__).parent / "fixtures" / "kernels" / "matmul.npz")
 OPS = ["Matmul", "LoraApply", "Kron", "MatrixInverse", "FusedNormMatmul", "FusedSwiGlu"]

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from kernel_cases import TOLERANCES, load_cases, run_kernel as run
 
-import kernels.norms as N
+import dist_runtime.kernels.norms as N
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir import ops
-from kernels.registry import kernel_for
+from dist_runtime.kernels.registry import kernel_for
 
 CASES = load_cases(Path(__file__).parent / "fixtures" / "kernels" / "norms.npz")
 OPS = ["RmsNorm", "LayerNorm", "BatchNorm", "GroupNorm", "InstanceNorm", "AdaLN", "FusedSkipNorm"]

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import kernels.positions as P
+import dist_runtime.kernels.positions as P
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir.ops import PosEmbed, RelativePosEmbedding, Rope, SinusoidalEmbed
 from kernel_cases import run_kernel as run

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-import kernels.quant as Q
+import dist_runtime.kernels.quant as Q
 from dist_runtime.dtypes import DType
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.ir import ops

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kernels.resample as kr
+import dist_runtime.kernels.resample as kr
 from dist_runtime.ir import ops
 from kernel_cases import load_cases, run_one as run
-from kernels._common import KernelError
+from dist_runtime.kernels._common import KernelError
 
 CASES = load_cases(Path(__file__).parent / "fixtures" / "kernels" / "resample.npz")
 BY_NAME = {c.name: c for c in CASES}

@@ -14,7 +14,7 @@ from dist_runtime.dtypes import DType
 from dist_runtime.ir import decode_graph, encode_graph
 from dist_runtime.ir.graph import Graph, Node, TensorSpec
 from dist_runtime.ir.ops import OPS_BY_NAME
-from kernels.registry import kernel_for
+from dist_runtime.kernels.registry import kernel_for
 
 F, Q8, I32, I64 = DType.F32, DType.Q8_0, DType.I32, DType.I64
 

@@ -20,14 +20,14 @@ from dist_runtime.errors import DistRuntimeError, GraphValidationError, Infeasib
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
 from dist_runtime.ir.graph import Graph, Node, TensorSpec
 from dist_runtime.ir.ops import Add, RmsNorm, TokenEmbed
-from partitioner.costs import CostModel
-from partitioner.graph_costs import graph_costs
-from partitioner.granularity import coarsen, layer_boundaries
-from partitioner.machines import Machine, make_machines
-from partitioner.plan import Plan
-from partitioner.planner import build_plan, partition
-from partitioner.solver import feasible, solve
-from partitioner.svg import plan_svg
+from dist_runtime.partitioner.costs import CostModel
+from dist_runtime.partitioner.graph_costs import graph_costs
+from dist_runtime.partitioner.granularity import coarsen, layer_boundaries
+from dist_runtime.partitioner.machines import Machine, make_machines
+from dist_runtime.partitioner.plan import Plan
+from dist_runtime.partitioner.planner import build_plan, partition
+from dist_runtime.partitioner.solver import feasible, solve
+from dist_runtime.partitioner.svg import plan_svg
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = LlamaConfig(vocab=256, hidden=64, layers=8, heads=4, kv_heads=2, ffn=128)
@@ -306,8 +306,8 @@ def test_plan_hash_does_not_depend_on_the_interpreter_hash_seed():
         from dist_runtime.dtypes import DType
         from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
         from dist_runtime.ir.graph import TensorSpec
-        from partitioner.machines import make_machines
-        from partitioner.planner import partition
+        from dist_runtime.partitioner.machines import make_machines
+        from dist_runtime.partitioner.planner import partition
         g = llama_graph(LlamaConfig(layers=1500))  # ~21k nodes
         one = llama_weights(LlamaConfig(layers=1))
         g.weights = {{n.replace("layers.0.", f"layers.{{i}}."): TensorSpec(w.shape, DType.F32)
@@ -328,7 +328,7 @@ def test_plan_hash_does_not_depend_on_the_interpreter_hash_seed():
 # -- the command and the drawing -------------------------------------------------------------------
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     """Run ``partition`` the way the main CLI does: DistRuntimeError -> message, exit 1."""
-    from partitioner.cli import register
+    from dist_runtime.partitioner.cli import register
 
     parser = argparse.ArgumentParser(prog="dist-runtime")
     register(parser.add_subparsers(dest="command", required=True))

@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dist_runtime.errors import InfeasiblePlanError
-from partitioner.costs import CostModel, TensorUse
-from partitioner.machines import Machine
-from partitioner.memory import IntervalMemory
-from partitioner.solver import feasible, solve
+from dist_runtime.partitioner.costs import CostModel, TensorUse
+from dist_runtime.partitioner.machines import Machine
+from dist_runtime.partitioner.memory import IntervalMemory
+from dist_runtime.partitioner.solver import feasible, solve
 
 
 # -- a raw instance and its independent oracles --------------------------------------------------
@@ -353,7 +353,7 @@ def test_large_chain_is_balanced_and_deterministic():
 
 # -- restricted cuts (layer granularity) are exact by coarsening ----------------------------------
 def test_coarsening_keeps_interval_memory_and_the_optimum_over_allowed_cuts():
-    from partitioner.granularity import coarsen
+    from dist_runtime.partitioner.granularity import coarsen
 
     rng = np.random.default_rng(17)
     for _ in range(150):

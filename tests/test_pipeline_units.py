@@ -27,7 +27,7 @@ from dist_runtime.pipeline.subgraph import cut_stages, stages_for_plan
 from dist_runtime.pipeline.telemetry import RunTelemetry
 from dist_runtime.pipeline.weights import fingerprint
 from dist_runtime.transport import decode_message, encode_message
-from kernels.generation import MIN_P, TOP_K, TOP_P, sample
+from dist_runtime.kernels.generation import MIN_P, TOP_K, TOP_P, sample
 
 CFG = PIPELINE_CFG
 

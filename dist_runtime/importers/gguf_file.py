@@ -410,7 +410,7 @@ class _Storage:
 
 def _convert(data: np.ndarray, source: DType, target: DType, shape: tuple[int, ...]) -> Array:
     """The stored data as ``target``: as is when they agree (no dequantize/requantize)."""
-    from kernels.quant import dequantize, quantize
+    from dist_runtime.kernels.quant import dequantize, quantize
 
     if source.is_quantized:
         q = QuantizedArray(data, source, shape)

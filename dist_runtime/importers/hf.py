@@ -483,7 +483,7 @@ def read_weights(hf_dir: Path, graph: Graph, shapes: Mapping[str, tuple[int, ...
     the weights, the checkpoint's dtype counts and the checkpoint tensors left unread."""
     if dtype not in DTYPES:
         raise HFImportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    from kernels.quant import quantize
+    from dist_runtime.kernels.quant import quantize
 
     graph.weights = {n: TensorSpec(s, DType.F32) for n, s in shapes.items()}
     targets = storage_targets(graph, DType[dtype.upper()])

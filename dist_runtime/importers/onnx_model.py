@@ -373,7 +373,7 @@ def _store(graph: Graph, weights: dict[str, np.ndarray], dtype: str | None) -> d
     """Matmul weights stored as ``dtype`` (``common.storage_targets``); float ones only."""
     if dtype in (None, "f32"):
         return weights
-    from kernels.quant import quantize
+    from dist_runtime.kernels.quant import quantize
 
     targets = storage_targets(graph, DType[dtype.upper()])
     return {n: quantize(w.astype(np.float32), targets[n])

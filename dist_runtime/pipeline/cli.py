@@ -21,7 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
-from partitioner.cli import positive_int
+from dist_runtime.partitioner.cli import positive_int
 
 from ..errors import DistRuntimeError
 from .channels import CHANNELS, DEFAULT_CHANNEL
@@ -160,7 +160,7 @@ def _run_pipeline_generate(args: argparse.Namespace) -> int:
         raise DistRuntimeError("give --stages N, --budgets (one size per stage) or --plan PLAN.json")
     plan = None
     if args.plan:
-        from partitioner.plan import Plan
+        from dist_runtime.partitioner.plan import Plan
 
         plan = Plan.from_json(Path(args.plan).read_text())
     requests = _requests(args)

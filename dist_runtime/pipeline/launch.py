@@ -20,8 +20,8 @@ from .subgraph import StageGraph, stages_for_plan
 def make_plan(graph, *, stages: int | None = None, budgets=None, speeds=None, reserve="0",
               max_context: int = 4096, sessions: int = 1, model_name: str = ""):
     """A partitioner plan from the CLI's vocabulary (``--stages N`` or ``--budgets``)."""
-    from partitioner.machines import make_machines
-    from partitioner.planner import partition
+    from dist_runtime.partitioner.machines import make_machines
+    from dist_runtime.partitioner.planner import partition
 
     if stages is None and not budgets:
         raise DistRuntimeError("give a number of stages, or a memory budget per machine")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.generation import GREEDY, MIN_P, TEMPERATURE, TOP_K, TOP_P, sample
+from dist_runtime.kernels.generation import GREEDY, MIN_P, TEMPERATURE, TOP_K, TOP_P, sample
 
 METHODS = {"greedy": GREEDY, "temperature": TEMPERATURE, "top-k": TOP_K, "top-p": TOP_P, "min-p": MIN_P}
 

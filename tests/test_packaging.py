@@ -1,0 +1,57 @@
+"""The wheel installs one top-level package, ``dist_runtime``, holding every package of the tree.
+
+``kernels/`` and ``partitioner/`` sit at the repository's top (they are the design) but install as
+``dist_runtime.kernels`` and ``dist_runtime.partitioner``: both names are taken on PyPI, and a
+top-level ``kernels`` would be overwritten by (or overwrite) another distribution's.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAPPED = {"kernels": "dist_runtime/kernels", "partitioner": "dist_runtime/partitioner"}
+
+
+def _source_packages() -> set[str]:
+    """Every package of the tree, as the wheel must lay it out (``a/b`` for ``a.b``)."""
+    out = set()
+    for top in ("dist_runtime", *MAPPED):
+        for init in (ROOT / top).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT).as_posix()
+            head, _, rest = rel.partition("/")
+            out.add(MAPPED.get(head, head) + (f"/{rest}" if rest else ""))
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "-w", str(out), str(ROOT)], check=True, capture_output=True, timeout=300)
+    (path,) = out.glob("dist_runtime-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def test_the_only_top_level_package_is_dist_runtime(wheel):
+    tops = {n.split("/")[0] for n in wheel.namelist() if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"dist_runtime"}
+
+
+def test_every_package_of_the_tree_is_in_the_wheel(wheel):
+    inits = {n.rsplit("/", 1)[0] for n in wheel.namelist() if n.endswith("/__init__.py")}
+    assert inits == _source_packages()
+    assert "dist_runtime/data/minilm_reference.npz" in wheel.namelist()
+
+
+def test_the_installed_names_resolve_to_the_repository_folders():
+    import dist_runtime.kernels
+    import dist_runtime.partitioner
+
+    assert Path(dist_runtime.kernels.__file__).parent == ROOT / "kernels"
+    assert Path(dist_runtime.partitioner.__file__).parent == ROOT / "partitioner"
