@@ -23,7 +23,7 @@ Reported at the end (a table, or ``--json``):
   life to its last sample (target < ``--rss-target`` MB, default 50);
 * exactness: the tokens of a sample of finished sessions -- every one that was rebuilt by a
   recovery, plus ``--check`` others chosen at random -- against the single-process reference
-  (``dist_runtime.pipeline.reference.reference_tokens``), which must be identical.
+  (``dist_runtime.generation.LocalEngine``), which must be identical.
 
 The stages' telemetry records (one per step, kept until someone fetches them, at most 200k) are
 fetched every ``--drain-telemetry`` seconds (default 30), as a long-running server exporting
@@ -233,7 +233,7 @@ def soak(args) -> dict:
     # -- exactness against one process -------------------------------------------------------------
     from dist_runtime.executor import GraphExecutor
     from dist_runtime.model import load_model
-    from dist_runtime.pipeline.reference import reference_tokens
+    from dist_runtime.generation import LocalEngine, generate
 
     rebuilt = {e.session for e in co.recoveries}
     done = set(finished)
@@ -241,7 +241,7 @@ def soak(args) -> dict:
     others = sorted(done - rebuilt, key=lambda s: int(s[1:]))
     sample += random.Random(args.seed).sample(others, min(args.check, len(others)))
     with load_model(path) as model:
-        want = reference_tokens(GraphExecutor(model, fuse=not args.no_fuse), [by_id[s] for s in sample])
+        want = generate(LocalEngine(GraphExecutor(model, fuse=not args.no_fuse)), [by_id[s] for s in sample]).tokens
     mismatched = [s for s in sample if want[s] != tokens[s]]
 
     # -- RSS per process ---------------------------------------------------------------------------

@@ -1,15 +1,31 @@
 """dist-runtime: run models expressed as a graph of ops, split into pipeline stages.
 
 The main entry points, imported lazily (``import dist_runtime`` stays cheap for the CLI):
-``GraphExecutor`` (dist_runtime.executor), ``load_model`` / ``save_model`` (dist_runtime.model).
+``GraphExecutor`` (dist_runtime.executor), ``load_model`` / ``save_model`` (dist_runtime.model),
+``Sampling`` (dist_runtime.sampling), ``Request`` / ``LocalEngine`` / ``generate``
+(dist_runtime.generation; the pipeline's engine is ``Pipeline(...).coordinator``).
 """
 
 from __future__ import annotations
+
+import os as _os
+
+# kernels/ and partitioner/ sit beside this folder in the repository and install as
+# dist_runtime.kernels and dist_runtime.partitioner.  A checkout used without installing (the
+# project shipped to a cluster as a working directory) finds them here instead.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_checkout, "pyproject.toml")) and \
+        _os.path.isfile(_os.path.join(_checkout, "kernels", "__init__.py")):
+    __path__.append(_checkout)
 
 _LAZY = {
     "GraphExecutor": ("dist_runtime.executor", "GraphExecutor"),
     "load_model": ("dist_runtime.model", "load_model"),
     "save_model": ("dist_runtime.model", "save_model"),
+    "Sampling": ("dist_runtime.sampling", "Sampling"),
+    "Request": ("dist_runtime.generation", "Request"),
+    "LocalEngine": ("dist_runtime.generation", "LocalEngine"),
+    "generate": ("dist_runtime.generation", "generate"),
 }
 
 __all__ = list(_LAZY)

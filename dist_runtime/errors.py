@@ -28,12 +28,25 @@ class GraphValidationError(DistRuntimeError):
 
 class InfeasiblePlanError(DistRuntimeError):
     """No pipeline plan satisfies the request: a node larger than every budget, budgets that fit
-    the total but no contiguous split, a context too long for the budgets, more stages than nodes."""
+    the total but no contiguous split, a context too long for the budgets, more stages than nodes.
+
+    ``kind`` names the case for programs (``"node_too_large"``, ``"total_too_large"``,
+    ``"contiguity"``, ``"context"``, ``"no_machines"``, ``"empty_graph"``, ``"more_stages_than_nodes"``)
+    and ``details`` holds its numbers."""
+
+    def __init__(self, message: str, kind: str = "infeasible", details: dict | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.details = dict(details or {})
 
 
 class TransportError(DistRuntimeError):
     """A frame received from another process is malformed or over a limit; nothing was built
     from it, and the receiver keeps serving other sessions."""
+
+
+class SamplingError(DistRuntimeError):
+    """Sampling settings that contradict each other or are out of range; the message says which."""
 
 
 class StageUnavailableError(DistRuntimeError):

@@ -12,14 +12,26 @@
 * ``plan`` / ``svg`` / ``cli`` -- the plan object, its drawing and the ``partition`` command.
 """
 
-from .costs import CostModel, TensorUse
-from .graph_costs import graph_costs
-from .machines import Machine, make_machines
-from .plan import Plan, Stage, StageMemory
-from .planner import build_plan, partition, solve_at
-from .solver import Solution, feasible, solve
+from dist_runtime import _lazy_exports
 
-__all__ = [
-    "CostModel", "TensorUse", "graph_costs", "Machine", "make_machines", "Plan", "Stage",
-    "StageMemory", "build_plan", "partition", "solve_at", "Solution", "feasible", "solve",
-]
+# Lazy, so that ``dist-runtime --help`` (which builds the ``partition`` parser) imports no numpy.
+_LAZY = {
+    "CostModel": ("dist_runtime.partitioner.costs", "CostModel"),
+    "TensorUse": ("dist_runtime.partitioner.costs", "TensorUse"),
+    "graph_costs": ("dist_runtime.partitioner.graph_costs", "graph_costs"),
+    "Machine": ("dist_runtime.partitioner.machines", "Machine"),
+    "make_machines": ("dist_runtime.partitioner.machines", "make_machines"),
+    "Plan": ("dist_runtime.partitioner.plan", "Plan"),
+    "Stage": ("dist_runtime.partitioner.plan", "Stage"),
+    "StageMemory": ("dist_runtime.partitioner.plan", "StageMemory"),
+    "build_plan": ("dist_runtime.partitioner.planner", "build_plan"),
+    "partition": ("dist_runtime.partitioner.planner", "partition"),
+    "solve_at": ("dist_runtime.partitioner.planner", "solve_at"),
+    "Solution": ("dist_runtime.partitioner.solver", "Solution"),
+    "feasible": ("dist_runtime.partitioner.solver", "feasible"),
+    "solve": ("dist_runtime.partitioner.solver", "solve"),
+}
+
+__all__ = list(_LAZY)
+
+__getattr__ = _lazy_exports(__name__, _LAZY)

@@ -12,21 +12,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dist_runtime.commands import positive_int
 from dist_runtime.errors import DistRuntimeError
 
-from .machines import make_machines
-from .planner import GRANULARITIES
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (shared by the CLI commands that count things)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+from .machines import GRANULARITIES, make_machines
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -15,6 +15,9 @@ from typing import Sequence
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.units import format_bytes, parse_bytes
 
+#: Where stage boundaries may fall (``--granularity``): see ``granularity.py``.
+GRANULARITIES = ("auto", "layer", "node")
+
 #: Denominator bound for speeds given as floats (1/3 -> 3333/10000 would be wrong; 1/3 is kept).
 MAX_SPEED_DENOMINATOR = 10_000
 

@@ -19,12 +19,11 @@ from dist_runtime.ir.graph import Graph, TensorSpec
 from .costs import CostModel
 from .graph_costs import graph_costs
 from .granularity import coarsen, layer_boundaries
-from .machines import Machine
+from .machines import GRANULARITIES, Machine
 from .memory import IntervalMemory, prefix
 from .plan import Plan, Stage, StageMemory
 from .solver import Solution, feasible, infeasible, solve
 
-GRANULARITIES = ("auto", "layer", "node")
 _MEMORY_FAILURES = ("node_too_large", "total_too_large", "contiguity")
 
 

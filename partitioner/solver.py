@@ -60,10 +60,7 @@ class Solution:
 
 def infeasible(kind: str, message: str, **details) -> InfeasiblePlanError:
     """An ``InfeasiblePlanError`` with a machine-readable ``kind`` and ``details``."""
-    err = InfeasiblePlanError(message)
-    err.kind = kind
-    err.details = details
-    return err
+    return InfeasiblePlanError(message, kind, details)
 
 
 @dataclass

@@ -37,7 +37,10 @@ def ids(values) -> str:
 
 
 def generate(capsys, *argv) -> tuple[int, str, str]:
-    code = main(["generate", *map(str, argv)])
+    try:
+        code = main(["generate", *map(str, argv)])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -97,9 +100,25 @@ def test_json_output(model, ref, capsys):
     code, out, _ = generate(capsys, model, "--ids", ids(ref["prompt"]), "-n", 5, "--json")
     assert code == 0
     result = json.loads(out)
-    assert result["prompt"] == ref["prompt"] and result["ids"] == ref["tokens"][:5]
-    assert result["text"] == " ".join(f"w{t}" for t in ref["tokens"][:5])
-    assert result["generated_tokens"] == 5 and result["tokens_per_second"] > 0
+    (session,) = result["sessions"]
+    assert result["prompt"] == ref["prompt"] and session["ids"] == ref["tokens"][:5]
+    assert session["text"] == " ".join(f"w{t}" for t in ref["tokens"][:5]) and session["finish_reason"] == "length"
+    assert result["generated_tokens"] == 5 and result["tokens_per_second"] > 0 and result["pipeline"] is None
+    assert session["first_token_seconds"] > 0 and session["tokens_per_second"] > 0
+
+
+def test_sessions_in_one_process(model, ref, capsys):
+    """``--sessions K`` without stages: K sessions from the prompt, seeds seed .. seed + K - 1,
+    each as it would be alone."""
+    argv = [model, "--ids", ids(ref["prompt"]), "-n", 6, "--ignore-eos", "--temperature", 1.3, "--json"]
+    code, out, _ = generate(capsys, *argv, "--sessions", 3, "--seed", 10)
+    together = json.loads(out)["sessions"]
+    assert code == 0 and [s["seed"] for s in together] == [10, 11, 12]
+    for s in together:
+        _, out, _ = generate(capsys, *argv, "--seed", s["seed"])
+        assert json.loads(out)["sessions"][0]["ids"] == s["ids"]
+    _, out, _ = generate(capsys, model, "--ids", ids(ref["prompt"]), "-n", 4, "--sessions", 2, "--show-ids", "--ignore-eos")
+    assert out.splitlines() == [f"session {i}: {','.join(map(str, ref['tokens'][:4]))}" for i in range(2)]
 
 
 def test_stops_at_eos(ref, tmp_path, capsys):
@@ -115,13 +134,13 @@ def test_stops_at_eos(ref, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, code, message", [
-    (["--greedy", "--temperature", "0.7"], 2, "--greedy contradicts --temperature"),
-    (["--temperature", "0", "--top-k", "5"], 2, "--temperature 0 contradicts --top-k"),
-    (["--top-p", "0"], 2, "--top-p must be in (0, 1]"),
-    (["--max-tokens", "-1"], 2, "--max-tokens must be >= 0"),
-    (["--ids", "1,x"], 2, "--ids takes comma-separated integers"),
-    (["--ids", "1,500"], 1, "prompt ids must be in [0, 128)"),
-    (["--ids", "1", "-n", "300"], 1, "exceed the model's context length 256"),
+    (["--greedy", "--temperature", "0.7"], 2, "greedy contradicts temperature"),
+    (["--temperature", "0", "--top-k", "5"], 2, "temperature 0 (greedy) contradicts top_k"),
+    (["--top-p", "0"], 2, "top_p must be in (0, 1]"),
+    (["--max-tokens", "-1"], 2, "argument -n/--max-tokens: -1 must be at least 1"),
+    (["--ids", "1,x"], 2, "'1,x' is not a comma-separated list of token ids"),
+    (["--ids", "1,500"], 1, "prompt id 500 is outside the vocabulary [0, 128)"),
+    (["--ids", "1", "-n", "300"], 1, "1 prompt tokens + 300 new tokens exceed the context length 256"),
     (["--prompt", "w1", "--tokenizer", "/nonexistent/tokenizer.json"], 1, "no tokenizer at"),
 ])
 def test_usage_errors(model, capsys, argv, code, message):

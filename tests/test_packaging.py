@@ -55,3 +55,16 @@ def test_the_installed_names_resolve_to_the_repository_folders():
 
     assert Path(dist_runtime.kernels.__file__).parent == ROOT / "kernels"
     assert Path(dist_runtime.partitioner.__file__).parent == ROOT / "partitioner"
+
+
+def test_a_checkout_works_without_installing():
+    """``ray job submit --working-dir .`` ships the checkout, not an install: without the
+    editable finder (``-S``: no site processing), the checkout alone resolves the mapped names."""
+    import sysconfig
+
+    env = {"PYTHONPATH": f"{ROOT}{':'}{sysconfig.get_paths()['purelib']}", "PATH": "/usr/bin:/bin"}
+    code = ("import dist_runtime.kernels.quant as q, dist_runtime.partitioner.planner as p; "
+            "print(q.__file__); print(p.__file__)")
+    out = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True,
+                         cwd="/", timeout=120, check=True).stdout.split()
+    assert out == [str(ROOT / "kernels" / "quant.py"), str(ROOT / "partitioner" / "planner.py")]

@@ -20,7 +20,7 @@ from dist_runtime.errors import StageUnavailableError, TransportError  # noqa: E
 from dist_runtime.executor import GraphExecutor  # noqa: E402
 from dist_runtime.model import load_model  # noqa: E402
 from dist_runtime.pipeline import Pipeline, Request, Sampling, StageOptions  # noqa: E402
-from dist_runtime.pipeline.reference import reference_tokens  # noqa: E402
+from dist_runtime.generation import LocalEngine, generate  # noqa: E402
 
 CFG = PIPELINE_CFG
 PROMPTS = {"a": [5, 17, 3, 9], "b": [42], "c": [7, 7, 7, 7, 7, 1]}
@@ -68,7 +68,7 @@ def _check_same_answers(p: Pipeline, reference, max_in_flight=None) -> None:
         got = co.forward(sid, tokens, pos=pos, reset=pos == 0)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     # tokens: greedy and sampled sessions in flight together
-    want = reference_tokens(reference, _requests())
+    want = generate(LocalEngine(reference), _requests()).tokens
     got = co.generate(_requests(), max_in_flight=max_in_flight)
     assert got == want
     summary = co.last_run.summary()
@@ -115,7 +115,7 @@ def test_hostile_frame_fails_that_call_only(pipe2, reference):
                 ray.get(second.step.remote(b"\x93\x01\x02garbage"))
             with pytest.raises(TransportError):
                 ray.get(second.step.remote(co._message("a", [1], 0, 10**6, False, False)))
-    assert got == reference_tokens(reference, _requests(8))
+    assert got == generate(LocalEngine(reference), _requests(8)).tokens
     assert ray.get(second.report.remote())["errors"] == 2
 
 
@@ -129,7 +129,7 @@ def test_reset_close_and_telemetry(pipe2, reference, tmp_path):
     history = co.sessions["r"].history
     cont = co.generate([Request("r", [8], 3, resume=True)])
     reference.run({"tokens": np.array(history[:-1], np.int32)}, session="r", pos=0)
-    want = reference_tokens(reference, [Request("r", [history[-1], 8], 3, resume=True)])
+    want = generate(LocalEngine(reference), [Request("r", [history[-1], 8], 3, resume=True)]).tokens
     assert cont == want
     co.reset("r")
     assert co.position("r") == 0
@@ -145,17 +145,14 @@ def test_reset_close_and_telemetry(pipe2, reference, tmp_path):
 
 
 def test_cli_pipeline_command(model_path, tmp_path, capsys):
-    import argparse
     import json
 
-    from dist_runtime.pipeline.cli import main, register
+    from dist_runtime.cli import build_parser, main
 
-    parser = argparse.ArgumentParser(prog="dist-runtime")
-    register(parser.add_subparsers(dest="command"))  # what the lead wires into dist_runtime/cli.py
-    args = parser.parse_args(["pipeline", str(model_path), "--stages", "2", "--sessions", "2"])
-    assert args.func.__name__ == "run_pipeline_generate" and args.sessions == 2
+    args = build_parser().parse_args(["pipeline", str(model_path), "--stages", "2", "--sessions", "2"])
+    assert args.func.__name__ == "cmd_generate" and args.sessions == 2
     svg = tmp_path / "t.svg"
-    code = main([str(model_path), "--stages", "2", "--sessions", "3", "--prompt-ids", "4,5,6",
+    code = main(["pipeline", str(model_path), "--stages", "2", "--sessions", "3", "--prompt-ids", "4,5,6",
                  "--max-new-tokens", "5", "--temperature", "0.9", "--top-k", "7", "--max-context", "64",
                  "--no-fuse", "--cpus-per-stage", "0.5", "--stats", "--timeline", str(svg), "--check"])
     out = capsys.readouterr().out
@@ -174,8 +171,9 @@ def test_cli_pipeline_command(model_path, tmp_path, capsys):
     code = job.main([str(example), "--example", "--budgets", "10MiB,10MiB", "--max-context", "64", "--json"])
     report = json.loads(capsys.readouterr().out.split("\n", 1)[1])  # after "wrote the example model"
     assert code == 0 and example.exists()
-    assert len(report["tokens"]["0"]) == 16 and len(report["stages"]) == 2 and report["nodes"]
-    assert main([str(model_path), "--max-context", "64"]) == 1  # neither --stages nor --budgets
+    assert [len(s["ids"]) for s in report["sessions"]] == [16]
+    assert len(report["pipeline"]["stages"]) == 2 and report["pipeline"]["nodes"]
+    assert main(["pipeline", str(model_path), "--max-context", "64"]) == 1  # neither --stages nor --budgets
     assert "give --stages N" in capsys.readouterr().err
     with pytest.raises(StageUnavailableError, match="not all placed"):  # no hanging on a full cluster
         Pipeline(model_path, stages=1, max_context=64, options=StageOptions(cpus=64, placement_timeout=2))
@@ -222,10 +220,36 @@ def test_demo_parts(tmp_path, capsys):
 
 
 def test_generate_with_stages_runs_the_pipeline(model_path, reference, capsys):
-    """``dist-runtime generate MODEL --stages N`` is the pipeline run (the issue's spelling)."""
+    """``dist-runtime generate MODEL --stages N`` is the pipeline run (the issue's spelling), and
+    prints what the same command prints in one process: the tokens as they come, then a summary."""
     from dist_runtime.cli import main
 
     assert main(["generate", str(model_path), "--ids", "4,5,6", "-n", "5", "--stages", "2", "--stats"]) == 0
     out = capsys.readouterr().out
-    want = reference_tokens(reference, [Request(0, [4, 5, 6], 5)])[0]
-    assert f"session 0: {','.join(map(str, want))}" in out and "bubble" in out
+    want = generate(LocalEngine(reference), [Request(0, [4, 5, 6], 5)]).tokens[0]
+    assert out.startswith(" ".join(map(str, want)) + "\n") and "bubble" in out
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["--temperature", "0.9"], ["--top-k", "5"], ["--top-p", "0.8"], ["--min-p", "0.1"],
+    ["--temperature", "1.2", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.02"],
+], ids=lambda f: " ".join(f) or "greedy")
+def test_generate_samples_alike_in_one_process_and_on_stages(model_path, capsys, flags):
+    """The same flags and seed give the same ids with and without ``--stages 2`` (one sampler,
+    one generation path), for two sessions seeded seed and seed + 1; ``--json`` has one schema."""
+    import json
+
+    from dist_runtime.cli import main
+
+    argv = ["generate", str(model_path), "--ids", "4,5,6", "-n", "6", "--sessions", "2", "--seed", "3",
+            "--no-fuse", "--json", *flags]
+    runs = []
+    for extra in ([], ["--stages", "2", "--cpus-per-stage", "0.5"]):
+        assert main([*argv, *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    local, staged = runs
+    assert [s["ids"] for s in local["sessions"]] == [s["ids"] for s in staged["sessions"]]
+    assert [s["seed"] for s in staged["sessions"]] == [3, 4]
+    assert set(local) == set(staged) and local["pipeline"] is None and staged["pipeline"]["plan_hash"]
+    if flags:  # sampled: the two sessions' seeds differ, and so (here) do their tokens
+        assert local["sessions"][0]["ids"] != local["sessions"][1]["ids"]

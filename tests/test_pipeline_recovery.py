@@ -23,7 +23,7 @@ from dist_runtime.examples import LlamaConfig  # noqa: E402
 from dist_runtime.executor import GraphExecutor  # noqa: E402
 from dist_runtime.model import load_model  # noqa: E402
 from dist_runtime.pipeline import Pipeline, Request, Sampling, StageOptions  # noqa: E402
-from dist_runtime.pipeline.reference import reference_tokens  # noqa: E402
+from dist_runtime.generation import LocalEngine, generate  # noqa: E402
 
 CFG = LlamaConfig(vocab=96, hidden=32, layers=3, heads=4, kv_heads=2, ffn=64)
 N_NEW = 6
@@ -47,7 +47,7 @@ def _requests() -> list[Request]:
 @pytest.fixture(scope="module")
 def expected(model_path):
     with load_model(model_path) as model:
-        return reference_tokens(GraphExecutor(model, fuse=False), _requests())
+        return generate(LocalEngine(GraphExecutor(model, fuse=False)), _requests()).tokens
 
 
 def _run_with_faults(p: Pipeline, faults: dict[int, callable]) -> dict:
@@ -156,8 +156,8 @@ def test_resumed_session_is_replayed(model_path):
     """A session that was not in flight when a stage died is rebuilt when it resumes."""
     with load_model(model_path) as model:
         ref = GraphExecutor(model, fuse=False)
-        want = reference_tokens(ref, [Request("r", [3, 4, 5], 3)])
-        want2 = reference_tokens(ref, [Request("r", [want["r"][-1], 8], 3, resume=True)])
+        want = generate(LocalEngine(ref), [Request("r", [3, 4, 5], 3)]).tokens
+        want2 = generate(LocalEngine(ref), [Request("r", [want["r"][-1], 8], 3, resume=True)]).tokens
     with Pipeline(model_path, stages=2, max_context=64, options=StageOptions(fuse=False, cpus=0.5)) as p:
         co = p.coordinator
         assert co.generate([Request("r", [3, 4, 5], 3)]) == want

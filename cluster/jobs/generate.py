@@ -38,7 +38,7 @@ def _import_project() -> None:
 
 def main(argv: list[str]) -> int:
     _import_project()
-    from dist_runtime.pipeline.cli import main as pipeline_main
+    from dist_runtime.cli import main as cli_main
 
     if "--example" in argv:
         argv = [a for a in argv if a != "--example"]
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
             print(f"wrote the example model to {model}")
     if "--address" not in argv and not os.environ.get("RAY_ADDRESS"):
         argv = [*argv, "--address", "auto"]  # a job runs on a cluster, never on an embedded Ray
-    return pipeline_main(argv, prog="generate.py")
+    return cli_main(["pipeline", *argv])
 
 
 if __name__ == "__main__":

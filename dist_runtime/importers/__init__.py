@@ -18,6 +18,9 @@ from pathlib import Path
 
 from ..errors import DistRuntimeError
 
+#: Storage types ``convert --dtype`` offers for matmul weights (light: the CLI's parser lists them).
+DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+
 #: format -> (module, function converting ``(source, out, dtype, progress=)`` to a ConvertReport)
 IMPORTERS = {
     "huggingface": ("hf_any", "convert_hf_dir"),

@@ -17,12 +17,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..dtypes import DType
+from . import DTYPES  # noqa: F401  (re-exported: every importer checks --dtype against it)
 from ..ir.graph import Graph, Node
 from ..ir.ops import TokenEmbed
 from ..tensor import Array, QuantizedArray
-
-#: ``--dtype`` choices: what matmul weights (and, quantized, embedding tables) are stored as.
-DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 
 @dataclass

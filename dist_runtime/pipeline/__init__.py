@@ -7,9 +7,10 @@ Modules, by what they hold:
   what it holds;
 * ``stage``     -- the stage: decode a message, run its GraphExecutor, encode the reply (the Ray actor);
 * ``channels``  -- how a step travels through the stages (chained object refs, a compiled graph);
+* ``options``   -- ``StageOptions``: what a deployment asks for (CPUs, threads, nodes, weights source);
 * ``deploy``    -- placing the actors (CPUs, BLAS threads, nodes) and loading their weights;
-* ``sampling``  -- per-session sampling settings on the driver;
-* ``coordinator`` -- sessions, positions, reset, prefill and decode with many sessions in flight;
+* ``coordinator`` -- sessions, positions, reset, prefill and decode with many sessions in flight
+  (the pipeline's engine for ``dist_runtime.generation``; sampling is ``dist_runtime.sampling``);
 * ``telemetry`` -- per stage and step timings, run figures, the stats table and the SVG timeline;
 * ``cluster``   -- an embedded local Ray, or an existing cluster;
 * ``launch``    -- ``Pipeline``: all of the above behind one object;
@@ -25,10 +26,10 @@ from .. import _lazy_exports
 _LAZY = {
     "Pipeline": ("dist_runtime.pipeline.launch", "Pipeline"),
     "make_plan": ("dist_runtime.pipeline.launch", "make_plan"),
-    "StageOptions": ("dist_runtime.pipeline.deploy", "StageOptions"),
-    "Request": ("dist_runtime.pipeline.coordinator", "Request"),
+    "StageOptions": ("dist_runtime.pipeline.options", "StageOptions"),
+    "Request": ("dist_runtime.generation", "Request"),
     "Coordinator": ("dist_runtime.pipeline.coordinator", "Coordinator"),
-    "Sampling": ("dist_runtime.pipeline.sampling", "Sampling"),
+    "Sampling": ("dist_runtime.sampling", "Sampling"),
     "cut_stages": ("dist_runtime.pipeline.subgraph", "cut_stages"),
     "stages_for_plan": ("dist_runtime.pipeline.subgraph", "stages_for_plan"),
 }

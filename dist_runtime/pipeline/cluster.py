@@ -1,8 +1,9 @@
 """Connecting to Ray: an embedded local instance on demand, or an existing cluster.
 
 Without an address (and without ``RAY_ADDRESS``) the runtime starts a private Ray on this machine,
-with no dashboard (nothing listens beyond what the raylet needs) and in its own namespace, and
-stops it when done.  With ``--address auto`` (a cluster started on this machine with ``ray start``)
+with no dashboard and in its own namespace, and stops it when done.  Ray's GCS, raylet and workers
+still listen on the node's address (Ray's gRPC servers do not bind to loopback only): what protects
+them is Ray's token authentication, on by default.  With ``--address auto`` (a cluster started on this machine with ``ray start``)
 or ``--address HOST:PORT`` / ``RAY_ADDRESS``, it joins that cluster and leaves it running.
 
 Authentication is Ray's own: with ``RAY_AUTH_MODE=token`` set on the cluster, a driver needs the
@@ -32,8 +33,11 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, namespac
     if address:
         ray.init(address=address, namespace=namespace, log_to_driver=not quiet)
     else:
-        # Embedded: a private instance, no dashboard, nothing to reach from outside.
-        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
+        # Embedded: always a fresh private instance ("local"), never one that Ray's session file
+        # names (a stale or foreign cluster there would be joined, or waited for forever).  No
+        # dashboard; Ray's own servers still listen on the node's address, and what guards them
+        # is Ray's token authentication, on by default (docs/security.md).
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
                  log_to_driver=not quiet, configure_logging=not quiet)
     return True
 

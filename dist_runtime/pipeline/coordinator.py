@@ -33,38 +33,14 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..errors import DistRuntimeError, StageUnavailableError
+from ..generation import Request, TokenEvent, check_requests
+from ..sampling import Sampling
 from ..transport import decode_message, encode_message
 from .channels import Channel
-from .sampling import Sampling
 from .subgraph import StageGraph
 from .telemetry import RunTelemetry
 
 log = logging.getLogger("dist_runtime.recovery")
-
-
-@dataclass
-class Request:
-    """Generate up to ``max_new_tokens`` for ``session`` after ``prompt``.
-
-    ``resume=True`` continues the session's conversation from its position (the prompt is the
-    new turn); otherwise the session starts afresh at position 0.
-    """
-
-    session: Hashable
-    prompt: Sequence[int]
-    max_new_tokens: int = 16
-    sampling: Sampling = field(default_factory=Sampling)
-    stop: frozenset[int] = frozenset()
-    resume: bool = False
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    session: Hashable
-    token: int | None  # None when the session failed (see ``error``)
-    index: int  # 0 for the first generated token
-    done: bool
-    error: BaseException | None = None
 
 
 @dataclass
@@ -232,9 +208,7 @@ class Coordinator:
         """Tokens as they are produced, interleaved across sessions (see the module docstring)."""
         self._check_generative()
         waiting = deque(requests)
-        ids = [r.session for r in waiting]
-        if len(set(ids)) != len(ids):
-            raise DistRuntimeError("one request per session at a time")
+        check_requests(waiting)
         limit = max_in_flight or len(waiting) or 1
         run = self.last_run = RunTelemetry(len(self.stages))
         inflight: deque[_Pending] = deque()
@@ -257,10 +231,6 @@ class Coordinator:
             if state is None or not req.resume:
                 state = self.sessions[req.session] = SessionState(req.session, req.sampling, req.sampling.rng())
             state.generated, state.error = [], None
-            if not req.prompt:
-                raise DistRuntimeError(f"session {req.session!r}: an empty prompt")
-            if req.max_new_tokens < 1:
-                raise DistRuntimeError(f"session {req.session!r}: max_new_tokens must be at least 1")
             if state.stale and state.pos:
                 self._replay([state])
             # On resume, the last generated token was never fed: it goes in before the new turn.

@@ -15,32 +15,13 @@ tensors -- and only those -- in the object store for it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DistRuntimeError, StageUnavailableError
 from .stage import stage_actor_class, thread_env
+from .options import WEIGHT_SOURCES, StageOptions
 from .subgraph import StageGraph
 from .weights import fingerprint
-
-WEIGHT_SOURCES = ("auto", "file", "store")
-
-
-@dataclass
-class StageOptions:
-    cpus: float | None = None  # per stage; None: the cluster's free CPUs shared evenly
-    threads: int | None = None  # BLAS threads per stage; None: the reservation, at least 1
-    resources: list[dict] | None = None  # per stage, e.g. [{"stage0": 1}, {"stage1": 1}]
-    weights: str = "auto"  # "auto": the file if it is there, else the object store
-    worker_path: str | None = None  # where workers find the model (default: the driver's path)
-    fuse: bool = True
-    backends: list[str] | None = None
-    seed: int = 0
-    spread: bool = True
-    max_sessions: int | None = None
-    extra_env: dict = field(default_factory=dict)
-    placement_timeout: float = 120.0  # seconds for the actors to be placed and load their weights
-
 
 def resolve_cpus(options: StageOptions, n_stages: int) -> StageOptions:
     """``options`` with ``cpus`` and ``threads`` fixed: a replacement stage started later must

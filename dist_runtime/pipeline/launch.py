@@ -13,7 +13,8 @@ from pathlib import Path
 from ..errors import DistRuntimeError
 from .channels import DEFAULT_CHANNEL, make_channel
 from .coordinator import Coordinator
-from .deploy import StageOptions, deploy, kill, resolve_cpus
+from .deploy import deploy, kill, resolve_cpus
+from .options import StageOptions
 from .subgraph import StageGraph, stages_for_plan
 
 

@@ -21,6 +21,8 @@ import time
 from collections import deque
 from typing import Any, Hashable
 
+import numpy as np
+
 from ..errors import DistRuntimeError, TransportError
 from ..transport import decode_message, encode_message
 from .subgraph import StageGraph
@@ -31,6 +33,10 @@ from .weights import fingerprint, held_bytes, resident_file_bytes
 MAX_SESSIONS = 4096
 #: Telemetry records kept between two ``telemetry()`` calls (the oldest are dropped first).
 MAX_RECORDS = 200_000
+
+#: The scratch session a stage warms up on when it gets its weights (a name no driver uses:
+#: the coordinator's sessions are the caller's ids, and one-off passes are "run:<step>").
+WARMUP_SESSION = "warmup:stage"
 
 #: Environment variables that cap the BLAS / OpenMP pools of a stage process.  They must be set
 #: before numpy loads, so they go in the actor's ``runtime_env``; threadpoolctl, when installed,
@@ -94,6 +100,7 @@ class StageWorker:
         # telemetry on the actor's main thread: one lock keeps the executor's sessions consistent.
         self._lock = threading.Lock()
         self._link = None
+        self.warmup = "not run"
 
     # -- weights -------------------------------------------------------------------------------
     def load_file(self, path: str, expected: str | None = None) -> dict:
@@ -133,6 +140,25 @@ class StageWorker:
 
             self._executor = GraphExecutor((self.stage.graph, self._weights), self._backends,
                                            fuse=self._fuse, seed=self._seed)
+            self.warmup = self._warm_up()
+
+    def _warm_up(self) -> str:
+        """Run a prefill step and a decode step on a scratch session, then forget it, so that
+        the first real request does not pay for compiling or loading kernels, or for first-touch
+        page faults on the weights.  Returns what happened, for the stage's report; a failure
+        here is reported, not raised (a real step with real inputs gives the real error)."""
+        ex = self._executor
+        t0 = time.perf_counter()
+        try:
+            for rows in (2, 1):  # a prefill, then a decode step (attention takes other paths)
+                dummy = {n: np.zeros([rows if d < 0 else d for d in spec.shape], spec.dtype.numpy)
+                         for n, spec in zip(ex.graph.input_names, ex.graph.inputs)}
+                ex.run(dummy, session=WARMUP_SESSION)
+        except Exception as e:  # noqa: BLE001 -- reported; deployment must not fail on scratch inputs
+            return f"failed: {type(e).__name__}: {e}"
+        finally:
+            ex.close_session(WARMUP_SESSION)
+        return f"{(time.perf_counter() - t0) * 1e3:.0f} ms"
 
     # -- sessions ------------------------------------------------------------------------------
     def reset(self, session: Hashable | None = None) -> None:
@@ -224,6 +250,7 @@ class StageWorker:
             "threads": self.threads, "thread_limit": self.thread_limit,
             "blas_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
             "sessions": len(self.sessions()), "steps": self.steps, "errors": self.errors,
+            "warmup": self.warmup,
         }
 
     # -- the direct channel's link (see links.py) -----------------------------------------------

@@ -11,22 +11,19 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import DistRuntimeError
-from .units import format_bytes, parse_bytes
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+from ..commands import positive_int, run_command, size
+from ..errors import DistRuntimeError
+from ..importers import DTYPES
+from ..partitioner.cli import register as register_partition
+from ..units import format_bytes
+from .generate import register as register_generate
 
 
 # -- inspect / validate -------------------------------------------------------------------------
 def _report(path: str, max_memory: int | None) -> dict:
     """Load and validate ``path``; everything inspect and validate print, as one dict."""
-    from .ir.validate import estimate_memory, infer_shapes
-    from .model import load_model
+    from ..ir.validate import estimate_memory, infer_shapes
+    from ..model import load_model
 
     with load_model(path, tensors=[], validate=False) as model:
         report: dict = {
@@ -42,8 +39,8 @@ def _report(path: str, max_memory: int | None) -> dict:
         graph = model.graph
         if graph is None:
             return report
-        from .ir.text_form import format_graph
-        from .ir.validate import validate_graph
+        from ..ir.text_form import format_graph
+        from ..ir.validate import validate_graph
 
         limit = max_memory if max_memory is not None else model.metadata.get("max_memory")
         report["warnings"] = validate_graph(graph, max_memory=limit)
@@ -92,7 +89,7 @@ def _print_inspect(r: dict) -> None:
 
 def _backend_plan(path: str, backends: list[str] | None, fuse: bool) -> list[dict]:
     """Per node: the backend the executor would choose, and why (nothing is run)."""
-    from .executor import GraphExecutor
+    from ..executor import GraphExecutor
 
     return GraphExecutor(path, backends=backends, fuse=fuse).plan()
 
@@ -130,8 +127,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 # -- example ------------------------------------------------------------------------------------
 def cmd_example(args: argparse.Namespace) -> int:
-    from .examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
-    from .model import save_model
+    from ..examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
+    from ..model import save_model
 
     cfg = LlamaConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                       kv_heads=args.kv_heads, ffn=args.ffn)
@@ -148,7 +145,7 @@ def cmd_example(args: argparse.Namespace) -> int:
 
 # -- demo ---------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from ..demo import run_demo
 
     return run_demo(args.out, embed_stages=args.embed_stages, gen_stages=args.gen_stages,
                     sessions=args.sessions, new_tokens=args.new_tokens, address=args.address)
@@ -156,7 +153,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # -- embed --------------------------------------------------------------------------------------
 def cmd_embed(args: argparse.Namespace) -> int:
-    from .embed import embed_texts, similarity_table
+    from ..embed import embed_texts, similarity_table
 
     emb = embed_texts(args.model, args.texts, stages=args.stages, address=args.address)
     if args.json:
@@ -179,7 +176,7 @@ def _per_layer(names: list[str]) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .importers import convert
+    from ..importers import convert
 
     report = convert(args.source, args.out, args.dtype, progress=not (args.quiet or args.json))
     if args.json:
@@ -201,174 +198,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- generate -----------------------------------------------------------------------------------
-def _sampler(args: argparse.Namespace):
-    """A function from one row of logits to a token id: greedy, or HF's warpers in HF's order
-    (temperature, top-k, top-p, min-p) over ``kernels.generation`` and one seeded draw."""
-    import numpy as np
-
-    from dist_runtime.kernels.generation import GREEDY, MIN_P, TEMPERATURE, TOP_K, TOP_P, draw, filter_logits, sample
-
-    if args.greedy:
-        return lambda row: int(sample(row, method=GREEDY))
-    filters = [(TEMPERATURE, {"temperature": args.temperature or 1.0})]
-    if args.top_k:
-        filters.append((TOP_K, {"k": args.top_k}))
-    if args.top_p is not None and args.top_p < 1.0:
-        filters.append((TOP_P, {"p": args.top_p}))
-    if args.min_p:
-        filters.append((MIN_P, {"p": args.min_p}))
-    rng = np.random.default_rng(args.seed)
-
-    def pick(row):
-        for method, params in filters:
-            row = filter_logits(row, method=method, **params)
-        return int(draw(row, rng.random(1)))
-
-    return pick
-
-
-def _sampling_options(args: argparse.Namespace) -> str | None:
-    """Resolve --greedy against the sampling options; a usage problem as a message, else None."""
-    sampling = [f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--min-p", args.min_p)) if v is not None]
-    if args.temperature is not None and args.temperature > 0:
-        sampling.insert(0, "--temperature")
-    if (args.greedy or args.temperature == 0) and sampling:
-        return f"{'--greedy' if args.greedy else '--temperature 0'} contradicts {', '.join(sampling)}"
-    args.greedy = not sampling  # the default, as transformers' do_sample=False
-    checks = [(args.max_tokens >= 0, "--max-tokens must be >= 0"),
-              (args.temperature is None or args.temperature >= 0, "--temperature must be >= 0"),
-              (args.top_k is None or args.top_k >= 1, "--top-k must be >= 1"),
-              (args.top_p is None or 0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
-              (args.min_p is None or 0 <= args.min_p <= 1, "--min-p must be in [0, 1]")]
-    return next((msg for ok, msg in checks if not ok), None)
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from .model import load_model
-
-    prompt = None
-    problem = _sampling_options(args)
-    if problem is None and args.ids is not None:
-        try:
-            prompt = [int(t) for t in args.ids.replace(",", " ").split()]
-        except ValueError:
-            problem = f"--ids takes comma-separated integers, got {args.ids!r}"
-    if problem:
-        print(f"dist-runtime generate: error: {problem}", file=sys.stderr)
-        return 2
-    if args.stages or args.budgets:
-        return _generate_on_pipeline(args, prompt)
-    with load_model(args.model) as model:
-        return _generate(args, model, prompt)
-
-
-def _generate_on_pipeline(args: argparse.Namespace, prompt: list[int] | None) -> int:
-    """``generate --stages N`` / ``--budgets``: the same run as ``dist-runtime pipeline``, which
-    takes the prompt as ids (a text prompt is tokenized here) and prints each session's tokens."""
-    from .pipeline.cli import build_parser, run_pipeline_generate
-
-    if prompt is None:
-        from .importers.tokenizer import Tokenizer, find_tokenizer
-        from .model import load_model
-
-        with load_model(args.model, tensors=[]) as model:
-            tok_path = find_tokenizer(args.model, model.metadata, args.tokenizer)
-        if tok_path is None:
-            raise DistRuntimeError(f"{args.model} has no tokenizer: give --ids, or --tokenizer PATH")
-        prompt = Tokenizer(tok_path).encode(args.prompt)
-    argv = [str(args.model), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(args.max_tokens),
-            "--sessions", str(args.sessions)]
-    for flag, value in (("--stages", args.stages), ("--budgets", args.budgets), ("--address", args.address),
-                        ("--timeline", args.timeline), ("--temperature", args.temperature),
-                        ("--top-k", args.top_k), ("--top-p", args.top_p), ("--min-p", args.min_p),
-                        ("--seed", args.seed)):
-        if value is not None:
-            argv += [flag, str(value)]
-    argv += [flag for flag, on in (("--stats", args.stats), ("--json", args.json), ("--stream", not args.json)) if on]
-    return run_pipeline_generate(build_parser("dist-runtime generate").parse_args(argv))
-
-
-def _generate(args: argparse.Namespace, model, prompt: list[int] | None) -> int:
-    import time
-
-    import numpy as np
-
-    from .executor import GraphExecutor
-    from .importers.tokenizer import StreamDecoder, Tokenizer, find_tokenizer
-
-    metadata = model.metadata
-    tok_path = find_tokenizer(args.model, metadata, args.tokenizer)
-    tokenizer = None
-    if tok_path is not None and (args.prompt is not None or not args.show_ids):
-        try:
-            tokenizer = Tokenizer(tok_path)
-        except DistRuntimeError as e:
-            if args.prompt is not None:
-                raise
-            print(f"note: printing ids: {e}", file=sys.stderr)  # --ids works without tokenizers
-    if args.prompt is not None:
-        if tokenizer is None:
-            raise DistRuntimeError(f"{args.model} has no tokenizer (convert copies HF_DIR/tokenizer.json "
-                                   f"beside the model); pass --tokenizer PATH or --ids")
-        prompt = tokenizer.encode(args.prompt)
-    config = metadata.get("config", {})
-    vocab, context = config.get("vocab"), config.get("context_length")
-    if not prompt:
-        raise DistRuntimeError("the prompt is empty: generation needs at least one token")
-    if vocab and not all(0 <= t < vocab for t in prompt):
-        raise DistRuntimeError(f"prompt ids must be in [0, {vocab}), got {prompt}")
-    if context and len(prompt) + args.max_tokens > context:
-        raise DistRuntimeError(f"{len(prompt)} prompt tokens + --max-tokens {args.max_tokens} exceed "
-                               f"the model's context length {context}")
-    eos = set()
-    if not args.ignore_eos:
-        value = metadata.get("eos_token_id", [])
-        eos = set(value if isinstance(value, list) else [value])
-
-    executor = GraphExecutor(model)
-    if "logits" not in executor.graph.outputs:
-        raise DistRuntimeError(f"{args.model}'s graph has no 'logits' output to sample from")
-    pick = _sampler(args)
-    stream = StreamDecoder(tokenizer) if tokenizer is not None and not args.show_ids else None
-
-    def emit(token: int, first: bool) -> None:
-        if args.json:
-            return
-        text = stream.add(token) if stream is not None else ("" if first else " ") + str(token)
-        print(text, end="", flush=True)
-
-    start = time.perf_counter()
-    logits = executor.run({"tokens": np.asarray(prompt, np.int32)})["logits"]
-    prefill = time.perf_counter() - start
-    out: list[int] = []
-    start = time.perf_counter()
-    while len(out) < args.max_tokens:
-        token = pick(logits[-1])
-        out.append(token)
-        emit(token, len(out) == 1)
-        if token in eos or len(out) == args.max_tokens:
-            break
-        logits = executor.run({"tokens": np.array([token], np.int32)})["logits"]
-    decode = time.perf_counter() - start
-    text = tokenizer.decode(out) if tokenizer is not None else None
-    stats = {"prompt_tokens": len(prompt), "generated_tokens": len(out),
-             "prefill_seconds": prefill, "generate_seconds": decode,
-             "prefill_tokens_per_second": len(prompt) / prefill if prefill else None,
-             "tokens_per_second": len(out) / decode if out and decode else None,
-             "stopped_at_eos": bool(out) and out[-1] in eos}
-    if args.json:
-        print(json.dumps({"prompt": prompt, "ids": out, "text": text, **stats}, indent=2))
-        return 0
-    if stream is not None:
-        print(stream.finish(), end="")
-    print(flush=True)
-    rate = f"{stats['tokens_per_second']:.1f} tokens/s" if stats["tokens_per_second"] else "-"
-    print(f"[prompt {len(prompt)} tokens in {prefill * 1e3:.1f} ms; generated {len(out)} tokens in "
-          f"{decode:.2f} s, {rate}{'; stopped at EOS' if stats['stopped_at_eos'] else ''}]", file=sys.stderr)
-    return 0
-
-
 # -- entry point --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -381,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         p.add_argument("model", metavar="MODEL", help="path to a .model file")
         p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-        p.add_argument("--max-memory", type=_size, metavar="SIZE",
+        p.add_argument("--max-memory", type=size, metavar="SIZE",
                        help="check the memory estimate against SIZE (e.g. 8GiB) instead of the "
                             "model's declared max_memory")
         p.set_defaults(func=func)
@@ -398,8 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--no-fuse", action="store_true", help="with --plan: plan the unfused graph")
     model_command("validate", "Check a model file and its graph; exit 0 if valid, 1 with a "
                   "message naming the problem otherwise.", cmd_validate)
-
-    from dist_runtime.partitioner.cli import positive_int
 
     dm = sub.add_parser("demo", help="The main job: real MiniLM embeddings on 3 pipeline stages, then "
                         "4 generation sessions on 2 stages, checked against references.",
@@ -452,8 +279,6 @@ def build_parser() -> argparse.ArgumentParser:
                                     "failed conversion leaves nothing behind.")
     cv.add_argument("source", metavar="SOURCE", help="Hugging Face model directory, .gguf file or .onnx file")
     cv.add_argument("-o", "--out", required=True, help="output .model path")
-    from .importers.common import DTYPES
-
     cv.add_argument("--dtype", default=None, choices=DTYPES,
                     help="storage of the matmul weights (quantized types also the embedding table); "
                          "norms and biases stay f32 (default: f32, or as stored for GGUF)")
@@ -461,44 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--json", action="store_true", help="print machine-readable JSON")
     cv.set_defaults(func=cmd_convert)
 
-    gen = sub.add_parser("generate", help="Generate tokens with a model in this process, streaming them.",
-                         description="Generate tokens with a model in one process, printing each as it "
-                                     "comes; a tokens/s summary goes to stderr. Greedy unless a "
-                                     "sampling option is given.")
-    gen.add_argument("model", metavar="MODEL", help="path to a .model file")
-    what = gen.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the model's tokenizer)")
-    what.add_argument("--ids", metavar="1,2,3", help="prompt token ids, comma-separated")
-    gen.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
-    gen.add_argument("--greedy", action="store_true", help="always take the most likely token (the default)")
-    gen.add_argument("--temperature", type=float, help="sample at this temperature (0: greedy)")
-    gen.add_argument("--top-k", type=int, help="sample among the K most likely tokens")
-    gen.add_argument("--top-p", type=float, help="sample from the smallest set with probability >= P")
-    gen.add_argument("--min-p", type=float, help="drop tokens less likely than P x the most likely one")
-    gen.add_argument("--seed", type=int, help="seed of the sampler (runs with the same seed repeat)")
-    gen.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or a directory holding one) "
-                     "instead of the one convert stored beside the model")
-    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    gen.add_argument("--show-ids", action="store_true", help="print token ids even when there is a tokenizer")
-    gen.add_argument("--json", action="store_true", help="print one JSON result at the end instead of streaming")
-    dist = gen.add_argument_group("split into pipeline stages on Ray (runs `dist-runtime pipeline`, which has "
-                                  "every option)")
-    dist.add_argument("--stages", type=positive_int, metavar="N", help="run as N pipeline stages, one Ray actor each")
-    dist.add_argument("--budgets", metavar="SIZES", help="one stage per memory budget, e.g. 8GiB,16GiB")
-    dist.add_argument("--sessions", type=positive_int, default=1, metavar="K",
-                      help="sessions generating at once from the prompt (default: 1)")
-    dist.add_argument("--address", metavar="ADDR", help="an existing Ray cluster (default: RAY_ADDRESS, else a local one)")
-    dist.add_argument("--timeline", metavar="FILE.svg", help="draw the per-stage timeline")
-    dist.add_argument("--stats", action="store_true", help="print the per-stage timing table")
-    gen.set_defaults(func=cmd_generate)
-
-    from dist_runtime.partitioner.cli import register as register_partition
-
+    register_generate(sub)
     register_partition(sub)
-
-    from .pipeline.cli import register as register_pipeline
-
-    register_pipeline(sub)
     return parser
 
 
@@ -507,27 +296,3 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(args.func, args)
 
 
-def run_command(func, args: argparse.Namespace) -> int:
-    """``func(args)``, with the project's errors turned into a message and exit status 1."""
-    try:
-        return func(args)
-    except DistRuntimeError as e:
-        if getattr(args, "json", False):
-            print(json.dumps({"valid": False, "error": type(e).__name__, "message": str(e)}, indent=2))
-        else:
-            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
-        print(f"error: cannot open {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # Ctrl-C: what was printed stands; no traceback
-        print(f"\ndist-runtime {getattr(args, 'command', '') or ''}: interrupted".rstrip(), file=sys.stderr)
-        return INTERRUPTED
-
-
-#: Exit status after Ctrl-C: 128 + SIGINT, what a shell reports for a process SIGINT ended.
-INTERRUPTED = 128 + 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""What every ``dist-runtime`` command shares: argument types, exit statuses, and running one
+command with the project's errors turned into one line.  Light on purpose: building the parsers
+(``dist-runtime --help``) imports this and argparse, never numpy or Ray."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import DistRuntimeError
+from .units import parse_bytes
+
+#: Exit statuses: a problem with the model, the plan or the run; a usage error (argparse's);
+#: Ctrl-C, as a shell reports a process that SIGINT ended (128 + 2).
+FAILED, USAGE, INTERRUPTED = 1, 2, 128 + 2
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def size(text: str) -> int:
+    """argparse type: a byte size such as 8GiB or 512MB."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def token_ids(text: str) -> list[int]:
+    """argparse type: comma- or space-separated token ids, each >= 0, at least one."""
+    try:
+        ids = [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError("give at least one token id, each >= 0")
+    return ids
+
+
+def run_command(func, args: argparse.Namespace) -> int:
+    """``func(args)``, with the project's errors turned into a message and exit status 1."""
+    try:
+        return func(args)
+    except DistRuntimeError as e:
+        if getattr(args, "json", False):
+            print(json.dumps({"valid": False, "error": type(e).__name__, "message": str(e)}, indent=2))
+        else:
+            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return FAILED
+    except OSError as e:
+        print(f"error: cannot open {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return FAILED
+    except KeyboardInterrupt:  # Ctrl-C: what was printed stands; no traceback
+        print(f"\ndist-runtime {getattr(args, 'command', '') or ''}: interrupted".rstrip(), file=sys.stderr)
+        return INTERRUPTED

@@ -1,0 +1,78 @@
+"""How stages are deployed, as the command line and callers state it (no Ray or numpy imported:
+``dist-runtime --help`` builds its parsers from these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WEIGHT_SOURCES = ("auto", "file", "store")
+
+
+@dataclass
+class StageOptions:
+    cpus: float | None = None  # per stage; None: the cluster's free CPUs shared evenly
+    threads: int | None = None  # BLAS threads per stage; None: the reservation, at least 1
+    resources: list[dict] | None = None  # per stage, e.g. [{"stage0": 1}, {"stage1": 1}]
+    weights: str = "auto"  # "auto": the file if it is there, else the object store
+    worker_path: str | None = None  # where workers find the model (default: the driver's path)
+    fuse: bool = True
+    backends: list[str] | None = None
+    seed: int = 0
+    spread: bool = True
+    max_sessions: int | None = None
+    extra_env: dict = field(default_factory=dict)
+    placement_timeout: float = 120.0  # seconds for the actors to be placed and load their weights
+
+
+def add_deployment_options(p) -> None:
+    """The options of a run split into stages (``generate --stages`` and ``pipeline`` share them)."""
+    from ..commands import positive_int
+    from .channels import CHANNELS, DEFAULT_CHANNEL
+
+    plan = p.add_argument_group("split into pipeline stages on Ray (embedded local Ray unless --address)")
+    plan.add_argument("--stages", type=positive_int, metavar="N", help="number of stages (machines without a memory limit)")
+    plan.add_argument("--budgets", metavar="SIZES", help="memory budget per stage, in pipeline order, e.g. 8GiB,16GiB")
+    plan.add_argument("--speeds", metavar="LIST", help="relative speed per stage, e.g. 1,2 (default: all 1)")
+    plan.add_argument("--reserve", default="0", metavar="SIZE", help="memory kept free per machine (default: 0)")
+    plan.add_argument("--max-context", type=positive_int, default=None, metavar="TOKENS",
+                      help="longest context a session may reach; sizes the KV caches in the plan and "
+                           "bounds prompt + new tokens (default: the model's context length, at most 4096)")
+    plan.add_argument("--plan", metavar="PLAN.json", help="use a plan from `dist-runtime partition -o` instead")
+    plan.add_argument("--max-in-flight", type=positive_int, metavar="N",
+                      help="sessions with a step in the pipeline at once (default: all of them)")
+    plan.add_argument("--address", metavar="ADDR",
+                      help="an existing Ray cluster ('auto', or host:port; default: RAY_ADDRESS, else an embedded local Ray)")
+    plan.add_argument("--num-cpus", type=positive_int, metavar="N", help="CPUs of the embedded local Ray (default: all)")
+    plan.add_argument("--channel", choices=CHANNELS, default=DEFAULT_CHANNEL,
+                      help="how steps travel between stages (default: %(default)s; see docs/cluster.md)")
+    plan.add_argument("--weights", choices=WEIGHT_SOURCES, default="auto",
+                      help="auto: map the file where it exists on a node, else send the stage's tensors "
+                           "through the object store (default: auto)")
+    plan.add_argument("--worker-path", metavar="PATH", help="where the workers find the model (default: MODEL, absolute)")
+    plan.add_argument("--cpus-per-stage", type=float, metavar="N", help="CPU reservation per stage (default: shared evenly)")
+    plan.add_argument("--threads-per-stage", type=positive_int, metavar="N",
+                      help="BLAS threads per stage (default: its CPUs). With one session at a time the "
+                           "stages take turns: give each the machine's cores (idle stages' threads then "
+                           "sleep); with many sessions keep the default share")
+    plan.add_argument("--stage-resources", metavar="NAMES",
+                      help="pin stage k to the node with resource NAME_k, e.g. node:10.0.0.11,node:10.0.0.12 "
+                           "(Ray's per-node resource) or custom ones like stage0,stage1")
+    plan.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                      help="longest wait for one step's reply before the run fails (default: 600; a dead "
+                           "stage is noticed at once)")
+    plan.add_argument("--timeline", metavar="FILE.svg", help="draw the per-stage timeline (who was busy when)")
+    plan.add_argument("--check", action="store_true",
+                      help="also run the requests in one process (GraphExecutor) and compare the tokens")
+
+
+def wants_pipeline(args) -> bool:
+    return bool(args.stages or args.budgets or args.plan)
+
+
+def stage_options(args) -> StageOptions:
+    resources = None
+    if args.stage_resources:
+        names = [n.strip() for n in args.stage_resources.split(",") if n.strip()]
+        resources = [{n: 0.001} for n in names]  # a sliver: several stages may share a node
+    return StageOptions(cpus=args.cpus_per_stage, threads=args.threads_per_stage, resources=resources,
+                        weights=args.weights, worker_path=args.worker_path, fuse=not args.no_fuse)

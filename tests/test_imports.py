@@ -1,0 +1,74 @@
+"""The import graph of the project's own modules has no cycle, and ``dist-runtime --help`` stays
+light (no numpy, no Ray).
+
+Every ``import`` statement counts -- at module level, inside functions and under
+``TYPE_CHECKING`` alike -- since each is a dependency a reader has to hold in mind.  A parent
+package's ``__init__`` is not counted as a dependency of its submodules (Python runs it first
+whatever the code says), only what a file imports by name.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parents[1]
+#: repository folder -> installed package name
+TREES = {"dist_runtime": "dist_runtime", "kernels": "dist_runtime.kernels", "partitioner": "dist_runtime.partitioner"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in TREES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    is_package = path.name == "__init__.py"
+    here = name.split(".") if is_package else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in modules and t != name)
+    return found
+
+
+def import_graph() -> nx.DiGraph:
+    modules = _modules()
+    g = nx.DiGraph()
+    for name, path in modules.items():
+        g.add_node(name)
+        g.add_edges_from((name, target) for target in _imports(name, path, modules))
+    return g
+
+
+def test_the_import_graph_has_no_cycle():
+    g = import_graph()
+    assert g.number_of_nodes() > 50 and g.number_of_edges() > 100  # the walk found the project
+    cycles = list(nx.simple_cycles(g, length_bound=8))
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join([*c, c[0]]) for c in cycles[:20])
+
+
+def test_help_imports_neither_numpy_nor_ray():
+    code = ("import sys; from dist_runtime.cli import build_parser; build_parser(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'numpy', 'ray', 'numba', 'networkx', 'msgpack'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+    help_ = subprocess.run([sys.executable, "-m", "dist_runtime.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert help_.returncode == 0 and "generate" in help_.stdout and "pipeline" in help_.stdout
