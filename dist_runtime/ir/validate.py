@@ -173,17 +173,13 @@ def estimate_memory(graph: Graph, specs: Mapping[str, TensorSpec]) -> MemoryEsti
         n, ok = _bytes(specs[name])
         inputs, exact = inputs + n, exact and ok
     weights = sum(spec.nbytes() for spec in graph.weights.values())
-    keep = set(graph.outputs)
-    last_use = graph.index.last_use
     live = peak = 0
-    for i, node in enumerate(graph.nodes):
+    for node, frees in zip(graph.nodes, graph.index.frees):
         for name in node.outputs:
             n, ok = _bytes(specs[name])
             live, exact = live + n, exact and ok
         peak = max(peak, live)  # inputs of the node are still live while it writes its outputs
-        for name in {*node.inputs, *node.outputs}:
-            if last_use.get(name, -1) <= i and name not in keep and name in graph.index.producer:
-                live -= _bytes(specs[name])[0]
+        live -= sum(_bytes(specs[name])[0] for name in frees)
     return MemoryEstimate(inputs, weights, peak, exact)
 
 
