@@ -121,15 +121,12 @@ class GraphExecutor:
         self._sessions: dict[Hashable, Session] = {}
 
     def _bind(self, widened: dict[tuple[int, int], str]) -> list[_Step]:
-        graph, keep = self.graph, {*self.graph.outputs}
-        last_use = graph.index.last_use
+        graph = self.graph
         steps = []
-        for i, (node, assigned) in enumerate(zip(graph.nodes, self.assignments)):
+        for i, (node, assigned, frees) in enumerate(zip(graph.nodes, self.assignments, graph.index.frees)):
             reads = tuple(widened.get((i, s), name) for s, name in enumerate(node.inputs))
-            frees = [n for n in dict.fromkeys([*node.inputs, *node.outputs])
-                     if last_use.get(n, -1) <= i and n not in keep and n in graph.index.producer]
             kv = node.op if isinstance(node.op, KvCache) else None
-            steps.append(_Step(i, assigned.backend.bind(node), reads, tuple(node.outputs), tuple(frees), kv))
+            steps.append(_Step(i, assigned.backend.bind(node), reads, tuple(node.outputs), frees, kv))
         return steps
 
     # -- sessions ------------------------------------------------------------------------------
