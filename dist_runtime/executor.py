@@ -27,7 +27,7 @@ from .backends import Assignment, Backend, assign_backends, make_backends
 from .errors import GraphValidationError
 from .ir.graph import POS, Graph, TensorSpec
 from .ir.ops import KvCache
-from .ir.validate import estimate_memory, infer_shapes, validate_graph
+from .ir.validate import check_memory, estimate_memory, infer_shapes, validate_graph
 from .tensor import Array, QuantizedArray, dtype_of
 
 #: The session ``run`` and ``reset`` use when none is named.
@@ -112,8 +112,9 @@ class GraphExecutor:
             graph = fuse_graph(graph, backend_acceptor(self.backends))
         self.graph = graph
         self.max_memory = max_memory if max_memory is not None else declared_max
-        self.warnings = validate_graph(graph)  # structure and declared shapes
-        self.assignments: list[Assignment] = assign_backends(graph, infer_shapes(graph), self.backends)
+        checked = validate_graph(graph)  # structure and declared shapes
+        self.warnings = checked.warnings
+        self.assignments: list[Assignment] = assign_backends(graph, checked.specs, self.backends)
         self._constants, widened = _prepared_weights(graph, weights)
         self._steps = self._bind(widened)
         self._checked: set[tuple] = set()  # input signatures already shape-checked
@@ -179,13 +180,8 @@ class GraphExecutor:
             actual = {n: TensorSpec(a.shape, dtype_of(a)) for n, a in arrays.items()}
             specs = infer_shapes(self.graph, actual)
             if self.max_memory is not None:
-                est = estimate_memory(self.graph, specs)
-                if est.total > self.max_memory:
-                    raise GraphValidationError(
-                        f"estimated memory {est.total:,} bytes for inputs "
-                        f"{ {n: list(a.shape) for n, a in arrays.items()} } exceeds max_memory "
-                        f"{self.max_memory:,} (weights {est.weights:,}, peak intermediates "
-                        f"{est.peak_intermediates:,})")
+                check_memory(estimate_memory(self.graph, specs), self.max_memory, "max_memory",
+                             {n: a.shape for n, a in arrays.items()})
             self._checked.add(signature)
         return arrays
 

@@ -183,22 +183,40 @@ def estimate_memory(graph: Graph, specs: Mapping[str, TensorSpec]) -> MemoryEsti
     return MemoryEstimate(inputs, weights, peak, exact)
 
 
+def check_memory(est: MemoryEstimate, max_memory: int | None, limit: str = "the declared maximum of",
+                 inputs: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    """Raise ``GraphValidationError`` if ``est`` exceeds ``max_memory`` (None: no limit).
+
+    ``limit`` names the maximum in the message; ``inputs`` are the actual input shapes, if known.
+    """
+    if max_memory is None or est.total <= max_memory:
+        return
+    shapes = "" if inputs is None else f" for inputs { {n: list(s) for n, s in inputs.items()} }"
+    raise GraphValidationError(
+        f"estimated memory {est.total:,} bytes{shapes} (inputs {est.inputs:,} + weights "
+        f"{est.weights:,} + peak intermediates {est.peak_intermediates:,}"
+        f"{'' if est.exact else ', dynamic dims counted as 1'}) exceeds {limit} {max_memory:,} bytes"
+    )
+
+
+@dataclass(frozen=True)
+class Validation:
+    """What :func:`validate_graph` found: warnings (dead code) and every tensor's inferred spec."""
+
+    warnings: list[str]
+    specs: dict[str, TensorSpec]
+
+
 def validate_graph(
     graph: Graph,
     *,
     input_specs: Mapping[str, TensorSpec] | None = None,
     max_memory: int | None = None,
-) -> list[str]:
-    """Check every invariant; return warnings.  Raises ``GraphValidationError``."""
+) -> Validation:
+    """Check every invariant; return the warnings and the inferred specs.  Raises
+    ``GraphValidationError``."""
     warnings = check_structure(graph)
     specs = infer_shapes(graph, input_specs)
     if max_memory is not None:
-        est = estimate_memory(graph, specs)
-        if est.total > max_memory:
-            raise GraphValidationError(
-                f"estimated memory {est.total:,} bytes (inputs {est.inputs:,} + weights "
-                f"{est.weights:,} + peak intermediates {est.peak_intermediates:,}"
-                f"{'' if est.exact else ', dynamic dims counted as 1'}) exceeds the declared "
-                f"maximum of {max_memory:,} bytes"
-            )
-    return warnings
+        check_memory(estimate_memory(graph, specs), max_memory)
+    return Validation(warnings, specs)
