@@ -14,9 +14,6 @@ import numpy as np
 
 from dist_runtime.kernels.generation import GREEDY, MIN_P, TEMPERATURE, TOP_K, TOP_P, sample
 
-METHODS = {"greedy": GREEDY, "temperature": TEMPERATURE, "top-k": TOP_K, "top-p": TOP_P, "min-p": MIN_P}
-
-
 @dataclass(frozen=True)
 class Sampling:
     """``greedy`` (default), or a temperature with at most one filter: ``top_k``, ``top_p`` or
