@@ -106,15 +106,17 @@ class GraphExecutor:
                  max_memory: int | None = None, *, fuse: bool = True, seed: int = 0) -> None:
         graph, weights, declared_max = _open(model)
         self.backends = make_backends(backends)
+        checked = validate_graph(graph)  # structure and declared shapes; fusion keeps both
+        self.warnings, specs = checked.warnings, checked.specs
         if fuse:  # a fused node that no backend in use takes is not formed (or is expanded back)
             from .fusion import backend_acceptor, fuse_graph
 
-            graph = fuse_graph(graph, backend_acceptor(self.backends))
+            graph = fuse_graph(graph, backend_acceptor(self.backends), specs=specs)
+            if any(name not in specs for node in graph.nodes for name in node.outputs):
+                specs = infer_shapes(graph)  # a fused node was expanded: its parts' names are new
         self.graph = graph
         self.max_memory = max_memory if max_memory is not None else declared_max
-        checked = validate_graph(graph)  # structure and declared shapes
-        self.warnings = checked.warnings
-        self.assignments: list[Assignment] = assign_backends(graph, checked.specs, self.backends)
+        self.assignments: list[Assignment] = assign_backends(graph, specs, self.backends)
         self._constants, widened = _prepared_weights(graph, weights)
         self._steps = self._bind(widened)
         self._checked: set[tuple] = set()  # input signatures already shape-checked

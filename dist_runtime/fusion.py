@@ -48,8 +48,9 @@ Rules every group obeys:
   backends.  A fused node that is already in the input graph and that ``accepts`` rejects is
   *expanded* back to its unfused ops (:func:`expand_fused_node`).
 
-An input graph that does not validate is returned unchanged (copied): the executor's validation
-then reports the problem on the nodes the author wrote.
+An input graph that does not validate is returned unchanged (copied), so that validation reports
+the problem on the nodes the author wrote.  A caller that has validated the graph already passes
+the specs ``validate_graph`` inferred, and fusion neither checks nor infers again.
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ PATTERNS = ("swiglu", "skip_norm", "norm_matmul")
 # -- entry points ----------------------------------------------------------------------------------
 def fuse_graph(graph: Graph, accepts: Accepts | None = None, *,
                norm_matmul_max_consumers: int = NORM_MATMUL_MAX_CONSUMERS,
-               patterns: Collection[str] = PATTERNS) -> Graph:
+               patterns: Collection[str] = PATTERNS,
+               specs: Mapping[str, TensorSpec] | None = None) -> Graph:
     """A new graph with the recognised patterns fused (module docstring); ``graph`` is untouched.
 
+    ``specs`` are ``graph``'s inferred specs if it is validated already (``validate_graph``).
     ``patterns`` (a subset of :data:`PATTERNS`, always applied in that order) and
     ``norm_matmul_max_consumers`` exist for measurements and tests; the defaults are the rule.
     """
@@ -87,11 +90,12 @@ def fuse_graph(graph: Graph, accepts: Accepts | None = None, *,
     if unknown:
         raise ValueError(f"unknown fusion patterns {sorted(unknown)}; known: {list(PATTERNS)}")
     g = _copy(graph)
-    try:
-        check_structure(g)
-        specs = infer_shapes(g)
-    except GraphValidationError:
-        return g
+    if specs is None:
+        try:
+            check_structure(g)
+            specs = infer_shapes(g)
+        except GraphValidationError:
+            return g
     if accepts is not None and any(isinstance(n.op, FUSED_OPS) for n in g.nodes):
         g = expand_rejected(g, accepts, specs)
         specs = infer_shapes(g)
