@@ -1,6 +1,6 @@
 """Every op of the seed's tag table, as a payload class plus one ``OpSpec`` entry.
 
-Each op is declared once, here::
+Each op is declared once, here, with the machinery of ``payload.py``::
 
     @op(26, inputs=(2, 2), doc="Rotary position embedding (HF rotate-half).")
     class Rope(OpPayload):
@@ -10,9 +10,10 @@ Each op is declared once, here::
 
 The class fields are the payload, in wire order, with their wire type (``U8``, ``U32``, ``I32``,
 ``F32``, ``Bool``, ``Ints``, ``DTypeTag``...) in the annotation.  From that single declaration the
-binary codec, the TOML form, shape inference, validation of input/output counts, the generated
-docs and the kernel registry all work.  Tags are the seed's and never change (``tests/test_tags.py``
-pins them).  Payload semantics are documented in docs/ops.md.
+binary codec, the TOML form, validation of input/output counts, the generated docs and the
+kernel registry all work; ``shape_rules.py`` adds each op's shape rule to its ``OpSpec``.  Tags
+are the seed's and never change (``tests/test_tags.py`` pins them).  Payload semantics are
+documented in docs/ops.md.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Every rule has the signature ``rule(op, inputs) -> list[TensorSpec]``: ``op`` is the payload
 instance (e.g. ``Rope(head_dim=64, rope_dim=32, base=1e4)``) and ``inputs`` the input specs.
+``@rule(Rope)`` enters a rule in the op table as ``Rope.spec.shape`` (the only registration) and
+its annotation names the payload class; this module imports ``ops.py``, never the reverse.
 The caller has already checked the number of inputs against ``op.spec.inputs``; a rule returns
 exactly ``op.spec.num_outputs(op)`` specs, with ``offset``/``size`` left None.  docs/ops.md gives
 each op's maths; the rules below are that maths applied to shapes.

@@ -3,8 +3,9 @@
 ``validate_graph`` checks the seed's invariants in one pass over the nodes (they are already in
 topological order, so "produced by an earlier node" is the whole acyclicity check), then infers
 every tensor's shape from the op table's shape rules, then checks the memory estimate against a
-declared maximum.  Problems are ``GraphValidationError``s that name the node and show its
-neighbourhood in text form; dead code is only a warning.
+declared maximum (:func:`check_memory`, the one wording of that error).  It returns the warnings
+(dead code is only a warning) and the inferred specs, so that callers need not infer again.
+Problems are ``GraphValidationError``s that name the node and show its neighbourhood in text form.
 """
 
 from __future__ import annotations
