@@ -27,7 +27,7 @@ from .backends import Assignment, Backend, assign_backends, make_backends
 from .errors import GraphValidationError
 from .ir.graph import POS, Graph, TensorSpec
 from .ir.ops import KvCache
-from .ir.validate import estimate_memory, infer_shapes, validate_graph
+from .ir.validate import check_memory, estimate_memory, infer_shapes, validate_graph
 from .tensor import Array, QuantizedArray, dtype_of
 
 #: The session ``run`` and ``reset`` use when none is named.
@@ -106,14 +106,17 @@ class GraphExecutor:
                  max_memory: int | None = None, *, fuse: bool = True, seed: int = 0) -> None:
         graph, weights, declared_max = _open(model)
         self.backends = make_backends(backends)
+        checked = validate_graph(graph)  # structure and declared shapes; fusion keeps both
+        self.warnings, specs = checked.warnings, checked.specs
         if fuse:  # a fused node that no backend in use takes is not formed (or is expanded back)
             from .fusion import backend_acceptor, fuse_graph
 
-            graph = fuse_graph(graph, backend_acceptor(self.backends))
+            graph = fuse_graph(graph, backend_acceptor(self.backends), specs=specs)
+            if any(name not in specs for node in graph.nodes for name in node.outputs):
+                specs = infer_shapes(graph)  # a fused node was expanded: its parts' names are new
         self.graph = graph
         self.max_memory = max_memory if max_memory is not None else declared_max
-        self.warnings = validate_graph(graph)  # structure and declared shapes
-        self.assignments: list[Assignment] = assign_backends(graph, infer_shapes(graph), self.backends)
+        self.assignments: list[Assignment] = assign_backends(graph, specs, self.backends)
         self._constants, widened = _prepared_weights(graph, weights)
         self._steps = self._bind(widened)
         self._checked: set[tuple] = set()  # input signatures already shape-checked
@@ -121,15 +124,12 @@ class GraphExecutor:
         self._sessions: dict[Hashable, Session] = {}
 
     def _bind(self, widened: dict[tuple[int, int], str]) -> list[_Step]:
-        graph, keep = self.graph, {*self.graph.outputs}
-        last_use = graph.index.last_use
+        graph = self.graph
         steps = []
-        for i, (node, assigned) in enumerate(zip(graph.nodes, self.assignments)):
+        for i, (node, assigned, frees) in enumerate(zip(graph.nodes, self.assignments, graph.index.frees)):
             reads = tuple(widened.get((i, s), name) for s, name in enumerate(node.inputs))
-            frees = [n for n in dict.fromkeys([*node.inputs, *node.outputs])
-                     if last_use.get(n, -1) <= i and n not in keep and n in graph.index.producer]
             kv = node.op if isinstance(node.op, KvCache) else None
-            steps.append(_Step(i, assigned.backend.bind(node), reads, tuple(node.outputs), tuple(frees), kv))
+            steps.append(_Step(i, assigned.backend.bind(node), reads, tuple(node.outputs), frees, kv))
         return steps
 
     # -- sessions ------------------------------------------------------------------------------
@@ -182,13 +182,8 @@ class GraphExecutor:
             actual = {n: TensorSpec(a.shape, dtype_of(a)) for n, a in arrays.items()}
             specs = infer_shapes(self.graph, actual)
             if self.max_memory is not None:
-                est = estimate_memory(self.graph, specs)
-                if est.total > self.max_memory:
-                    raise GraphValidationError(
-                        f"estimated memory {est.total:,} bytes for inputs "
-                        f"{ {n: list(a.shape) for n, a in arrays.items()} } exceeds max_memory "
-                        f"{self.max_memory:,} (weights {est.weights:,}, peak intermediates "
-                        f"{est.peak_intermediates:,})")
+                check_memory(estimate_memory(self.graph, specs), self.max_memory, "max_memory",
+                             {n: a.shape for n, a in arrays.items()})
             self._checked.add(signature)
         return arrays
 

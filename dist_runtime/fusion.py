@@ -48,8 +48,9 @@ Rules every group obeys:
   backends.  A fused node that is already in the input graph and that ``accepts`` rejects is
   *expanded* back to its unfused ops (:func:`expand_fused_node`).
 
-An input graph that does not validate is returned unchanged (copied): the executor's validation
-then reports the problem on the nodes the author wrote.
+An input graph that does not validate is returned unchanged (copied), so that validation reports
+the problem on the nodes the author wrote.  A caller that has validated the graph already passes
+the specs ``validate_graph`` inferred, and fusion neither checks nor infers again.
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ PATTERNS = ("swiglu", "skip_norm", "norm_matmul")
 # -- entry points ----------------------------------------------------------------------------------
 def fuse_graph(graph: Graph, accepts: Accepts | None = None, *,
                norm_matmul_max_consumers: int = NORM_MATMUL_MAX_CONSUMERS,
-               patterns: Collection[str] = PATTERNS) -> Graph:
+               patterns: Collection[str] = PATTERNS,
+               specs: Mapping[str, TensorSpec] | None = None) -> Graph:
     """A new graph with the recognised patterns fused (module docstring); ``graph`` is untouched.
 
+    ``specs`` are ``graph``'s inferred specs if it is validated already (``validate_graph``).
     ``patterns`` (a subset of :data:`PATTERNS`, always applied in that order) and
     ``norm_matmul_max_consumers`` exist for measurements and tests; the defaults are the rule.
     """
@@ -87,11 +90,12 @@ def fuse_graph(graph: Graph, accepts: Accepts | None = None, *,
     if unknown:
         raise ValueError(f"unknown fusion patterns {sorted(unknown)}; known: {list(PATTERNS)}")
     g = _copy(graph)
-    try:
-        check_structure(g)
-        specs = infer_shapes(g)
-    except GraphValidationError:
-        return g
+    if specs is None:
+        try:
+            check_structure(g)
+            specs = infer_shapes(g)
+        except GraphValidationError:
+            return g
     if accepts is not None and any(isinstance(n.op, FUSED_OPS) for n in g.nodes):
         g = expand_rejected(g, accepts, specs)
         specs = infer_shapes(g)
@@ -179,11 +183,8 @@ class _Pass:
         self.graph, self.specs, self.accepts = graph, specs, accepts
         self.nodes = graph.nodes
         self.producer = graph.index.producer
+        self.consumers = graph.index.consumers
         self.outputs = set(graph.outputs)
-        self.uses: dict[str, list[tuple[int, int]]] = {}  # name -> [(position, slot)]
-        for i, node in enumerate(graph.nodes):
-            for slot, name in enumerate(node.inputs):
-                self.uses.setdefault(name, []).append((i, slot))
         self.claimed: set[int] = set()  # positions of nodes in an accepted group
         self.placed: dict[int, list[Node]] = {}  # position -> fused nodes emitted there
 
@@ -196,7 +197,7 @@ class _Pass:
 
     def only_use(self, name: str, position: int) -> bool:
         """``name`` vanishes safely into the node at ``position``: its only use, not an output."""
-        return name not in self.outputs and [p for p, _ in self.uses.get(name, [])] == [position]
+        return name not in self.outputs and self.consumers.get(name, []) == [position]
 
     def available_at(self, name: str, position: int) -> bool:
         """Can a node at ``position`` read ``name``?"""
@@ -294,7 +295,7 @@ def _fuse_skip_norm(graph: Graph, specs, accepts) -> Graph:
         if i is None or s == w:
             continue
         a, b = p.nodes[i].inputs
-        if len(p.uses.get(s, [])) < 2 and s not in p.outputs:
+        if len(p.consumers.get(s, [])) < 2 and s not in p.outputs:
             continue  # the sum is not needed beyond the norm: pattern 3 may take the norm instead
         if (specs[a].shape, specs[a].dtype) != (specs[b].shape, specs[b].dtype) or not p.available_at(w, i):
             continue
@@ -310,14 +311,15 @@ def _fuse_norm_matmul(graph: Graph, specs, accepts, max_consumers: int) -> Graph
         if not isinstance(node.op, RmsNorm):
             continue
         n = node.outputs[0]
-        uses = p.uses.get(n, [])
-        if n in p.outputs or not 1 <= len(uses) <= max_consumers:
+        readers = p.consumers.get(n, [])
+        if n in p.outputs or not 1 <= len(readers) <= max_consumers:
             continue
-        if any(slot != 0 or not p.linear_weight(j) or j in p.claimed for j, slot in uses):
+        # linear_weight also rules out Matmul(n, n): the norm must feed input 0 only
+        if any(p.nodes[j].inputs[0] != n or not p.linear_weight(j) or j in p.claimed for j in readers):
             continue
         x, norm_w = node.inputs
         fused_nodes = []
-        for k, (j, _) in enumerate(uses):
+        for k, j in enumerate(readers):
             mm = p.nodes[j]
             fused = p.candidate(FusedNormMatmul(eps=node.op.eps), [i, j], [x, norm_w, mm.inputs[1]],
                                 list(mm.outputs), node_id=node.id if k == 0 else mm.id)
@@ -325,7 +327,7 @@ def _fuse_norm_matmul(graph: Graph, specs, accepts, max_consumers: int) -> Graph
                 break  # all or nothing: a norm kept for one consumer saves nothing for the others
             fused_nodes.append((j, fused))
         else:
-            p.claim([i, *(j for j, _ in uses)], fused_nodes)
+            p.claim([i, *readers], fused_nodes)
     return p.result()
 
 

@@ -567,7 +567,7 @@ def _weights_disagree(declared: Mapping[str, TensorSpec], index: Mapping[str, Te
 def _validate(graph: Graph, max_memory: int | None) -> list[str]:
     from .ir.validate import validate_graph
 
-    return list(validate_graph(graph, max_memory=max_memory))
+    return validate_graph(graph, max_memory=max_memory).warnings
 
 
 # -- saving ------------------------------------------------------------------------------------

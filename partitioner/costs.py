@@ -52,8 +52,15 @@ class TensorTable:
 
     def crossing(self, c: int) -> list[str]:
         """Names of the tensors that cross the boundary before position ``c``, in table order."""
-        idx = np.flatnonzero((self.producer < c) & (self.last >= c))
-        return [self.names[i] for i in idx.tolist()]
+        return crossing(self.names, self.producer, self.last, c)
+
+
+def crossing(names: Sequence[str], producer: np.ndarray, last: np.ndarray, c: int) -> list[str]:
+    """The ``names`` (in their order) whose lifetime ``[producer, last]`` spans the boundary before
+    position ``c``: produced before ``c`` and needed at or after it.  The planner's
+    ``tensors_in``/``tensors_out`` and the pipeline's stage messages are both this."""
+    idx = np.flatnonzero((producer < c) & (last >= c))
+    return [names[i] for i in idx.tolist()]
 
 
 @dataclass(frozen=True, eq=False)

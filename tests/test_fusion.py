@@ -133,7 +133,7 @@ def test_llama_node_counts_before_and_after(cfg):
     assert counts["FusedNormMatmul"] == 1  # the final norm into lm_head
     assert counts["SwiGlu"] == 0 and counts["Add"] == 1 and counts["RmsNorm"] == 1  # layer 0's norm
     assert counts["Matmul"] == 5 * L  # q, k, v, o, down
-    assert validate_graph(fused) == []
+    assert validate_graph(fused).warnings == []
 
 
 def test_llama_norm_into_qkv_only_when_asked():
@@ -224,7 +224,7 @@ def graph_of(nodes, outputs, inputs=("x",), weights=WEIGHTS) -> Graph:
 def run_both(graph: Graph, inputs=("x",)) -> tuple[Graph, dict]:
     """The fused graph; asserts fused and unfused outputs agree."""
     fused = fuse_graph(graph)
-    assert validate_graph(fused) == validate_graph(graph)
+    assert validate_graph(fused).warnings == validate_graph(graph).warnings
     feed = {n: X[n] for n in inputs}
     want = GraphExecutor((graph, WEIGHTS), fuse=False).run(feed)
     got = GraphExecutor((fused, WEIGHTS), fuse=False).run(feed)
@@ -427,7 +427,7 @@ def test_rejected_fused_nodes_already_in_the_graph_are_expanded():
     assert expanded.nodes[0].attrs == {"k": 1, "expanded_from": "FusedSkipNorm"}
     assert expanded.nodes[1].backend_hint == BackendHint.TORCH and expanded.nodes[1].op.eps == pytest.approx(1e-3)
     assert expanded.nodes[2].op.eps == pytest.approx(1e-4)
-    assert validate_graph(expanded) == []
+    assert validate_graph(expanded).warnings == []
     feed = {"x": X["x"], "r": X["r"]}
     want = GraphExecutor((g, WEIGHTS), fuse=False).run(feed)
     got = GraphExecutor((expanded, WEIGHTS), fuse=False).run(feed)

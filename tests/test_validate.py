@@ -30,7 +30,7 @@ def with_weights(graph: Graph, weights: dict) -> Graph:
 def test_tiny_decoder_validates_and_infers_every_shape():
     graph, weights, _ = tiny_decoder()
     graph = with_weights(graph, weights)
-    assert validate_graph(graph) == []
+    assert validate_graph(graph).warnings == []
     specs = infer_shapes(graph, {"tokens": spec(5, dtype=DType.I32)})
     # hidden 16, 2 heads x 8, 1 KV head x 8, FFN 32, vocab 32; 5 tokens
     assert specs["h_embed"] == spec(5, 16)
@@ -54,7 +54,7 @@ def test_memory_estimate_by_hand():
     est = estimate_memory(g, infer_shapes(g))
     # inputs: x 16 B. Live intermediates: a (16), a+b (32), a+b+c (48), then a, b freed.
     assert (est.inputs, est.weights, est.peak_intermediates, est.total, est.exact) == (16, 0, 48, 64, True)
-    assert validate_graph(g, max_memory=64) == []
+    assert validate_graph(g, max_memory=64).warnings == []
     with pytest.raises(GraphValidationError, match=r"estimated memory 64 bytes .* exceeds the declared maximum of 63"):
         validate_graph(g, max_memory=63)
 
@@ -117,7 +117,7 @@ def test_output_named_like_a_weight_is_refused():
 def test_dead_code_and_unused_weights_are_warnings():
     nodes = [Node(0, Relu(), ["x"], ["a"]), Node(1, Relu(), ["x"], ["dead"]), Node(2, Add(), ["a", "w"], ["y"])]
     g = Graph(nodes, [spec(2)], ["y"], {"w": spec(2), "spare": spec(3)})
-    warnings = validate_graph(g)
+    warnings = validate_graph(g).warnings
     assert warnings == ["dead intermediate: 'dead' from node 1 (Relu) is never used",
                         "unused weight: 'spare' is consumed by no node"]
 

@@ -22,7 +22,7 @@ from .generate import register as register_generate
 # -- inspect / validate -------------------------------------------------------------------------
 def _report(path: str, max_memory: int | None) -> dict:
     """Load and validate ``path``; everything inspect and validate print, as one dict."""
-    from ..ir.validate import estimate_memory, infer_shapes
+    from ..ir.validate import estimate_memory
     from ..model import load_model
 
     with load_model(path, tensors=[], validate=False) as model:
@@ -43,8 +43,9 @@ def _report(path: str, max_memory: int | None) -> dict:
         from ..ir.validate import validate_graph
 
         limit = max_memory if max_memory is not None else model.metadata.get("max_memory")
-        report["warnings"] = validate_graph(graph, max_memory=limit)
-        specs = infer_shapes(graph)
+        checked = validate_graph(graph, max_memory=limit)
+        report["warnings"] = checked.warnings
+        specs = checked.specs
         est = estimate_memory(graph, specs)
         report["graph"] = {
             "nodes": len(graph.nodes),

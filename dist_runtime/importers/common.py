@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..dtypes import DType
 from . import DTYPES  # noqa: F401  (re-exported: every importer checks --dtype against it)
-from ..ir.graph import Graph, Node
+from ..ir.graph import Graph
 from ..ir.ops import TokenEmbed
 from ..tensor import Array, QuantizedArray
 
@@ -82,17 +82,15 @@ def storage_targets(graph: Graph, dtype: DType) -> dict[str, DType]:
     multiple of its block.  f16/bf16 leave TokenEmbed tables in f32: a table lookup has its table's
     dtype, so a half table would make every activation after it half precision.
     """
-    slots: dict[str, list[tuple[Node, int]]] = {}
-    for node in graph.nodes:
-        for slot, name in enumerate(node.inputs):
-            slots.setdefault(name, []).append((node, slot))
+    consumers = graph.index.consumers
     out = {}
     for name, spec in graph.weights.items():
-        uses = slots.get(name, [])
+        readers = [graph.nodes[i] for i in consumers.get(name, [])]
         ok = (len(spec.shape) == 2 and dtype != DType.F32
-              and all(slot in node.op.spec.weight_inputs for node, slot in uses)
+              and all(slot in node.op.spec.weight_inputs
+                      for node in readers for slot, n in enumerate(node.inputs) if n == name)
               and (spec.shape[-1] % dtype.block_size == 0 if dtype.is_quantized
-                   else not any(isinstance(node.op, TokenEmbed) for node, _ in uses)))
+                   else not any(isinstance(node.op, TokenEmbed) for node in readers)))
         out[name] = dtype if ok else DType.F32
     return out
 

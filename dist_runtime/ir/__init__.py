@@ -6,6 +6,7 @@ from .graph import POS, AttrValue, Graph, Node, TensorSpec
 from .text_form import format_graph, format_node
 from .toml_form import graph_from_toml, graph_to_toml
 from .ops import OPS_BY_NAME, OPS_BY_TAG, OpPayload, OpSpec
+from . import shape_rules  # noqa: F401  (enters every op's shape rule in the table)
 from .validate import estimate_memory, infer_shapes, validate_graph
 
 # One payload class per op of the tag table (Matmul, Rope, Sdpa, ...), exported by name.

@@ -17,7 +17,7 @@ import struct
 from ..dtypes import DType
 from ..errors import GraphValidationError, ModelFormatError
 from .graph import Graph, Node, TensorSpec
-from .ops import OPS_BY_TAG, Field, OpPayload
+from .payload import OPS_BY_TAG, Field, OpPayload
 
 #: A tensor's rank above this is rejected as corrupt (numpy's own limit is 64).
 MAX_RANK = 64

@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from .ops import OPS_BY_TAG, OpSpec
+from .payload import OPS_BY_TAG, OpSpec
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

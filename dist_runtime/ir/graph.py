@@ -6,72 +6,23 @@ Tensor names connect nodes: a node's inputs are names of weights, graph inputs, 
 ``ops.py``); ``Node.attrs`` is a free-form map of hints that the TOML form keeps and the canonical
 binary form does not carry.
 
-Derived indexes (producer of each name, input names, last use) are computed in one place,
-:meth:`Graph.index`, and cached until the graph is mutated through its methods.
+``TensorSpec``, ``AttrValue`` and ``POS`` live in the leaf module ``tensor_spec.py`` and the payload
+machinery in ``payload.py``; they are re-exported here for callers.
+
+Derived indexes (producer of each name, input names, last use, consumers, and the names to free
+after each node) are computed in one place, :meth:`Graph.index`, and cached until
+:meth:`Graph.invalidate`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Union
 
-from ..dtypes import DType
-from ..errors import GraphValidationError
+from .payload import OpPayload
+from .tensor_spec import POS, AttrValue, TensorSpec
 
-if TYPE_CHECKING:
-    from .ops import OpPayload
-
-#: The name the executor injects before each run: the position of the first new token, as f32[1].
-POS = "pos"
-
-#: A free-form hint value (the seed's ``AttrValue``): Int, Float, String, Ints, Floats or Bool.
-AttrValue = Union[bool, int, float, str, tuple[int, ...], tuple[float, ...]]
-
-
-def check_attr_value(key: str, value: object) -> AttrValue:
-    """Return ``value`` normalised to an ``AttrValue`` (lists become tuples) or raise."""
-    if isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        items = tuple(value)
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in items):
-            return items
-        if all(isinstance(v, float) for v in items):
-            return items
-    raise GraphValidationError(
-        f"attr {key!r} = {value!r}: an attr value must be a bool, int, float, str, or a list of "
-        "only ints or only floats"
-    )
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape (``-1`` for a dynamic dim), element type and, for weights, placement in the weights
-    section (``offset`` relative to the section's start, ``size`` in bytes)."""
-
-    shape: tuple[int, ...]
-    dtype: DType
-    offset: int | None = None
-    size: int | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        object.__setattr__(self, "dtype", DType(self.dtype))
-        if (self.offset is None) != (self.size is None):
-            raise GraphValidationError("a TensorSpec has both offset and size, or neither")
-
-    @property
-    def is_static(self) -> bool:
-        return all(d >= 0 for d in self.shape)
-
-    def nbytes(self) -> int:
-        """Bytes for the fully known shape (``ModelFormatError`` if a dim is dynamic)."""
-        return self.dtype.nbytes(self.shape)
-
-    def __str__(self) -> str:
-        return f"{self.dtype.name.lower()}[{','.join(map(str, self.shape))}]"
-
+__all__ = ["POS", "AttrValue", "Graph", "GraphIndex", "Node", "TensorSpec"]
 
 @dataclass
 class Node:
@@ -96,7 +47,10 @@ class GraphIndex:
     producer: dict[str, int]  # tensor name -> position of the node that produces it
     input_names: list[str]  # external names in order of first use (see Graph.input_names)
     last_use: dict[str, int]  # tensor name -> position of the last node that consumes it
-    position: dict[int, int]  # node id -> position in graph.nodes
+    consumers: dict[str, list[int]]  # tensor name -> positions of the nodes reading it, ascending
+    # Per node position, the intermediates dead after it (free-after-last-use): its inputs and
+    # outputs that no later node reads, except graph outputs and names no node produces.
+    frees: list[tuple[str, ...]]
 
 
 @dataclass
@@ -122,11 +76,13 @@ class Graph:
         input_names: list[str] = []
         seen_external: set[str] = set()
         last_use: dict[str, int] = {}
-        position: dict[int, int] = {}
+        consumers: dict[str, list[int]] = {}
         for i, node in enumerate(self.nodes):
-            position.setdefault(node.id, i)
             for name in node.inputs:
                 last_use[name] = i
+                readers = consumers.setdefault(name, [])
+                if not readers or readers[-1] != i:
+                    readers.append(i)
                 if name in producer or name in self.weights or name == POS:
                     continue
                 if name not in seen_external:
@@ -134,14 +90,15 @@ class Graph:
                     input_names.append(name)
             for name in node.outputs:
                 producer.setdefault(name, i)
-        return GraphIndex(producer, input_names, last_use, position)
+        keep = set(self.outputs)
+        frees = [tuple(n for n in dict.fromkeys([*node.inputs, *node.outputs])
+                       if last_use.get(n, -1) <= i and n not in keep and n in producer)
+                 for i, node in enumerate(self.nodes)]
+        return GraphIndex(producer, input_names, last_use, consumers, frees)
 
     def invalidate(self) -> None:
-        """Drop derived indexes; call after mutating ``nodes`` or ``weights`` in place."""
+        """Drop derived indexes; call after mutating ``nodes``, ``outputs`` or ``weights`` in place."""
         self.__dict__.pop("index", None)
-
-    def node_by_id(self, node_id: int) -> Node:
-        return self.nodes[self.index.position[node_id]]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Graph):

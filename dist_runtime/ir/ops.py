@@ -1,8 +1,8 @@
 """Every op of the seed's tag table, as a payload class plus one ``OpSpec`` entry.
 
-Each op is declared once, here::
+Each op is declared once, here, with the machinery of ``payload.py``::
 
-    @op(26, inputs=(2, 2), shape=rules.rope, doc="Rotary position embedding (HF rotate-half).")
+    @op(26, inputs=(2, 2), doc="Rotary position embedding (HF rotate-half).")
     class Rope(OpPayload):
         head_dim: U32
         rope_dim: U32
@@ -10,231 +10,90 @@ Each op is declared once, here::
 
 The class fields are the payload, in wire order, with their wire type (``U8``, ``U32``, ``I32``,
 ``F32``, ``Bool``, ``Ints``, ``DTypeTag``...) in the annotation.  From that single declaration the
-binary codec, the TOML form, shape inference, validation of input/output counts, the generated
-docs and the kernel registry all work.  Tags are the seed's and never change (``tests/test_tags.py``
-pins them).  Payload semantics are documented in docs/ops.md.
+binary codec, the TOML form, validation of input/output counts, the generated docs and the
+kernel registry all work; ``shape_rules.py`` adds each op's shape rule to its ``OpSpec``.  Tags
+are the seed's and never change (``tests/test_tags.py`` pins them).  Payload semantics are
+documented in docs/ops.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import struct
-import typing
-from dataclasses import dataclass
-from typing import Annotated, Callable, ClassVar
 
 from ..dtypes import DType
-from ..errors import GraphValidationError
-from . import shape_rules as rules
-
-
-# -- wire types ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Wire:
-    """How one payload field is laid out in the binary form."""
-
-    name: str  # as documented in docs/format.md
-    fmt: str | None  # struct format of a scalar, None for a list
-    lo: float | None = None  # inclusive integer range, for checks
-    hi: float | None = None
-
-
-U8 = Annotated[int, Wire("u8", "<B", 0, 2**8 - 1)]
-U32 = Annotated[int, Wire("u32", "<I", 0, 2**32 - 1)]
-I32 = Annotated[int, Wire("i32", "<i", -(2**31), 2**31 - 1)]
-F32 = Annotated[float, Wire("f32", "<f")]
-Bool = Annotated[bool, Wire("bool", "<B", 0, 1)]  # u8, 0 or 1
-DTypeTag = Annotated[DType, Wire("dtype", "<B")]  # u8 dtype tag
-Ints = Annotated[tuple[int, ...], Wire("i64[]", None, -(2**63), 2**63 - 1)]  # u32 n + i64 × n
-
-
-def _f32(x: float) -> float:
-    """Round to the nearest f32, so that a payload equals itself after a binary round trip."""
-    return struct.unpack("<f", struct.pack("<f", x))[0]
-
-
-# -- payload base class ------------------------------------------------------------------------
-class OpPayload:
-    """Base of all op payloads.  Subclasses are frozen dataclasses made by :func:`op`."""
-
-    spec: ClassVar[OpSpec]
-
-    def __post_init__(self) -> None:
-        for f in self.spec.fields:
-            value = getattr(self, f.name)
-            object.__setattr__(self, f.name, _check_field(self, f, value))
-
-    def payload(self) -> dict[str, object]:
-        """The payload as a plain dict (field name -> value), in wire order."""
-        return {f.name: getattr(self, f.name) for f in self.spec.fields}
-
-
-def _check_field(payload: OpPayload, f: Field, value: object) -> object:
-    where = f"{type(payload).__name__}.{f.name}"
-    wire = f.wire
-    if wire.name == "f32":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise GraphValidationError(f"{where} must be a number, got {value!r}")
-        if math.isnan(value):  # meaningless in every payload, and NaN bits do not round-trip
-            raise GraphValidationError(f"{where} must not be NaN")
-        return _f32(float(value))
-    if wire.name == "dtype":
-        try:
-            return DType(value)
-        except ValueError:
-            raise GraphValidationError(f"{where}: {value!r} is not a dtype tag") from None
-    if wire.name == "bool":
-        if value not in (0, 1):  # True/False, or 0/1 from a decoder
-            raise GraphValidationError(f"{where} must be a bool, got {value!r}")
-        return bool(value)
-    items = tuple(value) if wire.fmt is None and isinstance(value, (list, tuple)) else (value,)
-    for v in items:
-        if isinstance(v, bool) or not isinstance(v, int) or not wire.lo <= v <= wire.hi:
-            raise GraphValidationError(
-                f"{where} must be {'integers' if wire.fmt is None else 'an integer'} in "
-                f"[{wire.lo}, {wire.hi}] ({wire.name}), got {value!r}"
-            )
-    return items if wire.fmt is None else value
-
-
-# -- the table ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Field:
-    name: str
-    wire: Wire
-    default: object
-
-
-ShapeRule = Callable[..., list]
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    """Everything the runtime knows about one op, derived from its declaration."""
-
-    tag: int
-    name: str
-    cls: type
-    fields: tuple[Field, ...]
-    inputs: tuple[int, int]  # (min, max) number of input tensors
-    outputs: int | str  # a fixed count, or the payload field that gives it (Split, Chunk)
-    shape: ShapeRule  # rules.<op>(payload, [TensorSpec]) -> [TensorSpec]
-    doc: str
-    # Input positions that take a matmul-style weight: it may stay in its stored (possibly
-    # block-quantized) form and reach the kernel as is.  Weights in any other position are
-    # widened to f32 once when an executor prepares the graph.
-    weight_inputs: tuple[int, ...] = ()
-
-    def num_outputs(self, payload: OpPayload) -> int:
-        if isinstance(self.outputs, int):
-            return self.outputs
-        value = getattr(payload, self.outputs)
-        return len(value) if isinstance(value, tuple) else int(value)
-
-
-OPS_BY_TAG: dict[int, OpSpec] = {}
-OPS_BY_NAME: dict[str, OpSpec] = {}
-
-
-def op(tag: int, *, inputs: tuple[int, int], shape: ShapeRule, doc: str, outputs: int | str = 1,
-       weight_inputs: tuple[int, ...] = ()):
-    """Declare a payload class and enter it in the op table under ``tag``."""
-
-    def register(cls: type) -> type:
-        cls = dataclass(frozen=True)(cls)
-        hints = typing.get_type_hints(cls, include_extras=True)
-        fields = []
-        for f in dataclasses.fields(cls):
-            (wire,) = [m for m in hints[f.name].__metadata__ if isinstance(m, Wire)]
-            fields.append(Field(f.name, wire, f.default))
-        name = cls.__name__
-        if tag in OPS_BY_TAG or name in OPS_BY_NAME or not 0 <= tag < 2**16:
-            raise AssertionError(f"op {name} reuses tag {tag} or a name, or the tag is not a u16")
-        spec = OpSpec(tag, name, cls, tuple(fields), inputs, outputs, shape, doc, weight_inputs)
-        cls.spec = spec
-        OPS_BY_TAG[tag] = OPS_BY_NAME[name] = spec
-        return cls
-
-    return register
-
-
-def spec_of(payload: OpPayload) -> OpSpec:
-    return type(payload).spec
-
-
+from .payload import OPS_BY_NAME, OPS_BY_TAG, Bool, DTypeTag, F32, Field, I32, Ints, OpPayload, OpSpec, U8, U32, op
 INF = math.inf
 
 # -- 0..19: arithmetic and layout ----------------------------------------------------------------
-@op(0, inputs=(2, 2), shape=rules.matmul, weight_inputs=(1,),
+@op(0, inputs=(2, 2), weight_inputs=(1,),
     doc="Matrix product. transpose_b: y = a @ b^T with b stored [N, K] (HF/GGML weight layout).")
 class Matmul(OpPayload):
     transpose_b: Bool = True
 
 
-@op(1, inputs=(2, 2), shape=rules.broadcast, doc="Elementwise a + b with numpy broadcasting.")
+@op(1, inputs=(2, 2), doc="Elementwise a + b with numpy broadcasting.")
 class Add(OpPayload):
     pass
 
 
-@op(2, inputs=(2, 2), shape=rules.broadcast, doc="Elementwise a * b with numpy broadcasting.")
+@op(2, inputs=(2, 2), doc="Elementwise a * b with numpy broadcasting.")
 class Mul(OpPayload):
     pass
 
 
-@op(3, inputs=(2, 2), shape=rules.broadcast, doc="Elementwise a - b with numpy broadcasting.")
+@op(3, inputs=(2, 2), doc="Elementwise a - b with numpy broadcasting.")
 class Sub(OpPayload):
     pass
 
 
-@op(4, inputs=(2, 2), shape=rules.broadcast, doc="Elementwise a / b with numpy broadcasting.")
+@op(4, inputs=(2, 2), doc="Elementwise a / b with numpy broadcasting.")
 class Div(OpPayload):
     pass
 
 
-@op(5, inputs=(1, 1), shape=rules.transpose, doc="Swap two dims (torch.transpose).")
+@op(5, inputs=(1, 1), doc="Swap two dims (torch.transpose).")
 class Transpose(OpPayload):
     dim0: I32 = -2
     dim1: I32 = -1
 
 
-@op(6, inputs=(1, 1), shape=rules.reshape,
+@op(6, inputs=(1, 1),
     doc="Reshape; one -1 is inferred, 0 copies the input dim at that index (ONNX Reshape).")
 class Reshape(OpPayload):
     shape: Ints = ()
 
 
-@op(7, inputs=(1, 1), shape=rules.permute, doc="Permute dims (torch.permute / ONNX Transpose).")
+@op(7, inputs=(1, 1), doc="Permute dims (torch.permute / ONNX Transpose).")
 class Permute(OpPayload):
     perm: Ints = ()
 
 
-@op(8, inputs=(1, 2**32 - 1), shape=rules.concat, doc="Concatenate inputs along dim.")
+@op(8, inputs=(1, 2**32 - 1), doc="Concatenate inputs along dim.")
 class Concat(OpPayload):
     dim: I32 = -1
 
 
-@op(9, inputs=(1, 1), shape=rules.split, outputs="sizes",
+@op(9, inputs=(1, 1), outputs="sizes",
     doc="Split along dim into pieces of the given sizes; one output per size.")
 class Split(OpPayload):
     dim: I32 = -1
     sizes: Ints = ()
 
 
-@op(10, inputs=(1, 1), shape=rules.chunk, outputs="chunks",
+@op(10, inputs=(1, 1), outputs="chunks",
     doc="Split along dim into `chunks` equal pieces (the dim must divide evenly).")
 class Chunk(OpPayload):
     dim: I32 = -1
     chunks: U32 = 2
 
 
-@op(11, inputs=(1, 1), shape=rules.unary, doc="Clamp to [min, max] (±inf for no bound).")
+@op(11, inputs=(1, 1), doc="Clamp to [min, max] (±inf for no bound).")
 class Clamp(OpPayload):
     min: F32 = -INF
     max: F32 = INF
 
 
-@op(12, inputs=(1, 1), shape=rules.unary, doc="Replace NaN and ±inf (torch.nan_to_num).")
+@op(12, inputs=(1, 1), doc="Replace NaN and ±inf (torch.nan_to_num).")
 class NanToNum(OpPayload):
     nan: F32 = 0.0
     posinf: F32 = 3.4028234663852886e38
@@ -242,7 +101,7 @@ class NanToNum(OpPayload):
 
 
 # -- 20..39: attention and positions ------------------------------------------------------------
-@op(20, inputs=(3, 4), shape=rules.sdpa,
+@op(20, inputs=(3, 4),
     doc="Scaled dot-product attention, grouped-query; optional additive mask as 4th input.")
 class Sdpa(OpPayload):
     num_heads: U32
@@ -251,7 +110,7 @@ class Sdpa(OpPayload):
     causal: Bool = False
 
 
-@op(21, inputs=(3, 4), shape=rules.sdpa,
+@op(21, inputs=(3, 4),
     doc="Cross attention: queries from one sequence, keys/values from another; never causal.")
 class SdpaCross(OpPayload):
     num_heads: U32
@@ -259,7 +118,7 @@ class SdpaCross(OpPayload):
     head_dim: U32
 
 
-@op(22, inputs=(3, 4), shape=rules.sdpa,
+@op(22, inputs=(3, 4),
     doc="Sliding-window attention: each query sees at most `window` keys ending at itself "
         "(causal); non-causal: keys less than `window` away on either side.")
 class SdpaWindow(OpPayload):
@@ -270,25 +129,25 @@ class SdpaWindow(OpPayload):
     causal: Bool = True
 
 
-@op(23, inputs=(2, 2), shape=rules.kv_cache, outputs=2,
+@op(23, inputs=(2, 2), outputs=2,
     doc="Append K_new, V_new rows to this node's per-session accumulators; output the full K, V.")
 class KvCache(OpPayload):
     max_seq: U32 = 0  # capacity hint for preallocation; 0 = grow as needed
 
 
-@op(24, inputs=(1, 1), shape=rules.kv_compress,
+@op(24, inputs=(1, 1),
     doc="Quantize a K or V tensor row-wise to `dtype` (Q8_0, Q4_0, F16, BF16) for storage.")
 class KvCompress(OpPayload):
     dtype: DTypeTag = DType.Q8_0
 
 
-@op(25, inputs=(1, 1), shape=rules.kv_decompress,
+@op(25, inputs=(1, 1),
     doc="Dequantize a compressed K or V tensor back to `dtype` (F32).")
 class KvDecompress(OpPayload):
     dtype: DTypeTag = DType.F32
 
 
-@op(26, inputs=(2, 2), shape=rules.rope,
+@op(26, inputs=(2, 2),
     doc="Rotary embedding, HF rotate-half, first rope_dim dims of each head rotated; inputs x, pos.")
 class Rope(OpPayload):
     head_dim: U32
@@ -296,7 +155,7 @@ class Rope(OpPayload):
     base: F32 = 10000.0
 
 
-@op(27, inputs=(1, 1), shape=rules.sinusoidal_embed,
+@op(27, inputs=(1, 1),
     doc="Sinusoidal timestep embedding (diffusers get_timestep_embedding).")
 class SinusoidalEmbed(OpPayload):
     dim: U32
@@ -305,7 +164,7 @@ class SinusoidalEmbed(OpPayload):
     downscale_freq_shift: F32 = 1.0
 
 
-@op(28, inputs=(3, 4), shape=rules.relative_pos_embedding,
+@op(28, inputs=(3, 4),
     doc="T5 bucketed relative position bias [heads, Tq, Tk] from q, k and the bucket table.")
 class RelativePosEmbedding(OpPayload):
     num_buckets: U32 = 32
@@ -314,103 +173,103 @@ class RelativePosEmbedding(OpPayload):
 
 
 # -- 40..59: normalisation ----------------------------------------------------------------------
-@op(40, inputs=(2, 2), shape=rules.norm_last, doc="RMS norm over the last dim, times weight.")
+@op(40, inputs=(2, 2), doc="RMS norm over the last dim, times weight.")
 class RmsNorm(OpPayload):
     eps: F32 = 1e-6
 
 
-@op(41, inputs=(1, 3), shape=rules.norm_last,
+@op(41, inputs=(1, 3),
     doc="Layer norm over the last dim; optional weight and bias.")
 class LayerNorm(OpPayload):
     eps: F32 = 1e-5
 
 
-@op(42, inputs=(5, 5), shape=rules.norm_channels,
+@op(42, inputs=(5, 5),
     doc="Batch norm (inference) over channel dim 1: inputs x, scale, bias, mean, var.")
 class BatchNorm(OpPayload):
     eps: F32 = 1e-5
     momentum: F32 = 0.9
 
 
-@op(43, inputs=(1, 3), shape=rules.norm_channels,
+@op(43, inputs=(1, 3),
     doc="Group norm over channel dim 1 split into num_groups; optional weight and bias.")
 class GroupNorm(OpPayload):
     eps: F32 = 1e-5
     num_groups: U32 = 32
 
 
-@op(44, inputs=(1, 3), shape=rules.norm_channels,
+@op(44, inputs=(1, 3),
     doc="Instance norm: per sample and channel over the spatial dims; optional weight and bias.")
 class InstanceNorm(OpPayload):
     eps: F32 = 1e-5
 
 
-@op(45, inputs=(3, 3), shape=rules.ada_ln,
+@op(45, inputs=(3, 3),
     doc="Adaptive layer norm (DiT): LayerNorm(x) * (1 + scale) + shift; inputs x, shift, scale.")
 class AdaLN(OpPayload):
     eps: F32 = 1e-6
 
 
 # -- 60..79: activations ------------------------------------------------------------------------
-@op(60, inputs=(1, 1), shape=rules.unary, doc="x * sigmoid(x).")
+@op(60, inputs=(1, 1), doc="x * sigmoid(x).")
 class Silu(OpPayload):
     pass
 
 
-@op(61, inputs=(1, 1), shape=rules.unary, doc="GELU; approximate: false = erf, true = tanh.")
+@op(61, inputs=(1, 1), doc="GELU; approximate: false = erf, true = tanh.")
 class Gelu(OpPayload):
     approximate: Bool = False
 
 
-@op(62, inputs=(1, 2), shape=rules.gated,
+@op(62, inputs=(1, 2),
     doc="GEGLU: a * gelu(b); one input is split in half along the last dim, or inputs a, b.")
 class GeGlu(OpPayload):
     approximate: Bool = False
 
 
-@op(63, inputs=(1, 2), shape=rules.gated,
+@op(63, inputs=(1, 2),
     doc="SwiGLU: silu(gate) * up; one input is split in half (gate first), or inputs gate, up.")
 class SwiGlu(OpPayload):
     pass
 
 
-@op(64, inputs=(1, 1), shape=rules.glu, doc="GLU: a * sigmoid(b), halves along dim (torch GLU).")
+@op(64, inputs=(1, 1), doc="GLU: a * sigmoid(b), halves along dim (torch GLU).")
 class Glu(OpPayload):
     dim: I32 = -1
 
 
-@op(65, inputs=(1, 1), shape=rules.unary, doc="max(x, 0).")
+@op(65, inputs=(1, 1), doc="max(x, 0).")
 class Relu(OpPayload):
     pass
 
 
-@op(66, inputs=(1, 1), shape=rules.unary, doc="x if x >= 0 else alpha * x.")
+@op(66, inputs=(1, 1), doc="x if x >= 0 else alpha * x.")
 class LeakyRelu(OpPayload):
     alpha: F32 = 0.01
 
 
-@op(67, inputs=(2, 2), shape=rules.prelu, doc="x if x >= 0 else slope * x (ONNX PRelu).")
+@op(67, inputs=(2, 2), doc="x if x >= 0 else slope * x (ONNX PRelu).")
 class PRelu(OpPayload):
     pass
 
 
-@op(68, inputs=(1, 1), shape=rules.unary, doc="1 / (1 + exp(-x)).")
+@op(68, inputs=(1, 1), doc="1 / (1 + exp(-x)).")
 class Sigmoid(OpPayload):
     pass
 
 
-@op(69, inputs=(1, 1), shape=rules.unary, doc="tanh(x).")
+@op(69, inputs=(1, 1), doc="tanh(x).")
 class Tanh(OpPayload):
     pass
 
 
-@op(70, inputs=(1, 1), shape=rules.softmax, doc="Softmax along dim (negative counts from the end).")
+@op(70, inputs=(1, 1), doc="Softmax along dim (negative counts from the end).")
 class Softmax(OpPayload):
     dim: I32 = -1
 
 
 # -- 80..99: convolution and pooling ------------------------------------------------------------
-@op(80, inputs=(2, 3), shape=rules.conv, doc="1-D convolution, input [N, C, L], weight [O, C/g, k].")
+@op(80, inputs=(2, 3), doc="1-D convolution, input [N, C, L], weight [O, C/g, k].")
 class Conv1d(OpPayload):
     kernel: U32
     stride: U32 = 1
@@ -419,7 +278,7 @@ class Conv1d(OpPayload):
     groups: U32 = 1
 
 
-@op(81, inputs=(2, 3), shape=rules.conv,
+@op(81, inputs=(2, 3),
     doc="2-D convolution, input [N, C, H, W], weight [O, C/g, kh, kw].")
 class Conv2d(OpPayload):
     kernel_h: U32
@@ -433,7 +292,7 @@ class Conv2d(OpPayload):
     groups: U32 = 1
 
 
-@op(82, inputs=(2, 3), shape=rules.conv,
+@op(82, inputs=(2, 3),
     doc="3-D convolution, input [N, C, D, H, W], weight [O, C/g, kd, kh, kw].")
 class Conv3d(OpPayload):
     kernel_d: U32
@@ -451,7 +310,7 @@ class Conv3d(OpPayload):
     groups: U32 = 1
 
 
-@op(83, inputs=(2, 3), shape=rules.conv_transpose,
+@op(83, inputs=(2, 3),
     doc="2-D transposed convolution, weight [C, O/g, kh, kw] (torch ConvTranspose2d).")
 class ConvTranspose2d(OpPayload):
     kernel_h: U32
@@ -467,7 +326,7 @@ class ConvTranspose2d(OpPayload):
     groups: U32 = 1
 
 
-@op(84, inputs=(2, 3), shape=rules.causal_conv1d,
+@op(84, inputs=(2, 3),
     doc="Causal 1-D convolution: left padding (kernel-1)*dilation, stride 1 (Mamba, WaveNet).")
 class CausalConv1d(OpPayload):
     kernel: U32
@@ -475,7 +334,7 @@ class CausalConv1d(OpPayload):
     groups: U32 = 1
 
 
-@op(85, inputs=(2, 3), shape=rules.conv,
+@op(85, inputs=(2, 3),
     doc="Depthwise 2-D convolution: groups = C, weight [C*m, 1, kh, kw].")
 class DepthwiseConv(OpPayload):
     kernel_h: U32
@@ -488,7 +347,7 @@ class DepthwiseConv(OpPayload):
     dilation_w: U32 = 1
 
 
-@op(86, inputs=(1, 1), shape=rules.pool,
+@op(86, inputs=(1, 1),
     doc="Max/avg pooling over H, W of [N, C, H, W] (or L of [N, C, L]); avg excludes padding.")
 class Pool(OpPayload):
     mode: U8  # 0 = max, 1 = avg
@@ -501,7 +360,7 @@ class Pool(OpPayload):
 
 
 # -- 100..119: resampling and patches -----------------------------------------------------------
-@op(100, inputs=(1, 1), shape=rules.interpolate,
+@op(100, inputs=(1, 1),
     doc="Resize the last two dims; mode 0 nearest, 1 bilinear, 2 bicubic (torch interpolate).")
 class Interpolate(OpPayload):
     mode: U8 = 0
@@ -512,24 +371,24 @@ class Interpolate(OpPayload):
     scale_w: F32 = 1.0
 
 
-@op(101, inputs=(1, 1), shape=rules.pixel_shuffle, doc="[N, C*r*r, H, W] -> [N, C, H*r, W*r].")
+@op(101, inputs=(1, 1), doc="[N, C*r*r, H, W] -> [N, C, H*r, W*r].")
 class PixelShuffle(OpPayload):
     upscale: U32
 
 
-@op(102, inputs=(1, 1), shape=rules.pixel_unshuffle, doc="[N, C, H*r, W*r] -> [N, C*r*r, H, W].")
+@op(102, inputs=(1, 1), doc="[N, C, H*r, W*r] -> [N, C*r*r, H, W].")
 class PixelUnshuffle(OpPayload):
     downscale: U32
 
 
-@op(103, inputs=(2, 3), shape=rules.patch_embed,
+@op(103, inputs=(2, 3),
     doc="ViT patch embedding: image [N, C, H, W], weight [D, C, ph, pw] -> [N, (H/ph)(W/pw), D].")
 class PatchEmbed(OpPayload):
     patch_h: U32
     patch_w: U32
 
 
-@op(104, inputs=(1, 1), shape=rules.unpatchify,
+@op(104, inputs=(1, 1),
     doc="DiT unpatchify: [N, gh*gw, ph*pw*C] -> [N, C, gh*ph, gw*pw].")
 class Unpatchify(OpPayload):
     patch_h: U32
@@ -540,20 +399,20 @@ class Unpatchify(OpPayload):
 
 
 # -- 120..139: embeddings -----------------------------------------------------------------------
-@op(120, inputs=(2, 2), weight_inputs=(1,), shape=rules.token_embed,
+@op(120, inputs=(2, 2), weight_inputs=(1,),
     doc="Row lookup: ids [...], table [V, D] -> [..., D].")
 class TokenEmbed(OpPayload):
     pass
 
 
-@op(121, inputs=(2, 3), shape=rules.pos_embed,
+@op(121, inputs=(2, 3),
     doc="Learned positions: rows offset+pos .. offset+pos+T-1 of table [P, D] for x [..., T, *].")
 class PosEmbed(OpPayload):
     offset: U32 = 0
 
 
 # -- 140..159: generation, schedulers, quantization ---------------------------------------------
-@op(140, inputs=(4, 4), shape=rules.scheduler_step,
+@op(140, inputs=(4, 4),
     doc="DDIM step (eta=0) of a discrete noise schedule: sample, model_output, t, t_prev.")
 class NoiseSchedule(OpPayload):
     num_train_timesteps: U32 = 1000
@@ -563,27 +422,27 @@ class NoiseSchedule(OpPayload):
     prediction_type: U8 = 0  # 0 epsilon, 1 v_prediction, 2 sample
 
 
-@op(141, inputs=(4, 4), shape=rules.scheduler_step,
+@op(141, inputs=(4, 4),
     doc="Flow-matching Euler step: sample, velocity, t, t_next (shifted sigmas).")
 class FlowStep(OpPayload):
     shift: F32 = 1.0
 
 
-@op(142, inputs=(1, 3), shape=rules.quantize,
+@op(142, inputs=(1, 3),
     doc="Quantize to `dtype`: GGML blocks (Q8_0, Q4_0) or linear int8/uint8 with scale, zero point.")
 class Quantize(OpPayload):
     dtype: DTypeTag = DType.Q8_0
     axis: I32 = -1
 
 
-@op(143, inputs=(1, 3), shape=rules.dequantize,
+@op(143, inputs=(1, 3),
     doc="Dequantize to `dtype` (F32): GGML blocks, or linear (x - zero_point) * scale.")
 class Dequantize(OpPayload):
     dtype: DTypeTag = DType.F32
     axis: I32 = -1
 
 
-@op(144, inputs=(1, 2), shape=rules.sample,
+@op(144, inputs=(1, 2),
     doc="Pick a token id from logits [..., V]; optional seed input. method 0 greedy .. 4 min-p.")
 class Sample(OpPayload):
     method: U8 = 0  # 0 greedy, 1 temperature, 2 top-k, 3 top-p, 4 min-p
@@ -593,42 +452,42 @@ class Sample(OpPayload):
 
 
 # -- 160..179: linear algebra -------------------------------------------------------------------
-@op(160, inputs=(4, 4), weight_inputs=(1,), shape=rules.lora_apply,
+@op(160, inputs=(4, 4), weight_inputs=(1,),
     doc="x @ W^T + scale * (x @ A^T) @ B^T; inputs x, W [N, K], A [r, K], B [N, r].")
 class LoraApply(OpPayload):
     scale: F32 = 1.0
 
 
-@op(161, inputs=(2, 2), shape=rules.kron, doc="Kronecker product of two matrices (torch.kron).")
+@op(161, inputs=(2, 2), doc="Kronecker product of two matrices (torch.kron).")
 class Kron(OpPayload):
     pass
 
 
-@op(162, inputs=(1, 1), shape=rules.matrix_inverse, doc="Inverse of square matrices [..., n, n].")
+@op(162, inputs=(1, 1), doc="Inverse of square matrices [..., n, n].")
 class MatrixInverse(OpPayload):
     pass
 
 
 # -- 180..198: fused ops ------------------------------------------------------------------------
-@op(180, inputs=(3, 3), weight_inputs=(2,), shape=rules.fused_norm_matmul,
+@op(180, inputs=(3, 3), weight_inputs=(2,),
     doc="RmsNorm(x) * norm_weight, then @ W^T; inputs x, norm_weight, W.")
 class FusedNormMatmul(OpPayload):
     eps: F32 = 1e-6
 
 
-@op(181, inputs=(3, 3), shape=rules.fused_skip_norm, outputs=2,
+@op(181, inputs=(3, 3), outputs=2,
     doc="s = x + residual; outputs s and RmsNorm(s) * weight; inputs x, residual, weight.")
 class FusedSkipNorm(OpPayload):
     eps: F32 = 1e-6
 
 
-@op(182, inputs=(3, 3), weight_inputs=(1, 2), shape=rules.fused_swiglu,
+@op(182, inputs=(3, 3), weight_inputs=(1, 2),
     doc="silu(x @ W_gate^T) * (x @ W_up^T); inputs x, W_gate, W_up.")
 class FusedSwiGlu(OpPayload):
     pass
 
 
-@op(183, inputs=(3, 4), shape=rules.sdpa,
+@op(183, inputs=(3, 4),
     doc="Sdpa computed in key blocks with an online softmax (same result, bounded memory).")
 class FlashAttention(OpPayload):
     num_heads: U32
@@ -639,6 +498,10 @@ class FlashAttention(OpPayload):
 
 
 # -- 199 ----------------------------------------------------------------------------------------
-@op(199, inputs=(1, 1), shape=rules.argmax, doc="Index of the max along the last dim, as i64.")
+@op(199, inputs=(1, 1), doc="Index of the max along the last dim, as i64.")
 class Argmax(OpPayload):
     pass
+
+
+# What callers take from here besides the 66 payload classes: the table and its types.
+__all__ = ["OPS_BY_NAME", "OPS_BY_TAG", "Field", "OpPayload", "OpSpec", *OPS_BY_NAME]

@@ -2,6 +2,8 @@
 
 Every rule has the signature ``rule(op, inputs) -> list[TensorSpec]``: ``op`` is the payload
 instance (e.g. ``Rope(head_dim=64, rope_dim=32, base=1e4)``) and ``inputs`` the input specs.
+``@rule(Rope)`` enters a rule in the op table as ``Rope.spec.shape`` (the only registration) and
+its annotation names the payload class; this module imports ``ops.py``, never the reverse.
 The caller has already checked the number of inputs against ``op.spec.inputs``; a rule returns
 exactly ``op.spec.num_outputs(op)`` specs, with ``offset``/``size`` left None.  docs/ops.md gives
 each op's maths; the rules below are that maths applied to shapes.
@@ -36,14 +38,39 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from ..dtypes import DType
 from ..errors import GraphValidationError
-from .graph import TensorSpec
+from .ops import (AdaLN, Add, Argmax, BatchNorm, CausalConv1d, Chunk, Clamp, Concat, Conv1d,
+    Conv2d, Conv3d, ConvTranspose2d, DepthwiseConv, Dequantize, Div, FlashAttention, FlowStep,
+    FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, GeGlu, Gelu, Glu, GroupNorm, InstanceNorm,
+    Interpolate, Kron, KvCache, KvCompress, KvDecompress, LayerNorm, LeakyRelu, LoraApply, Matmul,
+    MatrixInverse, Mul, NanToNum, NoiseSchedule, PRelu, PatchEmbed, Permute, PixelShuffle,
+    PixelUnshuffle, Pool, PosEmbed, Quantize, RelativePosEmbedding, Relu, Reshape, RmsNorm, Rope,
+    Sample, Sdpa, SdpaCross, SdpaWindow, Sigmoid, Silu, SinusoidalEmbed, Softmax, Split, Sub,
+    SwiGlu, Tanh, TokenEmbed, Transpose, Unpatchify)
+from .payload import OPS_BY_NAME, OpPayload, ShapeRule
+from .tensor_spec import TensorSpec
 
 UNKNOWN = -1
 Shape = tuple[int, ...]
+Specs = list[TensorSpec]
+
+
+def rule(*classes: type[OpPayload]) -> Callable[[ShapeRule], ShapeRule]:
+    """Enter the decorated function in the op table as the shape rule of each of ``classes``."""
+
+    def register(fn: ShapeRule) -> ShapeRule:
+        for cls in classes:
+            if cls.spec.shape is not None:
+                raise AssertionError(f"{cls.__name__} has two shape rules")
+            # OpSpec is frozen for everyone else; its rule can only be entered here, where the
+            # payload classes are importable without a cycle, once per op at import time.
+            object.__setattr__(cls.spec, "shape", fn)
+        return fn
+
+    return register
 
 
 class ShapeError(GraphValidationError):
@@ -320,7 +347,8 @@ def _window_len(op, x: Arg, axis: int, k: int, s: int, p: int, d: int) -> int:
 
 
 # -- 0..19: arithmetic and layout --------------------------------------------------------------
-def matmul(op, inputs):
+@rule(Matmul)
+def matmul(op: Matmul, inputs: Specs) -> Specs:
     """numpy matmul; with ``transpose_b`` b is stored [..., N, K] and y = a @ b^T."""
     a, b = _args(op, inputs, "a", "b")
     _float(op, a)
@@ -340,21 +368,24 @@ def matmul(op, inputs):
     return [_out(batch + a.shape[-2:-1] + n, a.dtype)]
 
 
-def broadcast(op, inputs):
+@rule(Add, Mul, Sub, Div)
+def broadcast(op: Add | Mul | Sub | Div, inputs: Specs) -> Specs:
     """Elementwise binary op with numpy broadcasting."""
     a, b = _args(op, inputs, "a", "b")
     _float(op, a, b)
     return [_out(_broadcast(op, (str(a), a.shape), (str(b), b.shape)), a.dtype)]
 
 
-def unary(op, inputs):
+@rule(Clamp, NanToNum, Silu, Gelu, Relu, LeakyRelu, Sigmoid, Tanh)
+def unary(op: Clamp | NanToNum | Silu | Gelu | Relu | LeakyRelu | Sigmoid | Tanh, inputs: Specs) -> Specs:
     """Elementwise op on one float tensor: same shape and dtype."""
     (x,) = _args(op, inputs, "x")
     _float(op, x)
     return [_out(x.shape, x.dtype)]
 
 
-def transpose(op, inputs):
+@rule(Transpose)
+def transpose(op: Transpose, inputs: Specs) -> Specs:
     (x,) = _args(op, inputs, "x")
     _plain(op, x)
     d0, d1 = _axis(op, x, op.dim0, "dim0"), _axis(op, x, op.dim1, "dim1")
@@ -363,7 +394,8 @@ def transpose(op, inputs):
     return [_out(shape, x.dtype)]
 
 
-def reshape(op, inputs):
+@rule(Reshape)
+def reshape(op: Reshape, inputs: Specs) -> Specs:
     """ONNX Reshape, allowzero=0: a 0 copies the input dim at that index, one -1 is inferred."""
     (x,) = _args(op, inputs, "x")
     _plain(op, x)
@@ -390,7 +422,8 @@ def reshape(op, inputs):
     return [_out(out, x.dtype)]
 
 
-def permute(op, inputs):
+@rule(Permute)
+def permute(op: Permute, inputs: Specs) -> Specs:
     """torch.permute: output dim i is input dim perm[i]."""
     (x,) = _args(op, inputs, "x")
     _plain(op, x)
@@ -402,7 +435,8 @@ def permute(op, inputs):
     return [_out([x.shape[a] for a in axes], x.dtype)]
 
 
-def concat(op, inputs):
+@rule(Concat)
+def concat(op: Concat, inputs: Specs) -> Specs:
     args = _args(op, inputs, *[f"x{i}" for i in range(len(inputs))])
     first = args[0]
     _plain(op, *args)
@@ -421,7 +455,8 @@ def concat(op, inputs):
     return [_out(out, first.dtype)]
 
 
-def split(op, inputs):
+@rule(Split)
+def split(op: Split, inputs: Specs) -> Specs:
     (x,) = _args(op, inputs, "x")
     _plain(op, x)
     _rank(op, x, 1)
@@ -434,7 +469,8 @@ def split(op, inputs):
     return [_out(x.shape[:axis] + (s,) + x.shape[axis + 1:], x.dtype) for s in op.sizes]
 
 
-def chunk(op, inputs):
+@rule(Chunk)
+def chunk(op: Chunk, inputs: Specs) -> Specs:
     (x,) = _args(op, inputs, "x")
     _plain(op, x)
     _rank(op, x, 1)
@@ -446,7 +482,8 @@ def chunk(op, inputs):
 
 
 # -- 20..39: attention and positions -----------------------------------------------------------
-def sdpa(op, inputs):
+@rule(Sdpa, SdpaCross, SdpaWindow, FlashAttention)
+def sdpa(op: Sdpa | SdpaCross | SdpaWindow | FlashAttention, inputs: Specs) -> Specs:
     """Sdpa, SdpaCross, SdpaWindow, FlashAttention: q [..., Tq, H*hd], k, v [..., Tk, KV*hd]."""
     q, k, v, mask = _args(op, inputs, "q", "k", "v", "mask")
     _at_least(op, 1, "num_heads", "kv_heads", "head_dim", "window", "block")
@@ -478,7 +515,8 @@ def _kv_stored(op, arg: Arg) -> None:
         _blocks(op, arg, arg.dtype)
 
 
-def kv_cache(op, inputs):
+@rule(KvCache)
+def kv_cache(op: KvCache, inputs: Specs) -> Specs:
     """K_new, V_new [..., T, width] -> K_full, V_full [..., -1, width] (past + T rows)."""
     k, v = _args(op, inputs, "k_new", "v_new")
     for a in (k, v):
@@ -490,7 +528,8 @@ def kv_cache(op, inputs):
     return [_out(lead + (UNKNOWN, a.shape[-1]), a.dtype) for a in (k, v)]
 
 
-def kv_compress(op, inputs):
+@rule(KvCompress)
+def kv_compress(op: KvCompress, inputs: Specs) -> Specs:
     (x,) = _args(op, inputs, "x")
     _float(op, x)
     if op.dtype not in BLOCK_KV + (DType.F16, DType.BF16):
@@ -500,7 +539,8 @@ def kv_compress(op, inputs):
     return [_out(x.shape, op.dtype)]
 
 
-def kv_decompress(op, inputs):
+@rule(KvDecompress)
+def kv_decompress(op: KvDecompress, inputs: Specs) -> Specs:
     (x,) = _args(op, inputs, "x")
     _kv_stored(op, x)
     if not op.dtype.is_float:
@@ -508,7 +548,8 @@ def kv_decompress(op, inputs):
     return [_out(x.shape, op.dtype)]
 
 
-def rope(op, inputs):
+@rule(Rope)
+def rope(op: Rope, inputs: Specs) -> Specs:
     """x [..., T, n*head_dim], pos []/[1] -> x's shape."""
     x, pos = _args(op, inputs, "x", "pos")
     _at_least(op, 1, "head_dim")
@@ -522,7 +563,8 @@ def rope(op, inputs):
     return [_out(x.shape, x.dtype)]
 
 
-def sinusoidal_embed(op, inputs):
+@rule(SinusoidalEmbed)
+def sinusoidal_embed(op: SinusoidalEmbed, inputs: Specs) -> Specs:
     """timesteps [N] (or []) -> [N, dim] (or [dim]) f32."""
     (t,) = _args(op, inputs, "timesteps")
     _at_least(op, 1, "dim")
@@ -537,7 +579,8 @@ def sinusoidal_embed(op, inputs):
     return [_out(t.shape + (op.dim,), DType.F32)]
 
 
-def relative_pos_embedding(op, inputs):
+@rule(RelativePosEmbedding)
+def relative_pos_embedding(op: RelativePosEmbedding, inputs: Specs) -> Specs:
     """q [..., Tq, *], k [..., Tk, *], table [num_buckets, H], pos? -> [H, Tq, Tk]."""
     q, k, table, pos = _args(op, inputs, "q", "k", "table", "pos")
     buckets = op.num_buckets // 2 if op.bidirectional else op.num_buckets
@@ -558,7 +601,8 @@ def relative_pos_embedding(op, inputs):
 
 
 # -- 40..59: normalisation ---------------------------------------------------------------------
-def norm_last(op, inputs):
+@rule(RmsNorm, LayerNorm)
+def norm_last(op: RmsNorm | LayerNorm, inputs: Specs) -> Specs:
     """RmsNorm, LayerNorm: x [..., D], weight [D], bias [D]."""
     x, weight, bias = _args(op, inputs, "x", "weight", "bias")
     _float(op, x, weight, bias)
@@ -568,7 +612,8 @@ def norm_last(op, inputs):
     return [_out(x.shape, x.dtype)]
 
 
-def norm_channels(op, inputs):
+@rule(BatchNorm, GroupNorm, InstanceNorm)
+def norm_channels(op: BatchNorm | GroupNorm | InstanceNorm, inputs: Specs) -> Specs:
     """BatchNorm (x, scale, bias, mean, var), GroupNorm / InstanceNorm (x, weight?, bias?)."""
     batch = hasattr(op, "momentum")
     names = ("x", "scale", "bias", "mean", "var") if batch else ("x", "weight", "bias")
@@ -585,7 +630,8 @@ def norm_channels(op, inputs):
     return [_out(x.shape, x.dtype)]
 
 
-def ada_ln(op, inputs):
+@rule(AdaLN)
+def ada_ln(op: AdaLN, inputs: Specs) -> Specs:
     """x [..., D]; shift and scale broadcastable to x."""
     x, shift, scale = _args(op, inputs, "x", "shift", "scale")
     _float(op, x, shift, scale)
@@ -602,7 +648,8 @@ def _halves(op, x: Arg, axis: int) -> Shape:
     return x.shape[:axis] + (_div(x.shape[axis], 2),) + x.shape[axis + 1:]
 
 
-def gated(op, inputs):
+@rule(GeGlu, SwiGlu)
+def gated(op: GeGlu | SwiGlu, inputs: Specs) -> Specs:
     """GeGlu, SwiGlu: one input split in halves along the last dim, or two broadcast inputs."""
     if len(inputs) == 1:
         (x,) = _args(op, inputs, "x")
@@ -614,20 +661,23 @@ def gated(op, inputs):
     return [_out(_broadcast(op, (str(a), a.shape), (str(b), b.shape)), a.dtype)]
 
 
-def glu(op, inputs):
+@rule(Glu)
+def glu(op: Glu, inputs: Specs) -> Specs:
     (x,) = _args(op, inputs, "x")
     _float(op, x)
     return [_out(_halves(op, x, _axis(op, x, op.dim)), x.dtype)]
 
 
-def prelu(op, inputs):
+@rule(PRelu)
+def prelu(op: PRelu, inputs: Specs) -> Specs:
     x, slope = _args(op, inputs, "x", "slope")
     _float(op, x, slope)
     _broadcastable_to(op, slope, x.shape, str(x))
     return [_out(x.shape, x.dtype)]
 
 
-def softmax(op, inputs):
+@rule(Softmax)
+def softmax(op: Softmax, inputs: Specs) -> Specs:
     (x,) = _args(op, inputs, "x")
     _float(op, x)
     _axis(op, x, op.dim)
@@ -669,7 +719,8 @@ def _conv_io(op, inputs, kernel: tuple[int, ...], transposed: bool = False) -> t
     return x, out_channels
 
 
-def conv(op, inputs):
+@rule(Conv1d, Conv2d, Conv3d, DepthwiseConv)
+def conv(op: Conv1d | Conv2d | Conv3d | DepthwiseConv, inputs: Specs) -> Specs:
     """Conv1d, Conv2d, Conv3d, DepthwiseConv (the spatial rank comes from the payload fields)."""
     _at_least(op, 1, "kernel", "stride", "dilation", "groups")
     kernel, stride, pad, dil = (_spatial(op, f) for f in ("kernel", "stride", "padding", "dilation"))
@@ -678,7 +729,8 @@ def conv(op, inputs):
     return [_out((x.shape[0], out_channels) + lengths, x.dtype)]
 
 
-def conv_transpose(op, inputs):
+@rule(ConvTranspose2d)
+def conv_transpose(op: ConvTranspose2d, inputs: Specs) -> Specs:
     """out = (L-1)*stride - 2*padding + dilation*(kernel-1) + output_padding + 1."""
     _at_least(op, 1, "kernel", "stride", "dilation", "groups")
     kernel, stride, pad, dil, extra = (_spatial(op, f) for f in (
@@ -698,14 +750,16 @@ def conv_transpose(op, inputs):
     return [_out((x.shape[0], out_channels, *lengths), x.dtype)]
 
 
-def causal_conv1d(op, inputs):
+@rule(CausalConv1d)
+def causal_conv1d(op: CausalConv1d, inputs: Specs) -> Specs:
     """x [N, C, L] -> [N, O, L] (left padding (kernel-1)*dilation, stride 1)."""
     _at_least(op, 1, "kernel", "dilation", "groups")
     x, out_channels = _conv_io(op, inputs, (op.kernel,))
     return [_out((x.shape[0], out_channels, x.shape[2]), x.dtype)]
 
 
-def pool(op, inputs):
+@rule(Pool)
+def pool(op: Pool, inputs: Specs) -> Specs:
     """[N, C, H, W] pooled over H, W; [N, C, L] pooled over L (the *_h fields trivial)."""
     (x,) = _args(op, inputs, "x")
     _one_of(op, "mode", {0: "max", 1: "avg"})
@@ -740,7 +794,8 @@ def _resized(op, x: Arg, axis: int, size: int, scale: float, ax: str) -> int:
     return n
 
 
-def interpolate(op, inputs):
+@rule(Interpolate)
+def interpolate(op: Interpolate, inputs: Specs) -> Specs:
     """Resize the last two dims to out_h, out_w, or floor(H*scale_h), floor(W*scale_w)."""
     (x,) = _args(op, inputs, "x")
     _one_of(op, "mode", {0: "nearest", 1: "bilinear", 2: "bicubic"})
@@ -753,7 +808,8 @@ def interpolate(op, inputs):
     return [_out(x.shape[:-2] + (h, w), x.dtype)]
 
 
-def pixel_shuffle(op, inputs):
+@rule(PixelShuffle)
+def pixel_shuffle(op: PixelShuffle, inputs: Specs) -> Specs:
     """[..., C*r*r, H, W] -> [..., C, H*r, W*r]."""
     (x,) = _args(op, inputs, "x")
     _at_least(op, 1, "upscale")
@@ -765,7 +821,8 @@ def pixel_shuffle(op, inputs):
     return [_out(x.shape[:-3] + (_div(c, r * r), _prod((h, r)), _prod((w, r))), x.dtype)]
 
 
-def pixel_unshuffle(op, inputs):
+@rule(PixelUnshuffle)
+def pixel_unshuffle(op: PixelUnshuffle, inputs: Specs) -> Specs:
     """[..., C, H*r, W*r] -> [..., C*r*r, H, W]."""
     (x,) = _args(op, inputs, "x")
     _at_least(op, 1, "downscale")
@@ -778,7 +835,8 @@ def pixel_unshuffle(op, inputs):
     return [_out(x.shape[:-3] + (_prod((c, r * r)), _div(h, r), _div(w, r)), x.dtype)]
 
 
-def patch_embed(op, inputs):
+@rule(PatchEmbed)
+def patch_embed(op: PatchEmbed, inputs: Specs) -> Specs:
     """image [N, C, H, W], weight [D, C, ph, pw], bias [D] -> [N, (H/ph)*(W/pw), D]."""
     x, w, bias = _args(op, inputs, "x", "weight", "bias")
     _at_least(op, 1, "patch")
@@ -795,7 +853,8 @@ def patch_embed(op, inputs):
     return [_out((x.shape[0], patches, w.shape[0]), x.dtype)]
 
 
-def unpatchify(op, inputs):
+@rule(Unpatchify)
+def unpatchify(op: Unpatchify, inputs: Specs) -> Specs:
     """[N, gh*gw, ph*pw*C] -> [N, C, gh*ph, gw*pw]."""
     (x,) = _args(op, inputs, "x")
     _at_least(op, 1, "patch", "channels", "grid")
@@ -809,7 +868,8 @@ def unpatchify(op, inputs):
 
 
 # -- 120..139: embeddings ----------------------------------------------------------------------
-def token_embed(op, inputs):
+@rule(TokenEmbed)
+def token_embed(op: TokenEmbed, inputs: Specs) -> Specs:
     """ids [...] (integer), table [V, D] (float or block) -> [..., D]."""
     ids, table = _args(op, inputs, "ids", "table")
     _integer(op, ids)
@@ -819,7 +879,8 @@ def token_embed(op, inputs):
     return [_out(ids.shape + table.shape[1:], dtype)]
 
 
-def pos_embed(op, inputs):
+@rule(PosEmbed)
+def pos_embed(op: PosEmbed, inputs: Specs) -> Specs:
     """x [..., T, *], table [P, D], pos? -> [T, D]."""
     x, table, pos = _args(op, inputs, "x", "table", "pos")
     _plain(op, x)
@@ -835,7 +896,8 @@ def pos_embed(op, inputs):
 
 
 # -- 140..159: generation, schedulers, quantization --------------------------------------------
-def scheduler_step(op, inputs):
+@rule(NoiseSchedule, FlowStep)
+def scheduler_step(op: NoiseSchedule | FlowStep, inputs: Specs) -> Specs:
     """NoiseSchedule (sample, model_output, t, t_prev), FlowStep (sample, velocity, t, t_next)."""
     flow = hasattr(op, "shift")
     names = ("sample", "velocity", "t", "t_next") if flow else ("sample", "model_output", "t", "t_prev")
@@ -886,7 +948,8 @@ def _quant_params(op, x, scale, zero_point, qtype, blocks: bool, n_inputs: int, 
     return True
 
 
-def quantize(op, inputs):
+@rule(Quantize)
+def quantize(op: Quantize, inputs: Specs) -> Specs:
     x, scale, zero_point = _args(op, inputs, "x", "scale", "zero_point")
     _float(op, x)
     if not _quant_params(op, x, scale, zero_point, op.dtype, op.dtype in BLOCK_KV, len(inputs),
@@ -895,7 +958,8 @@ def quantize(op, inputs):
     return [_out(x.shape, op.dtype)]
 
 
-def dequantize(op, inputs):
+@rule(Dequantize)
+def dequantize(op: Dequantize, inputs: Specs) -> Specs:
     x, scale, zero_point = _args(op, inputs, "x", "scale", "zero_point")
     if not op.dtype.is_float:
         _fail(op, f"dtype={op.dtype.name} must be a float type (F32)")
@@ -905,7 +969,8 @@ def dequantize(op, inputs):
     return [_out(x.shape, op.dtype)]
 
 
-def sample(op, inputs):
+@rule(Sample)
+def sample(op: Sample, inputs: Specs) -> Specs:
     """logits [..., V], seed? -> [...] i64."""
     logits, seed = _args(op, inputs, "logits", "seed")
     _one_of(op, "method", {0: "greedy", 1: "temperature", 2: "top-k", 3: "top-p", 4: "min-p"})
@@ -923,7 +988,8 @@ def sample(op, inputs):
 
 
 # -- 160..179: linear algebra ------------------------------------------------------------------
-def lora_apply(op, inputs):
+@rule(LoraApply)
+def lora_apply(op: LoraApply, inputs: Specs) -> Specs:
     """x [..., K], W [N, K], A [r, K], B [N, r] -> [..., N]."""
     x, w, a, b = _args(op, inputs, "x", "W", "A", "B")
     _float(op, x, a, b)
@@ -937,7 +1003,8 @@ def lora_apply(op, inputs):
     return [_out(x.shape[:-1] + (_merge(n, b.shape[0]),), x.dtype)]
 
 
-def kron(op, inputs):
+@rule(Kron)
+def kron(op: Kron, inputs: Specs) -> Specs:
     """torch.kron: the lower-rank input gets leading 1s; out dim i = a_i * b_i."""
     a, b = _args(op, inputs, "a", "b")
     _float(op, a, b)
@@ -946,7 +1013,8 @@ def kron(op, inputs):
     return [_out([_prod(p) for p in zip(sa, sb)], a.dtype)]
 
 
-def matrix_inverse(op, inputs):
+@rule(MatrixInverse)
+def matrix_inverse(op: MatrixInverse, inputs: Specs) -> Specs:
     (x,) = _args(op, inputs, "x")
     _float(op, x)
     _rank(op, x, 2)
@@ -957,7 +1025,8 @@ def matrix_inverse(op, inputs):
 
 
 # -- 180..198: fused ops -----------------------------------------------------------------------
-def fused_norm_matmul(op, inputs):
+@rule(FusedNormMatmul)
+def fused_norm_matmul(op: FusedNormMatmul, inputs: Specs) -> Specs:
     """x [..., K], norm_weight [K], W [N, K] -> [..., N]."""
     x, norm_w, w = _args(op, inputs, "x", "norm_weight", "W")
     _float(op, x, norm_w)
@@ -967,7 +1036,8 @@ def fused_norm_matmul(op, inputs):
     return [_out(x.shape[:-1] + (_linear_weight(op, x, w),), x.dtype)]
 
 
-def fused_skip_norm(op, inputs):
+@rule(FusedSkipNorm)
+def fused_skip_norm(op: FusedSkipNorm, inputs: Specs) -> Specs:
     """x, residual (same shape), weight [D] -> (x + residual, RmsNorm(x + residual))."""
     x, residual, weight = _args(op, inputs, "x", "residual", "weight")
     _float(op, x, residual, weight)
@@ -977,7 +1047,8 @@ def fused_skip_norm(op, inputs):
     return [_out(shape, x.dtype), _out(shape, x.dtype)]
 
 
-def fused_swiglu(op, inputs):
+@rule(FusedSwiGlu)
+def fused_swiglu(op: FusedSwiGlu, inputs: Specs) -> Specs:
     """x [..., K], W_gate [F, K], W_up [F, K] -> [..., F]."""
     x, gate, up = _args(op, inputs, "x", "W_gate", "W_up")
     _float(op, x)
@@ -990,8 +1061,14 @@ def fused_swiglu(op, inputs):
 
 
 # -- 199 ---------------------------------------------------------------------------------------
-def argmax(op, inputs):
+@rule(Argmax)
+def argmax(op: Argmax, inputs: Specs) -> Specs:
     (x,) = _args(op, inputs, "x")
     _float(op, x)
     _rank(op, x, 1)
     return [_out(x.shape[:-1], DType.I64)]
+
+
+_unruled = [name for name, spec in OPS_BY_NAME.items() if spec.shape is None]
+if _unruled:
+    raise AssertionError(f"ops without a shape rule: {_unruled}")

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 
 from ..dtypes import DType
 from .graph import AttrValue, Graph, Node, TensorSpec
-from .ops import Field
+from .payload import Field
 from .toml_form import shortest_f32
 
 _NAME_CHARS = frozenset("_.-/:")

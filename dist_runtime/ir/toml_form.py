@@ -54,7 +54,7 @@ from ..errors import GraphValidationError, ModelFormatError
 from ..safe_toml import MAX_TOML_BYTES, parse_toml  # noqa: F401  (the limit is part of this API)
 from .codec import MAX_RANK
 from .graph import POS, AttrValue, Graph, Node, TensorSpec
-from .ops import OPS_BY_NAME, Wire
+from .payload import OPS_BY_NAME, Wire
 
 #: A TOML text larger than this (in UTF-8 bytes) is rejected before it is parsed.
 

@@ -3,8 +3,9 @@
 ``validate_graph`` checks the seed's invariants in one pass over the nodes (they are already in
 topological order, so "produced by an earlier node" is the whole acyclicity check), then infers
 every tensor's shape from the op table's shape rules, then checks the memory estimate against a
-declared maximum.  Problems are ``GraphValidationError``s that name the node and show its
-neighbourhood in text form; dead code is only a warning.
+declared maximum (:func:`check_memory`, the one wording of that error).  It returns the warnings
+(dead code is only a warning) and the inferred specs, so that callers need not infer again.
+Problems are ``GraphValidationError``s that name the node and show its neighbourhood in text form.
 """
 
 from __future__ import annotations
@@ -173,18 +174,38 @@ def estimate_memory(graph: Graph, specs: Mapping[str, TensorSpec]) -> MemoryEsti
         n, ok = _bytes(specs[name])
         inputs, exact = inputs + n, exact and ok
     weights = sum(spec.nbytes() for spec in graph.weights.values())
-    keep = set(graph.outputs)
-    last_use = graph.index.last_use
     live = peak = 0
-    for i, node in enumerate(graph.nodes):
+    for node, frees in zip(graph.nodes, graph.index.frees):
         for name in node.outputs:
             n, ok = _bytes(specs[name])
             live, exact = live + n, exact and ok
         peak = max(peak, live)  # inputs of the node are still live while it writes its outputs
-        for name in {*node.inputs, *node.outputs}:
-            if last_use.get(name, -1) <= i and name not in keep and name in graph.index.producer:
-                live -= _bytes(specs[name])[0]
+        live -= sum(_bytes(specs[name])[0] for name in frees)
     return MemoryEstimate(inputs, weights, peak, exact)
+
+
+def check_memory(est: MemoryEstimate, max_memory: int | None, limit: str = "the declared maximum of",
+                 inputs: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    """Raise ``GraphValidationError`` if ``est`` exceeds ``max_memory`` (None: no limit).
+
+    ``limit`` names the maximum in the message; ``inputs`` are the actual input shapes, if known.
+    """
+    if max_memory is None or est.total <= max_memory:
+        return
+    shapes = "" if inputs is None else f" for inputs { {n: list(s) for n, s in inputs.items()} }"
+    raise GraphValidationError(
+        f"estimated memory {est.total:,} bytes{shapes} (inputs {est.inputs:,} + weights "
+        f"{est.weights:,} + peak intermediates {est.peak_intermediates:,}"
+        f"{'' if est.exact else ', dynamic dims counted as 1'}) exceeds {limit} {max_memory:,} bytes"
+    )
+
+
+@dataclass(frozen=True)
+class Validation:
+    """What :func:`validate_graph` found: warnings (dead code) and every tensor's inferred spec."""
+
+    warnings: list[str]
+    specs: dict[str, TensorSpec]
 
 
 def validate_graph(
@@ -192,17 +213,11 @@ def validate_graph(
     *,
     input_specs: Mapping[str, TensorSpec] | None = None,
     max_memory: int | None = None,
-) -> list[str]:
-    """Check every invariant; return warnings.  Raises ``GraphValidationError``."""
+) -> Validation:
+    """Check every invariant; return the warnings and the inferred specs.  Raises
+    ``GraphValidationError``."""
     warnings = check_structure(graph)
     specs = infer_shapes(graph, input_specs)
     if max_memory is not None:
-        est = estimate_memory(graph, specs)
-        if est.total > max_memory:
-            raise GraphValidationError(
-                f"estimated memory {est.total:,} bytes (inputs {est.inputs:,} + weights "
-                f"{est.weights:,} + peak intermediates {est.peak_intermediates:,}"
-                f"{'' if est.exact else ', dynamic dims counted as 1'}) exceeds the declared "
-                f"maximum of {max_memory:,} bytes"
-            )
-    return warnings
+        check_memory(estimate_memory(graph, specs), max_memory)
+    return Validation(warnings, specs)

@@ -14,9 +14,7 @@ covers tokens and TLS.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Iterator
 
 NAMESPACE = "dist-runtime"
 
@@ -40,19 +38,6 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, namespac
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
                  log_to_driver=not quiet, configure_logging=not quiet)
     return True
-
-
-@contextlib.contextmanager
-def ray_session(address: str | None = None, *, num_cpus: int | None = None) -> Iterator[None]:
-    """``connect`` for the duration of a ``with`` block; shuts down only what it started."""
-    import ray
-
-    started = connect(address, num_cpus=num_cpus)
-    try:
-        yield
-    finally:
-        if started:
-            ray.shutdown()
 
 
 def describe() -> dict:

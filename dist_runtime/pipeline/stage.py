@@ -197,7 +197,7 @@ class StageWorker:
                 t1 = time.perf_counter()
                 outputs = self._run(tensors, meta, sid, pos)
                 t2 = time.perf_counter()
-            out_meta = {k: meta[k] for k in ("session", "pos", "step", "reset", "close", "logits", "tokens") if k in meta}
+            out_meta = {k: meta[k] for k in ("session", "pos", "step", "reset", "close", "logits") if k in meta}
             reply = encode_message(outputs, out_meta)
         except BaseException:
             self.errors += 1

@@ -5,7 +5,8 @@ has a lifetime ``[producer, last use]`` in that order (a graph input is produced
 output is used at n, after the last node).  A stage ``[a, b)`` then
 
 * **receives** every tensor that crosses the boundary before ``a`` (produced before ``a``, used
-  at or after ``a``) -- what the partitioner's ``Stage.tensors_in`` lists;
+  at or after ``a``) -- what the partitioner's ``Stage.tensors_in`` lists, by the same function
+  (``partitioner.costs.crossing``) over this module's lifetimes (Sample nodes dropped);
 * **sends** every tensor that crosses the boundary before ``b`` -- ``Stage.tensors_out``;
 * **forwards** what it both receives and sends: a tensor that skips the stage (or that it reads
   and a later stage reads too) travels on unchanged, outside its executor;
@@ -20,8 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from dist_runtime.partitioner.costs import crossing as tensors_crossing
+
 from ..errors import GraphValidationError
-from ..ir.graph import POS, Graph, Node, TensorSpec
+from ..ir.graph import Graph, Node, TensorSpec
 from ..ir.ops import Sample
 from ..ir.validate import infer_shapes
 
@@ -82,24 +87,20 @@ def cut_stages(graph: Graph, bounds: list[tuple[int, int]], order: list[int] | N
     pos_of_bound[len(order)] = len(kept)
     n = len(kept)
 
-    producer: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for i, node in enumerate(kept):
-        for name in node.inputs:
-            if name in graph.weights or name == POS:
-                continue
-            producer.setdefault(name, -1)  # not produced yet: a graph input
-            last[name] = i
-        for name in node.outputs:
-            producer.setdefault(name, i)
+    index = Graph(kept, [], outputs, graph.weights).index  # the kept nodes, in plan order
+    producer = {name: -1 for name in index.input_names}  # a graph input arrives before node 0
+    producer.update(index.producer)
+    last = dict(index.last_use)
     for name in outputs:
         if name not in producer:
             raise GraphValidationError(f"graph output {name!r} is produced by no node")
         last[name] = n
     names = sorted(producer, key=lambda t: (producer[t], t))  # deterministic message order
+    born = np.array([producer[t] for t in names], dtype=np.int64)
+    dies = np.array([last.get(t, producer[t]) for t in names], dtype=np.int64)
 
     def crossing(c: int) -> tuple[str, ...]:
-        return tuple(t for t in names if producer[t] < c <= last.get(t, producer[t]))
+        return tuple(tensors_crossing(names, born, dies, c))
 
     specs = infer_shapes(graph)
     stages = []
