@@ -23,7 +23,7 @@ import numpy as np
 from .errors import GraphValidationError
 from .ir.graph import Graph, Node, TensorSpec
 from .ir.ops import OpPayload
-from .ir.validate import BackendHint
+from .ir.hints import BackendHint
 from .tensor import Array
 
 #: ``fn(inputs, ctx) -> outputs``: a node bound to a backend, ready to run.

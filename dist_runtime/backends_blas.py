@@ -27,7 +27,7 @@ from .backends import BoundKernel, register_backend
 from .dtypes import DType
 from .ir.graph import Node, TensorSpec
 from .ir.ops import FusedNormMatmul, FusedSwiGlu, LoraApply, Matmul, OpPayload
-from .ir.validate import BackendHint
+from .ir.hints import BackendHint
 from .tensor import Array, QuantizedArray
 
 F32 = np.dtype(np.float32)

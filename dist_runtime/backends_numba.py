@@ -45,7 +45,7 @@ from .ir.graph import Node, TensorSpec
 from .backends_blas import NumpyBlasBackend, matmul_family_supports
 from .ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, LoraApply, Matmul, OpPayload, RmsNorm, Rope,
                      Sdpa, SdpaWindow)
-from .ir.validate import BackendHint
+from .ir.hints import BackendHint
 from .tensor import Array
 from dist_runtime.kernels.positions import position, rope_cos_sin
 

@@ -23,7 +23,7 @@ from .backends import BoundKernel, register_backend
 from .backends_blas import MatmulFamilyBackend, PackCache
 from .ir.graph import Node
 from .ir.ops import FusedNormMatmul, FusedSwiGlu, LoraApply, Matmul
-from .ir.validate import BackendHint
+from .ir.hints import BackendHint
 
 F32 = np.dtype(np.float32)
 

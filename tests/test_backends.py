@@ -26,7 +26,7 @@ from dist_runtime.executor import GraphExecutor
 from dist_runtime.fusion import backend_acceptor, fuse_graph
 from dist_runtime.ir import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, Graph, LoraApply, Matmul, Node,
                              RmsNorm, Sdpa, TensorSpec)
-from dist_runtime.ir.validate import BackendHint
+from dist_runtime.ir.hints import BackendHint
 from dist_runtime.kernels.quant import quantize
 from dist_runtime.kernels.registry import KernelContext, kernel_for
 

@@ -19,7 +19,7 @@ from dist_runtime.fusion import (PATTERNS, backend_acceptor, expand_fused_node, 
 from dist_runtime.ir import (Add, FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, Graph, Matmul, Mul, Node,
                              Relu, RmsNorm, Silu, SwiGlu, TensorSpec, decode_graph, encode_graph,
                              graph_from_toml, graph_to_toml, validate_graph)
-from dist_runtime.ir.validate import BackendHint
+from dist_runtime.ir.hints import BackendHint
 
 CONFIGS = [
     LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48),  # GQA
