@@ -446,8 +446,8 @@ def test_expansion_only_of_what_is_rejected_and_accepted_ones_stay():
 
 
 def test_backend_acceptor_follows_the_selection_chain():
-    from dist_runtime.backends import CpuBackend
-    from dist_runtime.backends_blas import NumpyBlasBackend
+    from dist_runtime.backends.blas import NumpyBlasBackend
+    from dist_runtime.backends.cpu import CpuBackend
 
     graph, _ = llama(CONFIGS[0])
     # only the numpy-blas backend: it takes FusedSwiGlu and FusedNormMatmul, not FusedSkipNorm
