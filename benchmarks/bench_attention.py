@@ -1,10 +1,10 @@
 """Attention: the numba backend's compiled loop next to the CPU library's BLAS products, by size.
 
 Prints, for causal grouped-query attention with the decode benchmark's heads (12 query heads, 4 kv
-heads, head_dim 64), the median time of ``dist_runtime.backends_numba``'s kernel and of
+heads, head_dim 64), the median time of ``dist_runtime.backends.numba``'s kernel and of
 ``dist_runtime.kernels.attention.sdpa`` for several (query rows, keys), and their ratio.  The compiled loop wins
 when the product is small (a decode step: one query row) and BLAS wins on large ones (a prefill):
-``backends_numba.SMALL_ATTENTION`` and ``DECODE_KEYS`` are set from this table.  Keys and values of 12 layers are cycled,
+``backends.numba.SMALL_ATTENTION`` and ``DECODE_KEYS`` are set from this table.  Keys and values of 12 layers are cycled,
 so they come from memory as in a real step rather than from cache.
 
 Run as (see the OPENBLAS trap in shared/notes/performance.md: unset both for this command only)::
@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from dist_runtime.backends_numba import DECODE_KEYS, SMALL_ATTENTION, _attention_rows, small_attention
+from dist_runtime.backends.numba import DECODE_KEYS, SMALL_ATTENTION, _attention_rows, small_attention
 from dist_runtime.kernels.attention import sdpa
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 12, 4, 64, 12

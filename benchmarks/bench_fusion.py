@@ -56,6 +56,7 @@ its OpenMP pool competes with OpenBLAS's in prefill.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import time
@@ -84,13 +85,9 @@ def variants(graph: Graph, weights: dict) -> dict[str, GraphExecutor]:
             (fuse_graph(graph, norm_matmul_max_consumers=3, patterns=("swiglu", "norm_matmul")), weights),
             fuse=False),
     }
-    import dist_runtime.backends_blas  # noqa: F401  (registers numpy-blas)
-
     out["numpy-blas unfused"] = GraphExecutor((graph, weights), backends=["numpy-blas"], fuse=False)
     out["numpy-blas fused"] = GraphExecutor((graph, weights), backends=["numpy-blas"])
-    try:
-        import dist_runtime.backends_torch  # noqa: F401  (registers torch)
-    except ImportError:
+    if importlib.util.find_spec("torch") is None:
         print("torch is not installed: no torch row")
     else:
         out["torch fused"] = GraphExecutor((graph, weights), backends=["torch"])
@@ -124,7 +121,6 @@ def qkv_table(rounds: int) -> None:
     nodes += [Node(i + 1, Matmul(), ["n", w], [o]) for i, (w, o) in enumerate((("Wq", "q"), ("Wk", "k"), ("Wv", "v")))]
     graph = with_specs(Graph(nodes, [TensorSpec((-1, 768), DType.F32)], ["q", "k", "v"]), weights)
     fused = fuse_graph(graph, norm_matmul_max_consumers=3)
-    import dist_runtime.backends_blas  # noqa: F401
 
     print(f"\nnorm -> q/k/v alone (1 RmsNorm + 3 Matmul vs 3 FusedNormMatmul), best of {rounds} x 50 runs, us")
     print(f"{'backend':12} {'rows':>5} {'unfused':>9} {'fused':>9} {'ratio':>6}")

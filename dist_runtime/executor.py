@@ -23,7 +23,8 @@ from dist_runtime.kernels.attention import KvState
 from dist_runtime.kernels.quant import to_float
 from dist_runtime.kernels.registry import KernelContext
 
-from .backends import Assignment, Backend, assign_backends, make_backends
+from .backends import Backend, make_backends
+from .backends.assign import Assignment, assign_backends
 from .errors import GraphValidationError
 from .ir.graph import POS, Graph, TensorSpec
 from .ir.ops import KvCache

@@ -58,6 +58,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Collection, Iterable, Mapping, Sequence
 
+from .backends import Backend
+from .backends.assign import candidate_backends
 from .errors import GraphValidationError
 from .ir.graph import POS, Graph, Node, TensorSpec
 from .ir.ops import Add, FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, Matmul, Mul, RmsNorm, Silu, SwiGlu
@@ -108,17 +110,12 @@ def fuse_graph(graph: Graph, accepts: Accepts | None = None, *,
     return g
 
 
-def backend_acceptor(backends: Sequence) -> Accepts:
+def backend_acceptor(backends: Sequence[Backend]) -> Accepts:
     """``accepts`` for :func:`fuse_graph` from an executor's backends (CPU library last): true when
-    one of the backends ``assign_backends`` would try for the node -- its hinted backend if that is
-    in use, the default (the first), the CPU library -- supports the op with these input specs."""
-    by_hint = {b.hint: b for b in backends}
-    default = backends[0]
-    cpu = next((b for b in backends if b.name == "cpu"), None)
-
+    one of the node's candidates -- the backends ``assign_backends`` would try, from
+    :func:`~dist_runtime.backends.assign.candidate_backends` -- supports it with these input specs."""
     def accepts(node: Node, input_specs: Sequence[TensorSpec]) -> bool:
-        chain = [by_hint.get(node.backend_hint) if node.backend_hint is not None else None, default, cpu]
-        return any(b is not None and b.supports(node.op, list(input_specs)) for b in chain)
+        return any(c.takes(node, list(input_specs)) for c in candidate_backends(node, backends))
 
     return accepts
 

@@ -1,4 +1,4 @@
-"""Backends and backend selection (dist_runtime/backends.py, backends_blas.py, backends_torch.py).
+"""Backends and backend selection (dist_runtime/backends/: the registry, assign.py, blas.py, torch.py).
 
 The selection passes -- a node's hint, the default backend, the CPU library, an error naming the
 node -- are exercised with the ``numpy-blas`` backend, which CI always has and which computes
@@ -7,7 +7,6 @@ real results; the torch backend's own tests skip when torch is not installed.
 
 from __future__ import annotations
 
-import inspect
 import sys
 import warnings
 from dataclasses import replace
@@ -16,9 +15,10 @@ import numpy as np
 import pytest
 
 import dist_runtime.backends as backends_module
-import dist_runtime.executor as executor_module
-from dist_runtime.backends import Backend, CpuBackend, available_backends, make_backends
-from dist_runtime.backends_blas import NumpyBlasBackend, PackCache
+import dist_runtime.fusion as fusion_module
+from dist_runtime.backends import Backend, available_backends, make_backends
+from dist_runtime.backends.blas import NumpyBlasBackend, PackCache
+from dist_runtime.backends.cpu import CpuBackend
 from dist_runtime.dtypes import DType
 from dist_runtime.errors import GraphValidationError
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
@@ -26,7 +26,7 @@ from dist_runtime.executor import GraphExecutor
 from dist_runtime.fusion import backend_acceptor, fuse_graph
 from dist_runtime.ir import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, Graph, LoraApply, Matmul, Node,
                              RmsNorm, Sdpa, TensorSpec)
-from dist_runtime.ir.validate import BackendHint
+from dist_runtime.ir.hints import BackendHint
 from dist_runtime.kernels.quant import quantize
 from dist_runtime.kernels.registry import KernelContext, kernel_for
 
@@ -257,12 +257,6 @@ def test_acceptor_mirrors_the_chain_a_fused_node_would_go_through():
     assert "FusedSkipNorm" not in ops and "FusedNormMatmul" not in ops and ops.count("FusedSwiGlu") == 2
 
 
-# Two small changes outside this area's files wire these in (issue 4 report); until they land,
-# the tests that need them skip.
-EXECUTOR_PASSES_ACCEPTS = "backend_acceptor" in inspect.getsource(executor_module)
-LAZY_BACKEND_NAMES = hasattr(backends_module, "_OPTIONAL")
-
-
 class CpuWithoutFused(CpuBackend):
     """The CPU library without the two norm-fused kernels."""
 
@@ -270,7 +264,6 @@ class CpuWithoutFused(CpuBackend):
         return not isinstance(op, (FusedSkipNorm, FusedNormMatmul)) and super().supports(op, input_specs)
 
 
-@pytest.mark.skipif(not EXECUTOR_PASSES_ACCEPTS, reason="GraphExecutor does not pass accepts to fuse_graph yet")
 def test_executor_does_not_form_fused_nodes_no_backend_takes():
     graph, weights = llama()
     ex = GraphExecutor((graph, weights), backends=[NumpyBlasBackend(), CpuWithoutFused()])
@@ -279,21 +272,44 @@ def test_executor_does_not_form_fused_nodes_no_backend_takes():
     assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), fuse=False)))
 
 
-@pytest.mark.skipif(not LAZY_BACKEND_NAMES, reason="make_backends does not import optional backends yet")
-def test_optional_backends_by_name_and_a_missing_package_is_named(monkeypatch):
+@pytest.mark.parametrize("name", ["torch", "numba"])
+def test_optional_backends_by_name_and_a_missing_package_is_named(monkeypatch, name):
     assert {"cpu", "numpy-blas", "torch"} <= set(available_backends())
-    monkeypatch.setitem(sys.modules, "torch", None)  # as on CI: torch is not installed
-    monkeypatch.delitem(sys.modules, "dist_runtime.backends_torch", raising=False)
-    monkeypatch.delitem(backends_module._REGISTRY, "torch", raising=False)
-    with pytest.raises(GraphValidationError, match="backend 'torch' is not available: .*torch"):
-        make_backends(["torch"])
+    monkeypatch.setitem(sys.modules, name, None)  # as on CI for torch: the package is not installed
+    monkeypatch.delitem(sys.modules, f"dist_runtime.backends.{name}", raising=False)
+    monkeypatch.setitem(backends_module._REGISTRY, name, f"dist_runtime.backends.{name}")  # not imported yet
+    with pytest.raises(GraphValidationError, match=f"backend '{name}' is not available: .*{name}"):
+        make_backends([name])
+
+
+def test_one_registry_every_name_is_made_or_names_what_is_missing():
+    assert available_backends() == sorted(backends_module._REGISTRY)
+    assert {"cpu", "numpy-blas", "numba", "torch"} <= set(available_backends())
+    for name in available_backends():
+        try:
+            made = make_backends([name])
+        except GraphValidationError as e:
+            assert str(e).startswith(f"backend {name!r} is not available: "), e
+        else:
+            assert isinstance(made[0], Backend) and made[0].name == name and made[-1].name == "cpu"
+
+
+def test_fusion_takes_its_chain_from_candidate_backends(monkeypatch):
+    """backend_acceptor asks the function assign_backends uses: with no candidates, nothing fuses."""
+    graph, _ = llama()
+    accepts = backend_acceptor(make_backends(["numpy-blas"]))
+    assert fuse_graph(graph, accepts) == fuse_graph(graph)
+    asked = []
+    monkeypatch.setattr(fusion_module, "candidate_backends", lambda node, backends: asked.append(node) or [])
+    fused = fuse_graph(graph, accepts)
+    assert asked and not any(isinstance(n.op, (FusedSkipNorm, FusedNormMatmul, FusedSwiGlu)) for n in fused.nodes)
 
 
 # -- the torch backend (skipped without torch) ----------------------------------------------------
 @pytest.fixture
 def torch_backend():
     pytest.importorskip("torch")
-    from dist_runtime.backends_torch import TorchBackend
+    from dist_runtime.backends.torch import TorchBackend
 
     return TorchBackend()
 

@@ -1,4 +1,4 @@
-"""The numba backend (dist_runtime/backends_numba.py): what it takes, and that every kernel agrees
+"""The numba backend (dist_runtime/backends/numba.py): what it takes, and that every kernel agrees
 with the CPU library (itself proven against ONNX, transformers and closed-form references) on the
 shapes a model gives it, its edge cases included, and falls back to the CPU library's kernel --
 same result, same error -- off its fast path.
@@ -6,17 +6,21 @@ same result, same error -- off its fast path.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from dist_runtime.backends import CpuBackend, default_backends, make_backends
-from dist_runtime.backends_numba import DECODE_KEYS, SMALL_ATTENTION, NumbaBackend, small_attention
+from dist_runtime.backends import default_backends, make_backends
+from dist_runtime.backends.cpu import CpuBackend
+from dist_runtime.backends.numba import DECODE_KEYS, SMALL_ATTENTION, NumbaBackend, small_attention
 from dist_runtime.dtypes import DType
 from dist_runtime.kernels._common import KernelError
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
 from dist_runtime.executor import GraphExecutor
 from dist_runtime.ir import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, Graph, Matmul, Node, RmsNorm, Rope,
                              Sdpa, SdpaWindow, TensorSpec)
+from dist_runtime.ir.hints import BackendHint
 from dist_runtime.kernels.registry import KernelContext
 
 RNG = np.random.default_rng(11)
@@ -151,7 +155,7 @@ def test_sdpa_window(tq, tk, window, causal):
 
 def test_large_attention_is_the_cpu_librarys(monkeypatch):
     """A prefill beyond SMALL_ATTENTION runs the CPU library's kernel: bit-identical results."""
-    import dist_runtime.backends_numba as numba_backend
+    import dist_runtime.backends.numba as numba_backend
 
     calls = []
     monkeypatch.setattr(numba_backend, "_attention_rows", lambda *a: calls.append(a))
@@ -221,3 +225,32 @@ def test_llama_decode_matches_the_cpu_library(cfg, fuse):
         got = ours.run({"tokens": np.asarray(tokens, np.int32)})["logits"]
         want = ref.run({"tokens": np.asarray(tokens, np.int32)})["logits"]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+# -- hint 4 (BackendHint.NUMBA) asks for this backend --------------------------------------------------
+def hinted_llama(hints: dict[str, BackendHint]) -> tuple[Graph, dict]:
+    cfg = LlamaConfig(vocab=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64)
+    g, weights = llama_graph(cfg), llama_weights(cfg)
+    specs = {n: TensorSpec(w.shape, DType.from_numpy(w.dtype)) for n, w in weights.items()}
+    nodes = [replace(n, backend_hint=hints.get(n.op_name)) for n in g.nodes]
+    return Graph(nodes, g.inputs, g.outputs, specs), weights
+
+
+def plan_of(model: tuple[Graph, dict], backends) -> dict[str, set[tuple[str, str]]]:
+    out: dict[str, set] = {}
+    for p in GraphExecutor(model, backends, fuse=False).plan():
+        out.setdefault(p["op"], set()).add((p["backend"], p["reason"]))
+    return out
+
+
+def test_a_node_hinted_numba_runs_on_numba():
+    assert NUMBA.hint == BackendHint.NUMBA
+    model = hinted_llama({"Rope": BackendHint.NUMBA, "RmsNorm": BackendHint.CPU})
+    plan = plan_of(model, None)  # numba is the default, yet the hint is what chose it
+    assert plan["Rope"] == {("numba", "hint numba")}
+    assert plan["RmsNorm"] == {("cpu", "hint cpu")}
+    plan = plan_of(model, ["numpy-blas", "numba"])  # numba in use but not the default
+    assert plan["Rope"] == {("numba", "hint numba")}
+    assert plan["Sdpa"] == {("cpu", "default numpy-blas does not support it; fallback to cpu")}
+    plan = plan_of(model, ["numpy-blas"])
+    assert plan["Rope"] == {("cpu", "hint numba not in use; default numpy-blas does not support it; fallback to cpu")}

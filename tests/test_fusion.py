@@ -19,7 +19,7 @@ from dist_runtime.fusion import (PATTERNS, backend_acceptor, expand_fused_node, 
 from dist_runtime.ir import (Add, FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, Graph, Matmul, Mul, Node,
                              Relu, RmsNorm, Silu, SwiGlu, TensorSpec, decode_graph, encode_graph,
                              graph_from_toml, graph_to_toml, validate_graph)
-from dist_runtime.ir.validate import BackendHint
+from dist_runtime.ir.hints import BackendHint
 
 CONFIGS = [
     LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48),  # GQA
@@ -446,8 +446,8 @@ def test_expansion_only_of_what_is_rejected_and_accepted_ones_stay():
 
 
 def test_backend_acceptor_follows_the_selection_chain():
-    from dist_runtime.backends import CpuBackend
-    from dist_runtime.backends_blas import NumpyBlasBackend
+    from dist_runtime.backends.blas import NumpyBlasBackend
+    from dist_runtime.backends.cpu import CpuBackend
 
     graph, _ = llama(CONFIGS[0])
     # only the numpy-blas backend: it takes FusedSwiGlu and FusedNormMatmul, not FusedSkipNorm

@@ -10,28 +10,17 @@ Problems are ``GraphValidationError``s that name the node and show its neighbour
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Mapping
 
 from ..dtypes import DType
 from ..errors import GraphValidationError
 from .graph import POS, Graph, TensorSpec
+from .hints import BackendHint
 from .shape_rules import ShapeError
 
 #: The spec of the ``pos`` tensor the executor injects before each run.
 POS_SPEC = TensorSpec((1,), DType.F32)
-
-
-class BackendHint(enum.IntEnum):
-    """Values of a node's ``u8 backend_hint``.  The numpy CPU library is always present; the others
-    name backends that may be registered (docs/architecture.md, "Backends")."""
-
-    CPU = 0
-    METAL = 1  # the seed's honeycrisp
-    WGPU = 2
-    TORCH = 3
-    NUMBA = 4
 
 
 def _describe(graph: Graph, index: int, specs: Mapping[str, TensorSpec] | None = None) -> str:

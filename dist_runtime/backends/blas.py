@@ -2,8 +2,8 @@
 
 It takes Matmul (2-D weight ``b``), FusedNormMatmul, FusedSwiGlu and LoraApply when the activation
 and every weight are F32 or F16; everything else (norms, attention, block-quantized or BF16
-weights, F64) it declines, and :func:`dist_runtime.backends.assign_backends` sends those nodes to
-the CPU library.  What it does differently from the CPU library is what a device backend does when
+weights, F64) it declines, and :func:`dist_runtime.backends.assign.assign_backends` sends those
+nodes to the CPU library.  What it does differently from the CPU library is what a device backend does when
 it uploads weights: an F16 weight is widened to F32 *once*, on the node's first run, and kept (the
 CPU library converts it in cache-sized bands on every call: less memory, more work per token).
 F32 weights are used as stored, as transposed views: no copy.  Results are computed in F32 and
@@ -19,21 +19,21 @@ kernel library itself.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .backends import BoundKernel, register_backend
-from .dtypes import DType
-from .ir.graph import Node, TensorSpec
-from .ir.ops import FusedNormMatmul, FusedSwiGlu, LoraApply, Matmul, OpPayload
-from .ir.validate import BackendHint
-from .tensor import Array, QuantizedArray
+from ..dtypes import DType
+from ..ir.graph import Node, TensorSpec
+from ..ir.hints import BackendHint
+from ..ir.ops import FusedNormMatmul, FusedSwiGlu, LoraApply, Matmul, OpPayload
+from ..tensor import Array, QuantizedArray
+from . import BoundKernel, OpEntry, TableBackend, register_backend
 
 F32 = np.dtype(np.float32)
 
 #: The element types this backend family computes with (activations and weights).
-PLAIN = (DType.F32, DType.F16)
+PLAIN = frozenset({DType.F32, DType.F16})
 
 #: Which inputs of each op are matrices used as ``x @ W^T`` (packed once, by slot).
 WEIGHT_SLOTS: dict[type, tuple[int, ...]] = {
@@ -42,7 +42,7 @@ WEIGHT_SLOTS: dict[type, tuple[int, ...]] = {
 
 
 def matmul_family_supports(op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
-    """The matmul-family ops on F32/F16 activations and F32/F16 2-D weights.
+    """The matmul-family ops with 2-D weights (their element types are the backend's to check).
 
     Matmul: ``b`` a 2-D matrix (a stored weight, or any 2-D operand), either ``transpose_b``;
     a batched ``b`` (attention-style products) is left to the CPU library.
@@ -50,11 +50,18 @@ def matmul_family_supports(op: OpPayload, input_specs: Sequence[TensorSpec]) -> 
     kind = type(op)
     if kind not in WEIGHT_SLOTS or not input_specs:
         return False
-    if any(s.dtype not in PLAIN for s in input_specs):
-        return False
     if any(len(input_specs[i].shape) != 2 for i in WEIGHT_SLOTS[kind] if i < len(input_specs)):
         return False
     return len(input_specs[0].shape) >= 1
+
+
+#: ``binder(op, packed) -> BoundKernel``: one matmul-family op, its weights packed by ``packed``.
+FamilyBinder = Callable[[OpPayload, "PackCache"], BoundKernel]
+
+
+def family_table(binders: Mapping[type, FamilyBinder]) -> dict[type, OpEntry]:
+    """A matmul-family backend's op table: every op it binds, taken as :func:`matmul_family_supports` says."""
+    return {kind: OpEntry(matmul_family_supports, bind) for kind, bind in binders.items()}
 
 
 class PackCache:
@@ -90,6 +97,11 @@ def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return y
 
 
+def _lin(packed: PackCache, x: np.ndarray, slot: int, w: np.ndarray) -> np.ndarray:
+    """``x @ W^T`` with the weight in ``slot`` packed once."""
+    return x @ packed(slot, w).T
+
+
 def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """``silu(g) * u`` in place in ``g`` (both fresh F32 products)."""
     with np.errstate(over="ignore"):
@@ -100,15 +112,16 @@ def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return g
 
 
-class MatmulFamilyBackend:
-    """What the matmul-family backends (numpy-blas, torch) share: the ops they take, ``execute``
-    as their bound kernel, and block-quantized weights left to the CPU library's kernel."""
+class MatmulFamilyBackend(TableBackend):
+    """What the matmul-family backends (numpy-blas, torch) share: binders that take the op and a
+    :class:`PackCache` of ``pack`` (one per node), and block-quantized weights left to the CPU
+    library's kernel."""
 
-    def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
-        return matmul_family_supports(op, input_specs)
+    dtypes = PLAIN
+    pack: Callable[[np.ndarray], object]  # a weight as the binders use it, made once per node and slot
 
-    def execute(self, node: Node, inputs: Sequence[Array], ctx: object) -> tuple:
-        return self.bind(node)(inputs, ctx)
+    def bind(self, node: Node) -> BoundKernel:
+        return self.entry(node).bind(node.op, PackCache(self.pack))
 
     def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray:
         """``x @ w^T``: F32/F16 weights in :meth:`float_matmul`, others in the CPU library."""
@@ -119,47 +132,52 @@ class MatmulFamilyBackend:
         return self.float_matmul(x, w)
 
 
+def _matmul(op: Matmul, packed: PackCache) -> BoundKernel:
+    def run(inputs, ctx):
+        a, b = inputs
+        w = packed(1, b)
+        y = _f32(a) @ (w.T if op.transpose_b else w)
+        return (y.astype(a.dtype, copy=False),)
+    return run
+
+
+def _norm_matmul(op: FusedNormMatmul, packed: PackCache) -> BoundKernel:
+    def run(inputs, ctx):
+        x, norm_w, w = inputs
+        return (_lin(packed, _rms(_f32(x), _f32(norm_w), op.eps), 2, w).astype(x.dtype, copy=False),)
+    return run
+
+
+def _swiglu(op: FusedSwiGlu, packed: PackCache) -> BoundKernel:
+    def run(inputs, ctx):
+        x, w_gate, w_up = inputs
+        xf = _f32(x)
+        return (_silu_mul(_lin(packed, xf, 1, w_gate), _lin(packed, xf, 2, w_up)).astype(x.dtype, copy=False),)
+    return run
+
+
+def _lora(op: LoraApply, packed: PackCache) -> BoundKernel:
+    def run(inputs, ctx):
+        x, w, a, b = inputs
+        xf = _f32(x)
+        y = _lin(packed, xf, 1, w)
+        low = _lin(packed, _lin(packed, xf, 2, a), 3, b)
+        low *= float(op.scale)
+        y += low
+        return (y.astype(x.dtype, copy=False),)
+    return run
+
+
 class NumpyBlasBackend(MatmulFamilyBackend):
     """The matmul family on numpy/BLAS in F32, F16 weights widened once (see the module docstring)."""
 
     name = "numpy-blas"
+    ops = family_table({Matmul: _matmul, FusedNormMatmul: _norm_matmul, FusedSwiGlu: _swiglu, LoraApply: _lora})
+
+    pack = staticmethod(_f32)
 
     def __init__(self, hint: BackendHint = BackendHint.CPU) -> None:
         self.hint = BackendHint(hint)
-
-    def bind(self, node: Node) -> BoundKernel:
-        op, packed = node.op, PackCache(_f32)
-
-        def lin(x: np.ndarray, slot: int, w: np.ndarray) -> np.ndarray:
-            return x @ packed(slot, w).T
-
-        if isinstance(op, Matmul):
-            def run(inputs, ctx):
-                a, b = inputs
-                w = packed(1, b)
-                y = _f32(a) @ (w.T if op.transpose_b else w)
-                return (y.astype(a.dtype, copy=False),)
-        elif isinstance(op, FusedNormMatmul):
-            def run(inputs, ctx):
-                x, norm_w, w = inputs
-                return (lin(_rms(_f32(x), _f32(norm_w), op.eps), 2, w).astype(x.dtype, copy=False),)
-        elif isinstance(op, FusedSwiGlu):
-            def run(inputs, ctx):
-                x, w_gate, w_up = inputs
-                xf = _f32(x)
-                return (_silu_mul(lin(xf, 1, w_gate), lin(xf, 2, w_up)).astype(x.dtype, copy=False),)
-        elif isinstance(op, LoraApply):
-            def run(inputs, ctx):
-                x, w, a, b = inputs
-                xf = _f32(x)
-                y = lin(xf, 1, w)
-                low = lin(lin(xf, 2, a), 3, b)
-                low *= float(op.scale)
-                y += low
-                return (y.astype(x.dtype, copy=False),)
-        else:
-            raise ValueError(f"{self.name} has no kernel for node {node.id} ({node.op_name})")
-        return run
 
     def float_matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return (_f32(x) @ _f32(w).T).astype(x.dtype, copy=False)

@@ -18,16 +18,18 @@ and the matmul family with F32 weights as numpy-blas runs it (stored weights str
 per-call conversion), FusedSwiGlu's ``silu(gate) * up`` and FusedNormMatmul's norm compiled.
 
 It takes F32 only; every other dtype and op it declines at plan time, and
-:func:`dist_runtime.backends.assign_backends` sends those nodes to the CPU library.  A node whose
-inputs at run time leave the fast path (a large attention, an empty tensor, a shape the CPU library
-would reject) is run by the CPU library's kernel, which gives the same result or the same error.
+:func:`dist_runtime.backends.assign.assign_backends` sends those nodes to the CPU library.  A node
+whose inputs at run time leave the fast path (a large attention, an empty tensor, a shape the CPU
+library would reject) is run by the CPU library's kernel, which gives the same result or the same
+error.  Each op it takes is one entry of :attr:`NumbaBackend.ops`.
 Results agree with the CPU library within float rounding (``tests/test_backends_numba.py``).
 
 No kernel uses numba's thread pool: its threads and OpenBLAS's, spinning on the same 2 cores, made
 the next matrix-vector product 60x slower (8 ms instead of 0.13).  numba compiles each kernel on
 first use and caches the machine code beside this file (8 s for all of them in a new checkout,
 0.6 s to load them in a later process).  With numba installed, ``GraphExecutor(model)`` uses this
-backend by default (:func:`dist_runtime.backends.default_backends`).
+backend by default (:func:`dist_runtime.backends.default_backends`), and a node hinted ``numba``
+(``BackendHint.NUMBA``) asks for it.
 """
 
 from __future__ import annotations
@@ -39,15 +41,17 @@ from typing import Sequence
 import numba
 import numpy as np
 
-from .backends import BoundKernel, CpuBackend, register_backend
-from .dtypes import DType
-from .ir.graph import Node, TensorSpec
-from .backends_blas import NumpyBlasBackend, matmul_family_supports
-from .ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, LoraApply, Matmul, OpPayload, RmsNorm, Rope,
-                     Sdpa, SdpaWindow)
-from .ir.validate import BackendHint
-from .tensor import Array
 from dist_runtime.kernels.positions import position, rope_cos_sin
+
+from ..dtypes import DType
+from ..ir.graph import Node, TensorSpec
+from ..ir.hints import BackendHint
+from ..ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, LoraApply, Matmul, OpPayload, RmsNorm, Rope,
+                      Sdpa, SdpaWindow)
+from ..tensor import Array
+from . import BoundKernel, OpEntry, TableBackend, register_backend
+from .blas import NumpyBlasBackend, matmul_family_supports
+from .cpu import CpuBackend
 
 F32 = np.dtype(np.float32)
 
@@ -209,101 +213,140 @@ def _is_f32(*arrays) -> bool:
     return all(type(a) is np.ndarray and a.dtype == F32 and a.size for a in arrays)
 
 
-class NumbaBackend:
+# -- the binders: ``binder(backend, node) -> BoundKernel``; off the fast path, the CPU library's kernel
+def _bind_rms_norm(backend: NumbaBackend, node: Node) -> BoundKernel:
+    op, reference = node.op, backend.reference(node)
+
+    def run(inputs, ctx):
+        x, weight = inputs
+        if not (_is_f32(x, weight) and weight.shape == x.shape[-1:]):
+            return reference(inputs, ctx)
+        return (_rms(x, weight, op.eps),)
+    return run
+
+
+def _bind_skip_norm(backend: NumbaBackend, node: Node) -> BoundKernel:
+    op, reference = node.op, backend.reference(node)
+
+    def run(inputs, ctx):
+        x, residual, weight = inputs
+        if not (_is_f32(x, residual, weight) and residual.shape == x.shape
+                and weight.shape == x.shape[-1:]):
+            return reference(inputs, ctx)
+        total, out = np.empty(x.shape, F32), np.empty(x.shape, F32)
+        width = x.shape[-1]
+        _skip_rms_rows(_rows(x), _rows(residual), weight, op.eps,
+                       total.reshape(-1, width), out.reshape(-1, width))
+        return total, out
+    return run
+
+
+def _bind_swiglu(backend: NumbaBackend, node: Node) -> BoundKernel:
+    reference = backend.reference(node)
+
+    def run(inputs, ctx):
+        x, w_gate, w_up = inputs
+        if not (_is_f32(x, w_gate, w_up) and w_gate.shape == w_up.shape
+                and w_gate.shape[1] == x.shape[-1]):
+            return reference(inputs, ctx)
+        gate, up = x @ w_gate.T, x @ w_up.T
+        _silu_mul(gate.reshape(-1), up.reshape(-1))
+        return (gate,)
+    return run
+
+
+def _bind_norm_matmul(backend: NumbaBackend, node: Node) -> BoundKernel:
+    op, reference = node.op, backend.reference(node)
+
+    def run(inputs, ctx):
+        x, norm_weight, w = inputs
+        if not (_is_f32(x, norm_weight, w) and norm_weight.shape == x.shape[-1:]
+                and w.shape[1] == x.shape[-1]):
+            return reference(inputs, ctx)
+        return (_rms(x, norm_weight, op.eps) @ w.T,)
+    return run
+
+
+def _bind_blas(backend: NumbaBackend, node: Node) -> BoundKernel:
+    """BLAS as it is; nothing to compile around it."""
+    return backend.blas.bind(node)
+
+
+def _bind_rope(backend: NumbaBackend, node: Node) -> BoundKernel:
+    op, reference = node.op, backend.reference(node)
+
+    def run(inputs, ctx):
+        x, pos = inputs
+        if not (_is_f32(x) and x.ndim == 2 and op.head_dim and x.shape[1] % op.head_dim == 0
+                and op.rope_dim <= op.head_dim):
+            return reference(inputs, ctx)
+        cos, sin = _cos_sin(position("Rope", pos), x.shape[0], op.rope_dim, float(op.base))
+        out = np.empty(x.shape, F32)
+        _rope_rows(_rows(x), cos, sin, op.head_dim, op.rope_dim, out)
+        return (out,)
+    return run
+
+
+def _bind_attention(backend: NumbaBackend, node: Node) -> BoundKernel:
+    op, reference = node.op, backend.reference(node)
+    window = op.window if isinstance(op, SdpaWindow) else 0
+    widths = (op.num_heads * op.head_dim, op.kv_heads * op.head_dim)
+
+    def run(inputs, ctx):
+        q, k, v = inputs
+        if not (_is_f32(q, k, v) and q.ndim == k.ndim == v.ndim == 2
+                and small_attention(q.shape[0], k.shape[0])
+                and k.shape[0] == v.shape[0]
+                and (q.shape[1], k.shape[1]) == widths and v.shape[1] == widths[1]
+                and not (op.causal and q.shape[0] > k.shape[0])):
+            return reference(inputs, ctx)
+        out = np.empty(q.shape, F32)
+        _attention_rows(_rows(q), _rows(k), _rows(v), op.num_heads, op.kv_heads,
+                        op.head_dim, bool(op.causal), window, out)
+        return (out,)
+    return run
+
+
+# -- what it takes at plan time (F32 inputs already checked) -----------------------------------------
+def _rows_of_last_dim(op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
+    return len(input_specs[0].shape) >= 1
+
+
+def _rope_rows_2d(op: Rope, input_specs: Sequence[TensorSpec]) -> bool:
+    return len(input_specs[0].shape) == 2 and op.rope_dim % 2 == 0
+
+
+def _attention_2d(op: Sdpa | SdpaWindow, input_specs: Sequence[TensorSpec]) -> bool:
+    """No mask input, 2-D queries, keys and values, and a windowed op with a window."""
+    return (len(input_specs) == 3 and all(len(s.shape) == 2 for s in input_specs) and op.kv_heads > 0
+            and (op.window > 0 if isinstance(op, SdpaWindow) else True))
+
+
+class NumbaBackend(TableBackend):
     """The small ops of a decode step, compiled (see the module docstring)."""
 
     name = "numba"
+    dtypes = frozenset({DType.F32})
+    ops = {
+        RmsNorm: OpEntry(_rows_of_last_dim, _bind_rms_norm),
+        FusedSkipNorm: OpEntry(_rows_of_last_dim, _bind_skip_norm),
+        Rope: OpEntry(_rope_rows_2d, _bind_rope),
+        Sdpa: OpEntry(_attention_2d, _bind_attention),
+        SdpaWindow: OpEntry(_attention_2d, _bind_attention),
+        FusedSwiGlu: OpEntry(matmul_family_supports, _bind_swiglu),
+        FusedNormMatmul: OpEntry(matmul_family_supports, _bind_norm_matmul),
+        Matmul: OpEntry(matmul_family_supports, _bind_blas),
+        LoraApply: OpEntry(matmul_family_supports, _bind_blas),
+    }
 
-    def __init__(self, hint: BackendHint = BackendHint.CPU) -> None:
+    def __init__(self, hint: BackendHint = BackendHint.NUMBA) -> None:
         self.hint = BackendHint(hint)
         self._cpu = CpuBackend()
-        self._blas = NumpyBlasBackend(hint)
+        self.blas = NumpyBlasBackend()
 
-    def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
-        if any(s.dtype != DType.F32 for s in input_specs):
-            return False
-        if matmul_family_supports(op, input_specs):
-            return True
-        ranks = [len(s.shape) for s in input_specs]
-        if isinstance(op, (RmsNorm, FusedSkipNorm)):
-            return ranks[0] >= 1
-        if isinstance(op, Rope):
-            return ranks[0] == 2 and op.rope_dim % 2 == 0
-        if isinstance(op, (Sdpa, SdpaWindow)):
-            windowed = isinstance(op, SdpaWindow)
-            return (len(input_specs) == 3 and ranks == [2, 2, 2] and op.kv_heads > 0
-                    and (op.window > 0 if windowed else True))
-        return False
-
-    def bind(self, node: Node) -> BoundKernel:
-        op, reference = node.op, self._cpu.bind(node)
-        if isinstance(op, RmsNorm):
-            def run(inputs, ctx):
-                x, weight = inputs
-                if not (_is_f32(x, weight) and weight.shape == x.shape[-1:]):
-                    return reference(inputs, ctx)
-                return (_rms(x, weight, op.eps),)
-        elif isinstance(op, FusedSkipNorm):
-            def run(inputs, ctx):
-                x, residual, weight = inputs
-                if not (_is_f32(x, residual, weight) and residual.shape == x.shape
-                        and weight.shape == x.shape[-1:]):
-                    return reference(inputs, ctx)
-                total, out = np.empty(x.shape, F32), np.empty(x.shape, F32)
-                width = x.shape[-1]
-                _skip_rms_rows(_rows(x), _rows(residual), weight, op.eps,
-                               total.reshape(-1, width), out.reshape(-1, width))
-                return total, out
-        elif isinstance(op, FusedSwiGlu):
-            def run(inputs, ctx):
-                x, w_gate, w_up = inputs
-                if not (_is_f32(x, w_gate, w_up) and w_gate.shape == w_up.shape
-                        and w_gate.shape[1] == x.shape[-1]):
-                    return reference(inputs, ctx)
-                gate, up = x @ w_gate.T, x @ w_up.T
-                _silu_mul(gate.reshape(-1), up.reshape(-1))
-                return (gate,)
-        elif isinstance(op, FusedNormMatmul):
-            def run(inputs, ctx):
-                x, norm_weight, w = inputs
-                if not (_is_f32(x, norm_weight, w) and norm_weight.shape == x.shape[-1:]
-                        and w.shape[1] == x.shape[-1]):
-                    return reference(inputs, ctx)
-                return (_rms(x, norm_weight, op.eps) @ w.T,)
-        elif isinstance(op, (Matmul, LoraApply)):  # BLAS as it is; nothing to compile around it
-            return self._blas.bind(node)
-        elif isinstance(op, Rope):
-            def run(inputs, ctx):
-                x, pos = inputs
-                if not (_is_f32(x) and x.ndim == 2 and op.head_dim and x.shape[1] % op.head_dim == 0
-                        and op.rope_dim <= op.head_dim):
-                    return reference(inputs, ctx)
-                cos, sin = _cos_sin(position("Rope", pos), x.shape[0], op.rope_dim, float(op.base))
-                out = np.empty(x.shape, F32)
-                _rope_rows(_rows(x), cos, sin, op.head_dim, op.rope_dim, out)
-                return (out,)
-        elif isinstance(op, (Sdpa, SdpaWindow)):
-            window = op.window if isinstance(op, SdpaWindow) else 0
-            widths = (op.num_heads * op.head_dim, op.kv_heads * op.head_dim)
-
-            def run(inputs, ctx):
-                q, k, v = inputs
-                if not (_is_f32(q, k, v) and q.ndim == k.ndim == v.ndim == 2
-                        and small_attention(q.shape[0], k.shape[0])
-                        and k.shape[0] == v.shape[0]
-                        and (q.shape[1], k.shape[1]) == widths and v.shape[1] == widths[1]
-                        and not (op.causal and q.shape[0] > k.shape[0])):
-                    return reference(inputs, ctx)
-                out = np.empty(q.shape, F32)
-                _attention_rows(_rows(q), _rows(k), _rows(v), op.num_heads, op.kv_heads,
-                                op.head_dim, bool(op.causal), window, out)
-                return (out,)
-        else:
-            raise ValueError(f"{self.name} has no kernel for node {node.id} ({node.op_name})")
-        return run
-
-    def execute(self, node: Node, inputs: Sequence[Array], ctx: object) -> tuple:
-        return self.bind(node)(inputs, ctx)
+    def reference(self, node: Node) -> BoundKernel:
+        """The CPU library's kernel for ``node``: what runs off the fast path."""
+        return self._cpu.bind(node)
 
     def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray:
         return self._cpu.quant_matmul(x, w)

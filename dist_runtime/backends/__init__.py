@@ -1,0 +1,133 @@
+"""Backends: who executes a node.
+
+A backend implements :class:`Backend`.  Every backend is named in one registry, :data:`_REGISTRY`:
+a name maps to a factory, or to the module that registers the factory on import (so an optional
+dependency -- numba, torch -- is imported only when its backend is asked for by name, and a
+missing one is named in the error).  :func:`register_backend` adds one; the executor never changes
+for it.  Which backend runs a node is :mod:`dist_runtime.backends.assign`'s business.
+
+The backends beside the CPU library (:mod:`.cpu`, always present) are :class:`TableBackend`s:
+one :class:`OpEntry` per op payload class they take, so ``supports`` and ``bind`` are lookups
+and adding an op to a backend is one table entry.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Callable, ClassVar, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from ..dtypes import DType
+from ..errors import GraphValidationError
+from ..ir.graph import Node, TensorSpec
+from ..ir.hints import BackendHint
+from ..ir.ops import OpPayload
+from ..tensor import Array
+
+#: ``fn(inputs, ctx) -> outputs``: a node bound to a backend, ready to run.
+BoundKernel = Callable[[Sequence[Array], object], tuple]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    hint: BackendHint  # the value a node's backend_hint uses to ask for this backend
+
+    def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool: ...
+
+    def bind(self, node: Node) -> BoundKernel: ...
+
+    def execute(self, node: Node, inputs: Sequence[Array], ctx: object) -> tuple: ...
+
+    def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray: ...
+
+
+class OpEntry(NamedTuple):
+    """What a :class:`TableBackend` knows of one op: whether it takes a node of it with these
+    input specs (its element types already checked), and how to bind one."""
+
+    supports: Callable[[OpPayload, Sequence[TensorSpec]], bool]
+    bind: Callable[..., BoundKernel]
+
+
+class TableBackend:
+    """``supports`` and ``bind`` as lookups in the class's :attr:`ops` table.
+
+    ``bind`` calls the entry's binder with ``(self, node)``; a subclass whose binders all take
+    the same extra state overrides :meth:`bind` and passes that instead (see ``blas.py``).
+    """
+
+    name: ClassVar[str]
+    ops: ClassVar[Mapping[type, OpEntry]]
+    dtypes: ClassVar[frozenset[DType]]  # the element types of every input it computes with
+
+    def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
+        entry = self.ops.get(type(op))
+        return (entry is not None and all(s.dtype in self.dtypes for s in input_specs)
+                and entry.supports(op, input_specs))
+
+    def entry(self, node: Node) -> OpEntry:
+        """The node's table entry, or a ValueError naming the node."""
+        entry = self.ops.get(type(node.op))
+        if entry is None:
+            raise ValueError(f"{self.name} has no kernel for node {node.id} ({node.op_name})")
+        return entry
+
+    def bind(self, node: Node) -> BoundKernel:
+        return self.entry(node).bind(self, node)
+
+    def execute(self, node: Node, inputs: Sequence[Array], ctx: object) -> tuple:
+        return self.bind(node)(inputs, ctx)
+
+
+#: Every backend by name: its factory, or the module whose import registers it (replacing the
+#: module name here with the factory).
+_REGISTRY: dict[str, Callable[[], Backend] | str] = {
+    "cpu": "dist_runtime.backends.cpu",
+    "numpy-blas": "dist_runtime.backends.blas",
+    "numba": "dist_runtime.backends.numba",
+    "torch": "dist_runtime.backends.torch",
+}
+
+
+def register_backend(name: str, factory: Callable[[], Backend]) -> None:
+    """Make a backend available by name (``GraphExecutor(model, backends=[name, ...])``)."""
+    _REGISTRY[name] = factory
+
+
+def available_backends() -> list[str]:
+    """Every registered name, whether or not its optional dependency is installed."""
+    return sorted(_REGISTRY)
+
+
+def default_backends() -> list[str]:
+    """What ``backends=None`` means: the compiled small ops (``numba``) when numba is installed,
+    then the CPU library."""
+    return ["numba"] if importlib.util.find_spec("numba") is not None else []
+
+
+def make_backend(name: str) -> Backend:
+    """A new backend by registered name; a GraphValidationError for an unknown name or a
+    missing optional dependency."""
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise GraphValidationError(f"unknown backend {name!r}; available: {available_backends()}")
+    if isinstance(factory, str):
+        try:
+            importlib.import_module(factory)
+        except ImportError as e:
+            raise GraphValidationError(f"backend {name!r} is not available: {e}") from None
+        factory = _REGISTRY[name]
+    return factory()
+
+
+def make_backends(spec: Sequence[str | Backend] | None) -> list[Backend]:
+    """Backend objects from names or instances (None: :func:`default_backends`); the CPU library
+    is always appended last."""
+    out = [make_backend(item) if isinstance(item, str) else item
+           for item in (default_backends() if spec is None else spec)]
+    if not any(b.name == "cpu" for b in out):
+        out.append(make_backend("cpu"))
+    return out
