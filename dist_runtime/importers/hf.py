@@ -39,8 +39,9 @@ import numpy as np
 
 from ..dtypes import DType
 from ..errors import DistRuntimeError
-from ..ir.graph import POS, Graph, Node, TensorSpec
-from ..ir.ops import (Add, Gelu, KvCache, LayerNorm, Matmul, RmsNorm, Rope, Sample, Sdpa, SdpaWindow,
+from ..ir.builder import GraphBuilder
+from ..ir.graph import POS, Graph, TensorSpec
+from ..ir.ops import (Add, Gelu, KvCache, LayerNorm, RmsNorm, Rope, Sample, Sdpa, SdpaWindow,
                       SwiGlu, TokenEmbed)
 from ..tensor import Array, QuantizedArray
 from .common import DTYPES, ConvertReport, Imported, Progress, storage_targets, tokenizer_path_for, write_imported  # noqa: F401
@@ -112,80 +113,56 @@ class DecoderConfig:
         return self.windows[layer] if self.windows else 0
 
 
-class _Builder:
-    """Appends nodes with consecutive ids and records the weights they read, in order of first use."""
-
-    def __init__(self) -> None:
-        self.nodes: list[Node] = []
-        self.weights: dict[str, tuple[int, ...]] = {}
-
-    def __call__(self, op, inputs: list[str], outputs: list[str] | str) -> str:
-        outs = [outputs] if isinstance(outputs, str) else outputs
-        self.nodes.append(Node(len(self.nodes), op, list(inputs), outs))
-        return outs[0]
-
-    def w(self, name: str, *shape: int) -> str:
-        self.weights.setdefault(name, shape)
-        return name
-
-    def linear(self, x: str, prefix: str, rows: int, cols: int, bias: bool, out: str,
-               weight: str | None = None) -> str:
-        """``x @ W^T (+ b)`` with W = ``prefix.weight`` [rows, cols] (or ``weight``, a tied
-        matrix) and b = ``prefix.bias``."""
-        w = weight or self.w(prefix + ".weight", rows, cols)
-        y = self(Matmul(), [x, w], out + "_mm" if bias else out)
-        return self(Add(), [y, self.w(prefix + ".bias", rows)], out) if bias else y
-
-    def norm(self, cfg: DecoderConfig, x: str, prefix: str, out: str) -> str:
-        weight = self.w(prefix + ".weight", cfg.hidden)
-        if cfg.norm == "rms":
-            return self(RmsNorm(eps=cfg.eps), [x, weight], out)
-        return self(LayerNorm(eps=cfg.eps), [x, weight, self.w(prefix + ".bias", cfg.hidden)], out)
+def _norm(b: GraphBuilder, cfg: DecoderConfig, x: str, prefix: str, out: str) -> str:
+    weight = b.weight(prefix + ".weight", cfg.hidden)
+    if cfg.norm == "rms":
+        return b.emit(RmsNorm(eps=cfg.eps), [x, weight], out)
+    return b.emit(LayerNorm(eps=cfg.eps), [x, weight, b.weight(prefix + ".bias", cfg.hidden)], out)
 
 
-def _build(cfg: DecoderConfig) -> _Builder:
-    b = _Builder()
+def _build(cfg: DecoderConfig) -> GraphBuilder:
+    b = GraphBuilder()
     phi = cfg.architecture == "phi"
     attn_o, final_norm = ("dense", "model.final_layernorm") if phi else ("o_proj", "model.norm")
     q_dim, kv_dim = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     rope = Rope(head_dim=cfg.head_dim, rope_dim=cfg.rotary_dims, base=cfg.rope_base)
-    h = b(TokenEmbed(), ["tokens", b.w(EMBED, cfg.vocab, cfg.hidden)], "h_embed")
+    h = b.emit(TokenEmbed(), ["tokens", b.weight(EMBED, cfg.vocab, cfg.hidden)], "h_embed")
     for i in range(cfg.layers):
         w, p = f"model.layers.{i}.", f"l{i}_"
-        x = b.norm(cfg, h, w + "input_layernorm", p + "attn_in")
+        x = _norm(b, cfg, h, w + "input_layernorm", p + "attn_in")
         q = b.linear(x, w + "self_attn.q_proj", q_dim, cfg.hidden, cfg.qkv_bias, p + "q")
         k = b.linear(x, w + "self_attn.k_proj", kv_dim, cfg.hidden, cfg.qkv_bias, p + "k")
         v = b.linear(x, w + "self_attn.v_proj", kv_dim, cfg.hidden, cfg.qkv_bias, p + "v")
-        q = b(rope, [q, POS], p + "q_rot")
-        k = b(rope, [k, POS], p + "k_rot")
-        k_all = b(KvCache(), [k, v], [p + "k_all", p + "v_all"])
+        q = b.emit(rope, [q, POS], p + "q_rot")
+        k = b.emit(rope, [k, POS], p + "k_rot")
+        k_all, v_all = b.emit(KvCache(), [k, v], [p + "k_all", p + "v_all"])
         heads = dict(num_heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim)
         window = cfg.window(i)
         attention = SdpaWindow(**heads, window=window, causal=True) if window else Sdpa(**heads, causal=True)
-        a = b(attention, [q, k_all, p + "v_all"], p + "attn")
+        a = b.emit(attention, [q, k_all, v_all], p + "attn")
         o = b.linear(a, w + "self_attn." + attn_o, cfg.hidden, q_dim, cfg.o_bias, p + "attn_out")
         if cfg.parallel:
             m = _mlp(b, cfg, x, w, p)
-            h = b(Add(), [b(Add(), [o, m], p + "attn_mlp"), h], p + "resid")
+            h = b.emit(Add(), [b.emit(Add(), [o, m], p + "attn_mlp"), h], p + "resid")
         else:
-            h = b(Add(), [h, o], p + "resid_attn")
-            x = b.norm(cfg, h, w + "post_attention_layernorm", p + "mlp_in")
-            h = b(Add(), [h, _mlp(b, cfg, x, w, p)], p + "resid_mlp")
-    x = b.norm(cfg, h, final_norm, "final_norm")
+            h = b.emit(Add(), [h, o], p + "resid_attn")
+            x = _norm(b, cfg, h, w + "post_attention_layernorm", p + "mlp_in")
+            h = b.emit(Add(), [h, _mlp(b, cfg, x, w, p)], p + "resid_mlp")
+    x = _norm(b, cfg, h, final_norm, "final_norm")
     b.linear(x, "lm_head", cfg.vocab, cfg.hidden, cfg.lm_head_bias, "logits", EMBED if cfg.tied else None)
     if cfg.sample:
-        b(Sample(), ["logits"], "next_token")
+        b.emit(Sample(), ["logits"], "next_token")
     return b
 
 
-def _mlp(b: _Builder, cfg: DecoderConfig, x: str, w: str, p: str) -> str:
+def _mlp(b: GraphBuilder, cfg: DecoderConfig, x: str, w: str, p: str) -> str:
     if cfg.mlp == "swiglu":
         gate = b.linear(x, w + "mlp.gate_proj", cfg.ffn, cfg.hidden, cfg.mlp_bias, p + "gate")
         up = b.linear(x, w + "mlp.up_proj", cfg.ffn, cfg.hidden, cfg.mlp_bias, p + "up")
-        act = b(SwiGlu(), [gate, up], p + "act")
+        act = b.emit(SwiGlu(), [gate, up], p + "act")
         return b.linear(act, w + "mlp.down_proj", cfg.hidden, cfg.ffn, cfg.mlp_bias, p + "down")
     fc1 = b.linear(x, w + "mlp.fc1", cfg.ffn, cfg.hidden, cfg.mlp_bias, p + "fc1")
-    act = b(Gelu(approximate=cfg.mlp == "gelu_tanh"), [fc1], p + "act")
+    act = b.emit(Gelu(approximate=cfg.mlp == "gelu_tanh"), [fc1], p + "act")
     return b.linear(act, w + "mlp.fc2", cfg.hidden, cfg.ffn, cfg.mlp_bias, p + "down")
 
 

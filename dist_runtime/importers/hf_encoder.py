@@ -40,10 +40,11 @@ from pathlib import Path
 import numpy as np
 
 from ..dtypes import DType
+from ..ir.builder import GraphBuilder
 from ..ir.graph import Graph, TensorSpec
 from ..ir.ops import Add, Div, Gelu, LayerNorm, Matmul, PosEmbed, Reshape, RmsNorm, Sdpa, TokenEmbed
 from .common import Imported
-from .hf import HFImportError, _Builder, read_config, read_weights
+from .hf import HFImportError, read_config, read_weights
 
 #: graph inputs, in graph order.
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -136,48 +137,48 @@ def sentence_transformers_head(hf_dir: str | Path) -> tuple[str, bool]:
 
 
 # -- the graph -------------------------------------------------------------------------------------
-def _layer_norm(b: _Builder, cfg: EncoderConfig, x: str, prefix: str, out: str) -> str:
-    return b(LayerNorm(eps=cfg.eps), [x, b.w(prefix + ".weight", cfg.hidden), b.w(prefix + ".bias", cfg.hidden)], out)
+def _layer_norm(b: GraphBuilder, cfg: EncoderConfig, x: str, prefix: str, out: str) -> str:
+    return b.emit(LayerNorm(eps=cfg.eps), [x, b.weight(prefix + ".weight", cfg.hidden), b.weight(prefix + ".bias", cfg.hidden)], out)
 
 
-def _build(cfg: EncoderConfig) -> _Builder:
-    b, hd = _Builder(), cfg.hidden
+def _build(cfg: EncoderConfig) -> GraphBuilder:
+    b, hd = GraphBuilder(), cfg.hidden
     e = "embeddings."
-    word = b(TokenEmbed(), ["input_ids", b.w(e + "word_embeddings.weight", cfg.vocab, hd)], "word")
+    word = b.emit(TokenEmbed(), ["input_ids", b.weight(e + "word_embeddings.weight", cfg.vocab, hd)], "word")
     # [B, T, 1] -> [B, 1, 1, T]: broadcast over heads and query rows
-    additive = b(TokenEmbed(), ["attention_mask", b.w(MASK_ADDITIVE, 2, 1)], "mask_rows")
-    mask = b(Reshape(shape=(0, 1, 1, -1)), [additive], "mask")
-    types = b(TokenEmbed(), ["token_type_ids", b.w(e + "token_type_embeddings.weight", cfg.type_vocab, hd)], "types")
-    positions = b(PosEmbed(), [word, b.w(e + "position_embeddings.weight", cfg.positions, hd)], "positions")
-    h = b(Add(), [b(Add(), [word, types], "word_types"), positions], "embedded")
+    additive = b.emit(TokenEmbed(), ["attention_mask", b.weight(MASK_ADDITIVE, 2, 1)], "mask_rows")
+    mask = b.emit(Reshape(shape=(0, 1, 1, -1)), [additive], "mask")
+    types = b.emit(TokenEmbed(), ["token_type_ids", b.weight(e + "token_type_embeddings.weight", cfg.type_vocab, hd)], "types")
+    positions = b.emit(PosEmbed(), [word, b.weight(e + "position_embeddings.weight", cfg.positions, hd)], "positions")
+    h = b.emit(Add(), [b.emit(Add(), [word, types], "word_types"), positions], "embedded")
     h = _layer_norm(b, cfg, h, e + "LayerNorm", "h_embed")
     attention = Sdpa(num_heads=cfg.heads, kv_heads=cfg.heads, head_dim=cfg.head_dim, causal=False)
     for i in range(cfg.layers):
         w, p = f"encoder.layer.{i}.", f"l{i}_"
         last = i == cfg.layers - 1
         q, k, v = (b.linear(h, w + "attention.self." + n, hd, hd, True, p + n[0]) for n in ("query", "key", "value"))
-        a = b(attention, [q, k, v, mask], p + "attn")
+        a = b.emit(attention, [q, k, v, mask], p + "attn")
         a = b.linear(a, w + "attention.output.dense", hd, hd, True, p + "attn_out")
-        h = _layer_norm(b, cfg, b(Add(), [h, a], p + "resid_attn"), w + "attention.output.LayerNorm", p + "h_attn")
+        h = _layer_norm(b, cfg, b.emit(Add(), [h, a], p + "resid_attn"), w + "attention.output.LayerNorm", p + "h_attn")
         m = b.linear(h, w + "intermediate.dense", cfg.ffn, hd, True, p + "up")
-        m = b.linear(b(Gelu(approximate=False), [m], p + "act"), w + "output.dense", hd, cfg.ffn, True, p + "down")
-        h = _layer_norm(b, cfg, b(Add(), [h, m], p + "resid_mlp"), w + "output.LayerNorm",
+        m = b.linear(b.emit(Gelu(approximate=False), [m], p + "act"), w + "output.dense", hd, cfg.ffn, True, p + "down")
+        h = _layer_norm(b, cfg, b.emit(Add(), [h, m], p + "resid_mlp"), w + "output.LayerNorm",
                         "last_hidden_state" if last else p + "h")
     if cfg.pooling:
         _mean_pool(b, cfg, h)
     return b
 
 
-def _mean_pool(b: _Builder, cfg: EncoderConfig, h: str) -> None:
-    keep = b(TokenEmbed(), ["attention_mask", b.w(MASK_KEEP, 2, 1)], "keep_rows")
-    keep = b(Reshape(shape=(0, 1, -1)), [keep], "keep")  # [B, 1, T]
-    total = b(Matmul(transpose_b=False), [keep, h], "pool_sum")  # [B, 1, H]
-    count = b(Matmul(transpose_b=True), [keep, keep], "pool_count")  # [B, 1, 1]
-    pooled = b(Div(), [total, count], "pool_mean")
+def _mean_pool(b: GraphBuilder, cfg: EncoderConfig, h: str) -> None:
+    keep = b.emit(TokenEmbed(), ["attention_mask", b.weight(MASK_KEEP, 2, 1)], "keep_rows")
+    keep = b.emit(Reshape(shape=(0, 1, -1)), [keep], "keep")  # [B, 1, T]
+    total = b.emit(Matmul(transpose_b=False), [keep, h], "pool_sum")  # [B, 1, H]
+    count = b.emit(Matmul(transpose_b=True), [keep, keep], "pool_count")  # [B, 1, 1]
+    pooled = b.emit(Div(), [total, count], "pool_mean")
     out = "sentence_embedding"
-    pooled = b(Reshape(shape=(0, -1)), [pooled], "pooled" if cfg.normalize else out)
+    pooled = b.emit(Reshape(shape=(0, -1)), [pooled], "pooled" if cfg.normalize else out)
     if cfg.normalize:
-        b(RmsNorm(eps=_NORMALIZE_FLOOR / cfg.hidden), [pooled, b.w(NORMALIZE_SCALE, cfg.hidden)], out)
+        b.emit(RmsNorm(eps=_NORMALIZE_FLOOR / cfg.hidden), [pooled, b.weight(NORMALIZE_SCALE, cfg.hidden)], out)
 
 
 def outputs(cfg: EncoderConfig) -> list[str]:
