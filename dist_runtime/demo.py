@@ -37,7 +37,7 @@ def _step(what: str):
 def part_embeddings(out: Path, stages: int) -> bool:
     from .embed import embed_texts, similarity_table
     from .importers import convert
-    from .importers.hf_encoder import minilm_dir
+    from .importers.hf.encoder import minilm_dir
 
     src = minilm_dir()
     if src is None:

@@ -15,7 +15,7 @@ def embed_texts(model_path: str | Path, texts: Sequence[str], *, stages: int | N
     """``f32[len(texts), H]``: the model's ``sentence_embedding`` of each text.  With ``stages``,
     one Ray actor per stage and batches of ``per_batch`` texts in flight together; ``reports``,
     if given, receives each stage's report (process, weights held)."""
-    from .importers.hf_encoder import embed, sentence_tokenizer, token_batches
+    from .importers.hf.encoder import embed, sentence_tokenizer, token_batches
     from .model import load_model
 
     if not stages:

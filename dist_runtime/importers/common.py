@@ -1,4 +1,5 @@
-"""What every importer shares: the converted result, the progress bar, writing and reporting.
+"""What every importer shares: the converted result, the progress bar, the weight specs of a
+graph, writing and reporting.
 
 An importer (``hf``, ``gguf_file``, ``onnx_model``, ...) reads its source format into an
 :class:`Imported` (graph with weight specs, weights, metadata); :func:`write_imported` writes it as
@@ -13,11 +14,12 @@ import shutil
 import sys
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..dtypes import DType
-from ..ir.graph import Graph, Node
+from ..ir.graph import Graph, Node, TensorSpec
 from ..ir.ops import TokenEmbed
 from ..tensor import Array, QuantizedArray
 
@@ -150,3 +152,10 @@ def write_imported(imported: Imported, out: str | Path, source_format: str, star
     return ConvertReport(out, source_format, imported.architecture, len(imported.weights), size,
                          dict(Counter(stored.values())), dict(Counter(n.op.spec.name for n in imported.graph.nodes)),
                          stored, imported.ignored, tokenizer, time.perf_counter() - start)
+
+
+def with_weight_specs(graph: Graph, weights: Mapping[str, Array]) -> Graph:
+    """``graph`` with ``graph.weights`` describing ``weights`` (what a loaded .model's graph has)."""
+    specs = {n: TensorSpec(w.shape, w.dtype if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype))
+             for n, w in weights.items()}
+    return Graph(list(graph.nodes), list(graph.inputs), list(graph.outputs), specs)

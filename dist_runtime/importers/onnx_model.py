@@ -32,7 +32,7 @@ from ..dtypes import DType
 from ..errors import DistRuntimeError
 from ..ir import ops
 from ..ir.graph import POS, Graph, Node, TensorSpec
-from .common import DTYPES, ConvertReport, Imported, Progress, storage_targets, write_imported
+from .common import DTYPES, ConvertReport, Imported, Progress, storage_targets, with_weight_specs, write_imported
 from .onnx_ops import CONVERTERS, OnnxValue, UnsupportedOnnxError, convert_node
 
 __all__ = ["MAX_FILE_BYTES", "OnnxImport", "OnnxImportError", "UnsupportedOperatorsError", "convert_onnx",
@@ -388,8 +388,6 @@ def load(source, dtype: str | None = None, *, progress: bool = False,
     the initializers' types.  Raises :class:`OnnxImportError` (a subclass for unsupported
     operators) or ``UnsupportedOnnxError`` (a converter refusing a node), naming where.
     """
-    from .hf import with_weight_specs
-
     if dtype is not None and dtype not in DTYPES:
         raise OnnxImportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     raw, label = _read(source, max_bytes)

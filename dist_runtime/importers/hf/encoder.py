@@ -39,12 +39,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..dtypes import DType
-from ..ir.builder import GraphBuilder
-from ..ir.graph import Graph, TensorSpec
-from ..ir.ops import Add, Div, Gelu, LayerNorm, Matmul, PosEmbed, Reshape, RmsNorm, Sdpa, TokenEmbed
-from .common import Imported
-from .hf import HFImportError, read_config, read_weights
+from ...dtypes import DType
+from ...ir.builder import GraphBuilder
+from ...ir.graph import Graph, TensorSpec
+from ...ir.ops import Add, Div, Gelu, LayerNorm, Matmul, PosEmbed, Reshape, RmsNorm, Sdpa, TokenEmbed
+from ..common import Imported
+from .common import HFImportError, read_config, read_weights
 
 #: graph inputs, in graph order.
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -186,7 +186,7 @@ def outputs(cfg: EncoderConfig) -> list[str]:
 
 
 def encoder_graph(cfg: EncoderConfig) -> Graph:
-    """The encoder graph; weights are named only (see ``hf.with_weight_specs``)."""
+    """The encoder graph; weights are named only (see ``common.with_weight_specs``)."""
     return Graph(_build(cfg).nodes, [TensorSpec((-1, -1), DType.I32)] * len(INPUTS), outputs(cfg), {})
 
 
@@ -203,7 +203,6 @@ def constants(cfg: EncoderConfig) -> dict[str, np.ndarray]:
     return out
 
 
-# -- reading weights (shared with hf_gpt2) ---------------------------------------------------------
 # -- conversion ------------------------------------------------------------------------------------
 def _tokenizer(hf_dir: Path) -> bytes | None:
     """``tokenizer.json`` without its padding: a fixed-length padding (all-MiniLM-L6-v2's pads
@@ -221,7 +220,7 @@ def _tokenizer(hf_dir: Path) -> bytes | None:
 
 
 def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
-    """Read a BERT-family model directory and convert it (the ``hf_any`` entry point)."""
+    """Read a BERT-family model directory and convert it (the entry point of the ``hf`` package's dispatch)."""
     hf_dir = Path(hf_dir)
     config = read_config(hf_dir)
     cfg = encoder_config(config, *sentence_transformers_head(hf_dir))
@@ -278,7 +277,7 @@ def _require_sentence_embedding(graph: Graph | None, where: Path) -> None:
 def sentence_tokenizer(path: Path, model, override: str | Path | None = None) -> Path:
     """The tokenizer.json of a converted sentence-transformers model (``override``, else the one
     beside it); the error names what the model lacks, its sentence_embedding output first."""
-    from .tokenizer import find_tokenizer
+    from ..tokenizer import find_tokenizer
 
     _require_sentence_embedding(model.graph, path)
     tok = find_tokenizer(path, model.metadata, override)
@@ -289,7 +288,7 @@ def sentence_tokenizer(path: Path, model, override: str | Path | None = None) ->
 
 def token_batches(tokenizer: Path, texts: Sequence[str], size: int) -> list[dict[str, np.ndarray]]:
     """``texts`` tokenized and padded into graph inputs, ``size`` texts a batch."""
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer)
     ids = [tok.encode(t) for t in texts]
@@ -314,14 +313,14 @@ def embed(model_path: str | Path, sentences: Sequence[str], *, tokenizer: str | 
                 tokenizer = Path(tmp) / "tokenizer.json"
                 tokenizer.write_bytes(imported.tokenizer)
             return _embed((imported.graph, imported.weights), tokenizer, sentences, batch_size)
-    from ..model import load_model
+    from ...model import load_model
 
     with load_model(path) as model:
         return _embed(model, sentence_tokenizer(path, model, tokenizer), sentences, batch_size)
 
 
 def _embed(model, tokenizer: Path, sentences: Sequence[str], batch_size: int) -> np.ndarray:
-    from ..executor import GraphExecutor
+    from ...executor import GraphExecutor
 
     ex = GraphExecutor(model)
     parts = [ex.run(batch)["sentence_embedding"] for batch in token_batches(tokenizer, sentences, batch_size)]

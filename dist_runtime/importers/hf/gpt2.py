@@ -1,6 +1,6 @@
 """Hugging Face importer for GPT-2 (``model_type`` "gpt2", ``GPT2LMHeadModel``).
 
-The graph has the inputs and outputs of ``hf.decoder_graph`` -- ``tokens`` ``i32[T]`` in,
+The graph has the inputs and outputs of ``llama.decoder_graph`` -- ``tokens`` ``i32[T]`` in,
 ``logits`` ``f32[T, vocab]`` out, the injected ``pos`` for positions -- so ``dist-runtime
 generate`` and the pipeline run it as they run a Llama.  Per layer (pre-norm)::
 
@@ -24,12 +24,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..dtypes import DType
-from ..ir.builder import GraphBuilder
-from ..ir.graph import POS, Graph, TensorSpec
-from ..ir.ops import Add, Gelu, KvCache, LayerNorm, PosEmbed, Sdpa, Split, TokenEmbed
-from .common import Imported
-from .hf import HFImportError, _token_ids, read_config, read_weights
+from ...dtypes import DType
+from ...ir.builder import GraphBuilder
+from ...ir.graph import POS, Graph, TensorSpec
+from ...ir.ops import Add, Gelu, KvCache, LayerNorm, PosEmbed, Sdpa, Split, TokenEmbed
+from ..common import Imported
+from .common import HFImportError, read_config, read_weights, token_ids
 
 _GELU = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
 #: config keys whose value changes the computation, and the one value this importer implements.
@@ -128,7 +128,7 @@ def conv1d_weights(cfg: GPT2Config) -> frozenset[str]:
 
 # -- conversion ------------------------------------------------------------------------------------
 def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
-    """Read a GPT-2 model directory and convert it (the ``hf_any`` entry point)."""
+    """Read a GPT-2 model directory and convert it (the entry point of the ``hf`` package's dispatch)."""
     hf_dir = Path(hf_dir)
     config = read_config(hf_dir)
     cfg = gpt2_config(config)
@@ -145,7 +145,7 @@ def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> I
                    "dtypes": dict(source_dtypes), "directory": hf_dir.resolve().name},
         "dtype": dtype,
         "config": asdict(cfg),
-        **_token_ids(hf_dir, config),
+        **token_ids(hf_dir, config),
     }
     tokenizer = hf_dir / "tokenizer.json"
     return Imported(graph, weights, metadata, "gpt2", source_dtypes, ignored,
