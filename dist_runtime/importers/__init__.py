@@ -3,8 +3,8 @@
 * ``hf``: Hugging Face directories (``config.json`` + ``*.safetensors``), one module per family:
   ``hf.llama`` (Llama, Mistral, Qwen2, Phi), ``hf.gpt2``, ``hf.encoder`` (BERT-family encoders).
 * ``gguf_file``: llama.cpp's GGUF files, quantized tensors kept as stored.
-* ``onnx_model``: ONNX graphs, one converter per operator in ``onnx_ops`` (also the mapping the
-  ONNX conformance suite runs through).
+* ``onnx``: ONNX graphs (the importer in ``onnx.model``), one converter per operator in the
+  package's family modules (also the mapping the ONNX conformance suite runs through).
 
 :func:`detect_format` tells which a path is; :func:`convert` (``dist-runtime convert``) runs the
 right importer and writes the result through ``common.write_imported``.
@@ -21,7 +21,7 @@ from ..errors import DistRuntimeError
 IMPORTERS = {
     "huggingface": ("hf", "convert_hf_dir"),
     "gguf": ("gguf_file", "convert_gguf"),
-    "onnx": ("onnx_model", "convert_onnx"),
+    "onnx": ("onnx.model", "convert_onnx"),
 }
 
 

@@ -1,7 +1,7 @@
 """What every importer shares: the converted result, the progress bar, the weight specs of a
 graph, writing and reporting.
 
-An importer (``hf``, ``gguf_file``, ``onnx_model``, ...) reads its source format into an
+An importer (``hf``, ``gguf_file``, ``onnx``, ...) reads its source format into an
 :class:`Imported` (graph with weight specs, weights, metadata); :func:`write_imported` writes it as
 a ``.model`` (atomically: ``save_model`` writes a temporary file and renames it, so a failed
 conversion leaves nothing behind) with its tokenizer beside it, and returns a
