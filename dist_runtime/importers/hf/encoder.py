@@ -136,7 +136,8 @@ def sentence_transformers_head(hf_dir: str | Path) -> tuple[str, bool]:
 
 # -- the graph -------------------------------------------------------------------------------------
 def _layer_norm(b: GraphBuilder, cfg: EncoderConfig, x: str, prefix: str, out: str) -> str:
-    return b.emit(LayerNorm(eps=cfg.eps), [x, b.weight(prefix + ".weight", cfg.hidden), b.weight(prefix + ".bias", cfg.hidden)], out)
+    weight, bias = b.weight(prefix + ".weight", cfg.hidden), b.weight(prefix + ".bias", cfg.hidden)
+    return b.emit(LayerNorm(eps=cfg.eps), [x, weight, bias], out)
 
 
 def _build(cfg: EncoderConfig) -> GraphBuilder:
@@ -146,7 +147,8 @@ def _build(cfg: EncoderConfig) -> GraphBuilder:
     # [B, T, 1] -> [B, 1, 1, T]: broadcast over heads and query rows
     additive = b.emit(TokenEmbed(), ["attention_mask", b.weight(MASK_ADDITIVE, 2, 1)], "mask_rows")
     mask = b.emit(Reshape(shape=(0, 1, 1, -1)), [additive], "mask")
-    types = b.emit(TokenEmbed(), ["token_type_ids", b.weight(e + "token_type_embeddings.weight", cfg.type_vocab, hd)], "types")
+    type_table = b.weight(e + "token_type_embeddings.weight", cfg.type_vocab, hd)
+    types = b.emit(TokenEmbed(), ["token_type_ids", type_table], "types")
     positions = b.emit(PosEmbed(), [word, b.weight(e + "position_embeddings.weight", cfg.positions, hd)], "positions")
     h = b.emit(Add(), [b.emit(Add(), [word, types], "word_types"), positions], "embedded")
     h = _layer_norm(b, cfg, h, e + "LayerNorm", "h_embed")

@@ -86,7 +86,8 @@ def gpt2_config(config: Mapping) -> GPT2Config:
 
 # -- the graph -------------------------------------------------------------------------------------
 def _layer_norm(b: GraphBuilder, cfg: GPT2Config, x: str, prefix: str, out: str) -> str:
-    return b.emit(LayerNorm(eps=cfg.eps), [x, b.weight(prefix + ".weight", cfg.hidden), b.weight(prefix + ".bias", cfg.hidden)], out)
+    weight, bias = b.weight(prefix + ".weight", cfg.hidden), b.weight(prefix + ".bias", cfg.hidden)
+    return b.emit(LayerNorm(eps=cfg.eps), [x, weight, bias], out)
 
 
 def _build(cfg: GPT2Config) -> GraphBuilder:
@@ -104,7 +105,8 @@ def _build(cfg: GPT2Config) -> GraphBuilder:
         a = b.emit(attention, [p + "q", p + "k_all", p + "v_all"], p + "attn")
         h = b.emit(Add(), [h, b.linear(a, w + "attn.c_proj", hd, hd, True, p + "attn_out")], p + "resid_attn")
         x = _layer_norm(b, cfg, h, w + "ln_2", p + "mlp_in")
-        m = b.emit(Gelu(approximate=cfg.gelu_tanh), [b.linear(x, w + "mlp.c_fc", cfg.ffn, hd, True, p + "fc")], p + "act")
+        fc = b.linear(x, w + "mlp.c_fc", cfg.ffn, hd, True, p + "fc")
+        m = b.emit(Gelu(approximate=cfg.gelu_tanh), [fc], p + "act")
         h = b.emit(Add(), [h, b.linear(m, w + "mlp.c_proj", hd, cfg.ffn, True, p + "down")], p + "resid_mlp")
     x = _layer_norm(b, cfg, h, "ln_f", "final_norm")
     b.linear(x, "lm_head", cfg.vocab, hd, False, "logits", "wte.weight" if cfg.tied else None)
