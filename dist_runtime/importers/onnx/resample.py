@@ -209,15 +209,19 @@ def _nhwc_channel_swap(b: NodeBuilder, x: str, first: int | None, second: int | 
     return b.emit(ops.Permute(perm=(0, 3, 1, 2)), [y], out)
 
 
-@converter("DepthToSpace", targets=("PixelShuffle",))
-def convert_depth_to_space(node, opset, inputs):
-    """CRD is our PixelShuffle; DCR (the default) first reorders the channels to CRD."""
+def _block_node(node, opset, inputs) -> tuple[NodeBuilder, int, str]:
+    """The reader of a DepthToSpace / SpaceToDepth node ([N, C, H, W] floats), its block size and mode."""
     b = NodeBuilder(node, opset, inputs, ("blocksize", "mode"))
     b.floats(0)
     if b.rank(0) != 4:
         raise b.fail("input must be [N, C, H, W]")
-    r = int(b.attr("blocksize"))
-    mode = b.attr("mode", "DCR")
+    return b, int(b.attr("blocksize")), b.attr("mode", "DCR")
+
+
+@converter("DepthToSpace", targets=("PixelShuffle",))
+def convert_depth_to_space(node, opset, inputs):
+    """CRD is our PixelShuffle; DCR (the default) first reorders the channels to CRD."""
+    b, r, mode = _block_node(node, opset, inputs)
     x = b.name(0)
     if mode == "DCR":
         x = _nhwc_channel_swap(b, x, r * r, None, None)
@@ -231,12 +235,7 @@ def convert_depth_to_space(node, opset, inputs):
 def convert_space_to_depth(node, opset, inputs):
     """Our PixelUnshuffle orders the output channels CRD (``c*r*r + i*r + j``); ONNX's default DCR
     order (``(i*r + j)*C + c``) follows with a channel permutation (docs/ops.md, PixelUnshuffle)."""
-    b = NodeBuilder(node, opset, inputs, ("blocksize", "mode"))
-    b.floats(0)
-    if b.rank(0) != 4:
-        raise b.fail("input must be [N, C, H, W]")
-    r = int(b.attr("blocksize"))
-    mode = b.attr("mode", "DCR")
+    b, r, mode = _block_node(node, opset, inputs)
     if mode == "CRD":
         b.emit(ops.PixelUnshuffle(downscale=r), [b.name(0)], b.out(0))
     elif mode == "DCR":
