@@ -35,9 +35,8 @@ def _step(what: str):
 
 
 def part_embeddings(out: Path, stages: int) -> bool:
-    from .embed import embed_texts, similarity_table
+    from .embed import embed_texts, minilm_dir, similarity_table
     from .importers import convert
-    from .importers.hf_encoder import minilm_dir
 
     src = minilm_dir()
     if src is None:

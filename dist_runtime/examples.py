@@ -4,7 +4,7 @@
 Rope and a KV cache, SwiGLU MLP, untied lm_head) with seeded random weights and Hugging Face
 weight names.  It is small enough to build in milliseconds, but has every structural feature of
 the real thing.  The graph is the Hugging Face importer's Llama graph
-(:func:`dist_runtime.importers.hf.decoder_graph`) with a greedy ``Sample`` -> ``next_token`` at
+(:func:`dist_runtime.importers.hf.llama.decoder_graph`) with a greedy ``Sample`` -> ``next_token`` at
 the end.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .importers.hf import DecoderConfig, decoder_graph, random_weights
+from .importers.hf.llama import DecoderConfig, decoder_graph, random_weights
 from .ir.graph import Graph
 
 

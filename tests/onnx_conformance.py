@@ -4,7 +4,7 @@ tests/test_op_coverage.py and scripts/onnx_conformance_table.py.
 Cases:
 
 * ONNX's node test cases (``onnx.backend.test.case.node``: onnx >= 1.23 builds them in memory) for
-  every ONNX operator that has a converter in ``dist_runtime/importers/onnx_ops.py``.  Building
+  every ONNX operator that has a converter in ``dist_runtime/importers/onnx/``.  Building
   runs ONNX's numpy references, ~10 s for all, so only the case modules of mapped operators are
   imported (that is the loader's filter: importing a module builds its cases), once per process.
   The ``*_expanded*`` variants are not run: they test ONNX function bodies made of other
@@ -45,8 +45,8 @@ from onnx import numpy_helper
 
 import dist_runtime.kernels  # noqa: F401  (registers every family module's kernels)
 from dist_runtime.dtypes import DType
-from dist_runtime.importers.onnx_ops import (CONSTANT_INPUTS, CONVERTERS, TARGETS, OnnxValue,
-                                             UnsupportedOnnxError, convert_node)
+from dist_runtime.importers.onnx import (CONSTANT_INPUTS, CONVERTERS, TARGETS, OnnxValue, UnsupportedOnnxError,
+                                         convert_node)
 from dist_runtime.ir.graph import Graph, Node, TensorSpec
 from dist_runtime.ir.ops import OPS_BY_NAME, OPS_BY_TAG, KvCache
 from dist_runtime.ir.validate import check_structure, infer_shapes
@@ -635,10 +635,10 @@ def as_model(case: Case, unchecked: tuple[str, ...] = ()) -> onnx.ModelProto:
 
 
 def check_imported(case: Case, unchecked: tuple[str, ...] = ()):
-    """Import ``case`` as a whole ONNX model (``importers.onnx_model``), run it with the
+    """Import ``case`` as a whole ONNX model (``importers.onnx.model``), run it with the
     GraphExecutor and compare its outputs as :func:`check_case` does.  Returns the Imported."""
     from dist_runtime.executor import GraphExecutor
-    from dist_runtime.importers.onnx_model import load
+    from dist_runtime.importers.onnx.model import load
 
     imported = load(as_model(case, unchecked))
     executor = GraphExecutor((imported.graph, imported.weights))

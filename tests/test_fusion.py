@@ -86,7 +86,7 @@ def test_real_models_fused_and_unfused_agree_with_transformers(name, fused_count
     """The Hugging Face fixtures (tiny checkpoints written by transformers, with its logits):
     fused and unfused runs agree with each other and with transformers, prefill and decode."""
     pytest.importorskip("safetensors")
-    from dist_runtime.importers.hf import load_hf
+    from dist_runtime.importers.hf.llama import load_hf
 
     imported = load_hf(HF_FIXTURES / name)
     graph = imported.graph
@@ -109,7 +109,7 @@ def test_real_models_fused_and_unfused_agree_with_transformers(name, fused_count
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_real_models_fused_and_unfused_agree_with_f16_weights(name):
     pytest.importorskip("safetensors")
-    from dist_runtime.importers.hf import load_hf
+    from dist_runtime.importers.hf.llama import load_hf
 
     imported = load_hf(HF_FIXTURES / name, "f16")
     with np.load(HF_FIXTURES / f"{name}.npz") as ref:

@@ -27,7 +27,7 @@ def ref() -> dict:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    from dist_runtime.importers.hf import convert_hf
+    from dist_runtime.importers.hf.llama import convert_hf
 
     return str(convert_hf(FIXTURES / "llama", tmp_path_factory.mktemp("gen") / "llama.model").out)
 
@@ -123,7 +123,7 @@ def test_sessions_in_one_process(model, ref, capsys):
 
 def test_stops_at_eos(ref, tmp_path, capsys):
     """eos_token_id comes from generation_config.json; generation stops after emitting it."""
-    from dist_runtime.importers.hf import convert_hf
+    from dist_runtime.importers.hf.llama import convert_hf
 
     hf = Path(shutil.copytree(FIXTURES / "llama", tmp_path / "llama"))
     gen = json.loads((hf / "generation_config.json").read_text())
@@ -151,7 +151,7 @@ def test_usage_errors(model, capsys, argv, code, message):
 
 
 def test_text_prompt_needs_a_tokenizer(tmp_path, capsys):
-    from dist_runtime.importers.hf import convert_hf
+    from dist_runtime.importers.hf.llama import convert_hf
 
     path = convert_hf(FIXTURES / "phi", tmp_path / "phi.model").out  # phi has no tokenizer.json
     code, _, err = generate(capsys, path, "--prompt", "hello")

@@ -34,7 +34,7 @@ from dist_runtime.importers import detect_format  # noqa: E402
 from dist_runtime.importers.common import tokenizer_path_for  # noqa: E402
 from dist_runtime.importers.gguf_file import (GGUFImportError, _Fields, convert_gguf, load, open_gguf,  # noqa: E402
                                               tokenizer_json, unpermute_rows)
-from dist_runtime.importers.hf import DecoderConfig, convert_hf, load_hf, random_weights  # noqa: E402
+from dist_runtime.importers.hf.llama import DecoderConfig, convert_hf, load_hf, random_weights  # noqa: E402
 from dist_runtime.model import load_model  # noqa: E402
 from dist_runtime.tensor import QuantizedArray  # noqa: E402
 

@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 
 from dist_runtime.cli import main
+from dist_runtime.embed import embed, minilm_dir, pad_batch
 from dist_runtime.executor import GraphExecutor
-from dist_runtime.importers.hf import HFImportError, tokenizer_path_for
-from dist_runtime.importers.hf_any import convert_hf_dir, load_hf_dir
-from dist_runtime.importers.hf_encoder import (INPUTS, embed, encoder_config, load, minilm_dir, pad_batch,
-                                               sentence_transformers_head)
+from dist_runtime.importers.common import tokenizer_path_for
+from dist_runtime.importers.hf import convert_hf_dir, load_hf_dir
+from dist_runtime.importers.hf.common import HFImportError
+from dist_runtime.importers.hf.encoder import INPUTS, encoder_config, load, sentence_transformers_head
 from dist_runtime.importers.tokenizer import Tokenizer
 from dist_runtime.ir.ops import Gelu, KvCache, LayerNorm, Sdpa
 from dist_runtime.model import load_model
@@ -263,7 +264,7 @@ def test_embed_command(tmp_path, capsys):
     got = json.loads(capsys.readouterr().out)
     emb = np.array(got["embeddings"], np.float32)
     assert emb.shape[0] == 3 and np.allclose(np.linalg.norm(emb, axis=1), 1, atol=1e-5)
-    from dist_runtime.importers.hf_encoder import embed
+    from dist_runtime.embed import embed
 
     np.testing.assert_allclose(emb, embed(path, texts), rtol=0, atol=1e-6)
     llama = convert(Path(__file__).parent / "fixtures" / "hf" / "llama", tmp_path / "llama.model").out

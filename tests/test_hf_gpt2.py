@@ -21,9 +21,9 @@ import pytest
 
 from dist_runtime.cli import main
 from dist_runtime.executor import GraphExecutor
-from dist_runtime.importers.hf import HFImportError
-from dist_runtime.importers.hf_any import convert_hf_dir, load_hf_dir
-from dist_runtime.importers.hf_gpt2 import gpt2_config, load
+from dist_runtime.importers.hf import convert_hf_dir, load_hf_dir
+from dist_runtime.importers.hf.common import HFImportError
+from dist_runtime.importers.hf.gpt2 import gpt2_config, load
 from dist_runtime.ir.graph import POS
 from dist_runtime.ir.ops import Gelu, KvCache, LayerNorm, PosEmbed, Sdpa, Split
 from dist_runtime.model import load_model

@@ -26,8 +26,9 @@ from dist_runtime.dtypes import DType
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.examples import LlamaConfig, llama_graph
 from dist_runtime.executor import GraphExecutor
-from dist_runtime.importers.hf import (HFImportError, convert_hf, decoder_config, decoder_graph,
-                                       load_hf, tokenizer_path_for)
+from dist_runtime.importers.common import tokenizer_path_for
+from dist_runtime.importers.hf.common import HFImportError
+from dist_runtime.importers.hf.llama import convert_hf, decoder_config, decoder_graph, load_hf
 from dist_runtime.ir.ops import Gelu, LayerNorm, Rope, Sdpa, SdpaWindow
 from dist_runtime.model import load_model
 

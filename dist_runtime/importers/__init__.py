@@ -1,10 +1,10 @@
 """Importers: turn models from other formats into our Graph IR and a ``.model`` file.
 
-* ``hf``: Hugging Face directories (``config.json`` + ``*.safetensors``) of the Llama family;
-  ``hf_encoder`` BERT-family encoders and ``hf_gpt2`` GPT-2 (same directory layout).
+* ``hf``: Hugging Face directories (``config.json`` + ``*.safetensors``), one module per family:
+  ``hf.llama`` (Llama, Mistral, Qwen2, Phi), ``hf.gpt2``, ``hf.encoder`` (BERT-family encoders).
 * ``gguf_file``: llama.cpp's GGUF files, quantized tensors kept as stored.
-* ``onnx_model``: ONNX graphs, one converter per operator in ``onnx_ops`` (also the mapping the
-  ONNX conformance suite runs through).
+* ``onnx``: ONNX graphs (the importer in ``onnx.model``), one converter per operator in the
+  package's family modules (also the mapping the ONNX conformance suite runs through).
 
 :func:`detect_format` tells which a path is; :func:`convert` (``dist-runtime convert``) runs the
 right importer and writes the result through ``common.write_imported``.
@@ -13,7 +13,6 @@ right importer and writes the result through ``common.write_imported``.
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 
 from ..errors import DistRuntimeError
@@ -23,9 +22,9 @@ DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 #: format -> (module, function converting ``(source, out, dtype, progress=)`` to a ConvertReport)
 IMPORTERS = {
-    "huggingface": ("hf_any", "convert_hf_dir"),
+    "huggingface": ("hf", "convert_hf_dir"),
     "gguf": ("gguf_file", "convert_gguf"),
-    "onnx": ("onnx_model", "convert_onnx"),
+    "onnx": ("onnx.model", "convert_onnx"),
 }
 
 
@@ -56,11 +55,3 @@ def convert(source: str | Path, out: str | Path, dtype: str | None = None, *, pr
     convert_fn = getattr(importlib.import_module(f"{__name__}.{module}"), func)
     return convert_fn(source, out, dtype, progress=progress)
 
-
-def hf_model_type(hf_dir: str | Path) -> str:
-    """``model_type`` of a Hugging Face directory's config.json ('' when absent)."""
-    try:
-        config = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DistRuntimeError(f"cannot read {Path(hf_dir) / 'config.json'}: {e}") from None
-    return str(config.get("model_type", "")) if isinstance(config, dict) else ""

@@ -1,6 +1,7 @@
-"""What every importer shares: the converted result, the progress bar, writing and reporting.
+"""What every importer shares: the converted result, the progress bar, the weight specs of a
+graph, writing and reporting.
 
-An importer (``hf``, ``gguf_file``, ``onnx_model``, ...) reads its source format into an
+An importer (``hf``, ``gguf_file``, ``onnx``, ...) reads its source format into an
 :class:`Imported` (graph with weight specs, weights, metadata); :func:`write_imported` writes it as
 a ``.model`` (atomically: ``save_model`` writes a temporary file and renames it, so a failed
 conversion leaves nothing behind) with its tokenizer beside it, and returns a
@@ -13,12 +14,13 @@ import shutil
 import sys
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..dtypes import DType
 from . import DTYPES  # noqa: F401  (re-exported: every importer checks --dtype against it)
-from ..ir.graph import Graph
+from ..ir.graph import Graph, TensorSpec
 from ..ir.ops import TokenEmbed
 from ..tensor import Array, QuantizedArray
 
@@ -146,3 +148,10 @@ def write_imported(imported: Imported, out: str | Path, source_format: str, star
     return ConvertReport(out, source_format, imported.architecture, len(imported.weights), size,
                          dict(Counter(stored.values())), dict(Counter(n.op.spec.name for n in imported.graph.nodes)),
                          stored, imported.ignored, tokenizer, time.perf_counter() - start)
+
+
+def with_weight_specs(graph: Graph, weights: Mapping[str, Array]) -> Graph:
+    """``graph`` with ``graph.weights`` describing ``weights`` (what a loaded .model's graph has)."""
+    specs = {n: TensorSpec(w.shape, w.dtype if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype))
+             for n, w in weights.items()}
+    return Graph(list(graph.nodes), list(graph.inputs), list(graph.outputs), specs)

@@ -3,7 +3,7 @@
 A GGUF file holds metadata (key/value pairs: hyper-parameters, vocabulary) and tensors in GGML
 order.  :func:`load` reads it with the ``gguf`` package's ``GGUFReader`` into a
 :class:`~.common.Imported` whose graph is exactly the Hugging Face importer's
-(:func:`.hf.decoder_graph` with Hugging Face weight names), so both paths run the same graph:
+(:func:`.hf.llama.decoder_graph` with Hugging Face weight names), so both paths run the same graph:
 
 * hyper-parameters come from ``llama.*`` keys (:func:`decoder_config_of`);
 * tensors keep their stored type: F32/F16/BF16 as numpy arrays, the GGML block types as
@@ -34,8 +34,9 @@ from ..dtypes import DType
 from ..errors import DistRuntimeError
 from ..ir.graph import TensorSpec
 from ..tensor import Array, QuantizedArray
-from .common import DTYPES, ConvertReport, Imported, Progress, storage_targets, write_imported
-from .hf import DecoderConfig, HFImportError, decoder_graph, weight_shapes, with_weight_specs
+from .common import DTYPES, ConvertReport, Imported, Progress, storage_targets, with_weight_specs, write_imported
+from .hf.common import HFImportError
+from .hf.llama import DecoderConfig, decoder_graph, weight_shapes
 
 #: general.architecture values this importer converts.
 SUPPORTED = ("llama",)

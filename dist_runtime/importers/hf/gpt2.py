@@ -1,6 +1,6 @@
 """Hugging Face importer for GPT-2 (``model_type`` "gpt2", ``GPT2LMHeadModel``).
 
-The graph has the inputs and outputs of ``hf.decoder_graph`` -- ``tokens`` ``i32[T]`` in,
+The graph has the inputs and outputs of ``llama.decoder_graph`` -- ``tokens`` ``i32[T]`` in,
 ``logits`` ``f32[T, vocab]`` out, the injected ``pos`` for positions -- so ``dist-runtime
 generate`` and the pipeline run it as they run a Llama.  Per layer (pre-norm)::
 
@@ -24,11 +24,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..dtypes import DType
-from ..ir.graph import POS, Graph, TensorSpec
-from ..ir.ops import Add, Gelu, KvCache, LayerNorm, PosEmbed, Sdpa, Split, TokenEmbed
-from .common import Imported
-from .hf import HFImportError, _Builder, _token_ids, read_config, read_weights
+from ...dtypes import DType
+from ...ir.builder import GraphBuilder
+from ...ir.graph import POS, Graph, TensorSpec
+from ...ir.ops import Add, Gelu, KvCache, LayerNorm, PosEmbed, Sdpa, Split, TokenEmbed
+from ..common import Imported
+from .common import HFImportError, read_config, read_weights, token_ids
 
 _GELU = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
 #: config keys whose value changes the computation, and the one value this importer implements.
@@ -84,27 +85,29 @@ def gpt2_config(config: Mapping) -> GPT2Config:
 
 
 # -- the graph -------------------------------------------------------------------------------------
-def _layer_norm(b: _Builder, cfg: GPT2Config, x: str, prefix: str, out: str) -> str:
-    return b(LayerNorm(eps=cfg.eps), [x, b.w(prefix + ".weight", cfg.hidden), b.w(prefix + ".bias", cfg.hidden)], out)
+def _layer_norm(b: GraphBuilder, cfg: GPT2Config, x: str, prefix: str, out: str) -> str:
+    weight, bias = b.weight(prefix + ".weight", cfg.hidden), b.weight(prefix + ".bias", cfg.hidden)
+    return b.emit(LayerNorm(eps=cfg.eps), [x, weight, bias], out)
 
 
-def _build(cfg: GPT2Config) -> _Builder:
-    b, hd = _Builder(), cfg.hidden
-    h = b(TokenEmbed(), ["tokens", b.w("wte.weight", cfg.vocab, hd)], "h_embed")
-    positions = b(PosEmbed(), [h, b.w("wpe.weight", cfg.context_length, hd), POS], "positions")
-    h = b(Add(), [h, positions], "h_pos")
+def _build(cfg: GPT2Config) -> GraphBuilder:
+    b, hd = GraphBuilder(), cfg.hidden
+    h = b.emit(TokenEmbed(), ["tokens", b.weight("wte.weight", cfg.vocab, hd)], "h_embed")
+    positions = b.emit(PosEmbed(), [h, b.weight("wpe.weight", cfg.context_length, hd), POS], "positions")
+    h = b.emit(Add(), [h, positions], "h_pos")
     attention = Sdpa(num_heads=cfg.heads, kv_heads=cfg.heads, head_dim=cfg.head_dim, causal=True)
     for i in range(cfg.layers):
         w, p = f"h.{i}.", f"l{i}_"
         x = _layer_norm(b, cfg, h, w + "ln_1", p + "attn_in")
         qkv = b.linear(x, w + "attn.c_attn", 3 * hd, hd, True, p + "qkv")
-        b(Split(dim=-1, sizes=(hd, hd, hd)), [qkv], [p + "q", p + "k", p + "v"])
-        b(KvCache(), [p + "k", p + "v"], [p + "k_all", p + "v_all"])
-        a = b(attention, [p + "q", p + "k_all", p + "v_all"], p + "attn")
-        h = b(Add(), [h, b.linear(a, w + "attn.c_proj", hd, hd, True, p + "attn_out")], p + "resid_attn")
+        b.emit(Split(dim=-1, sizes=(hd, hd, hd)), [qkv], [p + "q", p + "k", p + "v"])
+        b.emit(KvCache(), [p + "k", p + "v"], [p + "k_all", p + "v_all"])
+        a = b.emit(attention, [p + "q", p + "k_all", p + "v_all"], p + "attn")
+        h = b.emit(Add(), [h, b.linear(a, w + "attn.c_proj", hd, hd, True, p + "attn_out")], p + "resid_attn")
         x = _layer_norm(b, cfg, h, w + "ln_2", p + "mlp_in")
-        m = b(Gelu(approximate=cfg.gelu_tanh), [b.linear(x, w + "mlp.c_fc", cfg.ffn, hd, True, p + "fc")], p + "act")
-        h = b(Add(), [h, b.linear(m, w + "mlp.c_proj", hd, cfg.ffn, True, p + "down")], p + "resid_mlp")
+        fc = b.linear(x, w + "mlp.c_fc", cfg.ffn, hd, True, p + "fc")
+        m = b.emit(Gelu(approximate=cfg.gelu_tanh), [fc], p + "act")
+        h = b.emit(Add(), [h, b.linear(m, w + "mlp.c_proj", hd, cfg.ffn, True, p + "down")], p + "resid_mlp")
     x = _layer_norm(b, cfg, h, "ln_f", "final_norm")
     b.linear(x, "lm_head", cfg.vocab, hd, False, "logits", "wte.weight" if cfg.tied else None)
     return b
@@ -127,7 +130,7 @@ def conv1d_weights(cfg: GPT2Config) -> frozenset[str]:
 
 # -- conversion ------------------------------------------------------------------------------------
 def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
-    """Read a GPT-2 model directory and convert it (the ``hf_any`` entry point)."""
+    """Read a GPT-2 model directory and convert it (the entry point of the ``hf`` package's dispatch)."""
     hf_dir = Path(hf_dir)
     config = read_config(hf_dir)
     cfg = gpt2_config(config)
@@ -144,7 +147,7 @@ def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> I
                    "dtypes": dict(source_dtypes), "directory": hf_dir.resolve().name},
         "dtype": dtype,
         "config": asdict(cfg),
-        **_token_ids(hf_dir, config),
+        **token_ids(hf_dir, config),
     }
     tokenizer = hf_dir / "tokenizer.json"
     return Imported(graph, weights, metadata, "gpt2", source_dtypes, ignored,

@@ -7,7 +7,7 @@ propagation, so shapes computed from shapes are known), then walks the nodes in 
   evaluated now, with ONNX's reference implementation, and its outputs are constants too
   ("folding"); ``Shape`` and ``Size`` of a value whose shape is static are constants as well, so
   the Shape -> Gather -> Concat -> Reshape chains exporters write for reshape targets disappear;
-* every other node goes through its converter in ``onnx_ops`` (which sees the constants' values);
+* every other node goes through its converter (``registry.CONVERTERS``; it sees the constants' values);
 * the constants our nodes read become weights (optionally stored as ``dtype``).
 
 Before anything is converted the whole graph is checked, so one error lists every operator that
@@ -28,12 +28,13 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
-from ..dtypes import DType
-from ..errors import DistRuntimeError
-from ..ir import ops
-from ..ir.graph import POS, Graph, Node, TensorSpec
-from .common import DTYPES, ConvertReport, Imported, Progress, storage_targets, write_imported
-from .onnx_ops import CONVERTERS, OnnxValue, UnsupportedOnnxError, convert_node
+from ...dtypes import DType
+from ...errors import DistRuntimeError
+from ...ir import ops
+from ...ir.builder import GraphBuilder
+from ...ir.graph import POS, Graph, TensorSpec
+from ..common import DTYPES, ConvertReport, Imported, Progress, storage_targets, with_weight_specs, write_imported
+from .registry import CONVERTERS, OnnxValue, UnsupportedOnnxError, convert_node
 
 __all__ = ["MAX_FILE_BYTES", "OnnxImport", "OnnxImportError", "UnsupportedOperatorsError", "convert_onnx",
            "load"]
@@ -70,7 +71,7 @@ class UnsupportedOperatorsError(OnnxImportError, UnsupportedOnnxError):
 class KvPrimed:
     """A KvCache node of the graph (by position) that stands for ONNX ``past_key``/``past_value``
     inputs: those are not graph inputs of ours; a caller that has them writes them into the
-    node's session state before the first run (see ``onnx_ops.KvPriming``)."""
+    node's session state before the first run (see ``registry.KvPriming``)."""
 
     node: int
     past_key: str
@@ -298,12 +299,12 @@ class _Folder:
 
 
 # -- converting ------------------------------------------------------------------------------------
-class _Walk:
+class _Walk(GraphBuilder):
     """Converts the nodes left after folding, in order, collecting our nodes."""
 
     def __init__(self, opset: int, label: str, constants: dict[str, np.ndarray], types: dict[str, _Type]):
+        super().__init__()
         self.opset, self.label, self.constants, self.types = opset, label, constants, types
-        self.nodes: list[Node] = []
         self.kv: list[KvPrimed] = []
 
     def value(self, name: str) -> OnnxValue:
@@ -326,7 +327,7 @@ class _Walk:
         self.constants.update(converted.constants)
         start = len(self.nodes)
         for n in converted.nodes:
-            self.nodes.append(Node(len(self.nodes), n.op, n.inputs, n.outputs))
+            self.emit(n.op, n.inputs, n.outputs)
         self.kv.extend(KvPrimed(start + p.node, p.past_key, p.past_value) for p in converted.kv_caches)
 
     def output(self, name: str) -> None:
@@ -339,8 +340,7 @@ class _Walk:
                                   f"unchanged; our graphs cannot name one tensor both input and output")
         source = f"{name}::value"
         self.constants[source] = self.constants[name]
-        self.nodes.append(Node(len(self.nodes), ops.Reshape(shape=(0,) * self.constants[name].ndim),
-                               [source], [name]))
+        self.emit(ops.Reshape(shape=(0,) * self.constants[name].ndim), [source], name)
 
 
 def _input_spec(label: str, value: onnx.ValueInfoProto) -> TensorSpec:
@@ -388,8 +388,6 @@ def load(source, dtype: str | None = None, *, progress: bool = False,
     the initializers' types.  Raises :class:`OnnxImportError` (a subclass for unsupported
     operators) or ``UnsupportedOnnxError`` (a converter refusing a node), naming where.
     """
-    from .hf import with_weight_specs
-
     if dtype is not None and dtype not in DTYPES:
         raise OnnxImportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     raw, label = _read(source, max_bytes)

@@ -28,22 +28,20 @@ building graphs does not, and nothing here imports torch or transformers.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..dtypes import DType
-from ..errors import DistRuntimeError
-from ..ir.graph import POS, Graph, Node, TensorSpec
-from ..ir.ops import (Add, Gelu, KvCache, LayerNorm, Matmul, RmsNorm, Rope, Sample, Sdpa, SdpaWindow,
-                      SwiGlu, TokenEmbed)
-from ..tensor import Array, QuantizedArray
-from .common import DTYPES, ConvertReport, Imported, Progress, storage_targets, tokenizer_path_for, write_imported  # noqa: F401
+from ...dtypes import DType
+from ...ir.builder import GraphBuilder
+from ...ir.graph import POS, Graph, TensorSpec
+from ...ir.ops import (Add, Gelu, KvCache, LayerNorm, RmsNorm, Rope, Sample, Sdpa, SdpaWindow,
+                       SwiGlu, TokenEmbed)
+from ..common import ConvertReport, Imported, write_imported
+from .common import HFImportError, read_config, read_weights, token_ids
 
 #: model_type -> the transformers class of each supported architecture.
 SUPPORTED = {
@@ -53,10 +51,6 @@ SUPPORTED = {
     "phi": "PhiForCausalLM",
 }
 EMBED = "model.embed_tokens.weight"
-
-
-class HFImportError(DistRuntimeError):
-    """A Hugging Face model directory this importer cannot convert; the message says why."""
 
 
 # -- the architecture-neutral description ----------------------------------------------------------
@@ -112,86 +106,62 @@ class DecoderConfig:
         return self.windows[layer] if self.windows else 0
 
 
-class _Builder:
-    """Appends nodes with consecutive ids and records the weights they read, in order of first use."""
-
-    def __init__(self) -> None:
-        self.nodes: list[Node] = []
-        self.weights: dict[str, tuple[int, ...]] = {}
-
-    def __call__(self, op, inputs: list[str], outputs: list[str] | str) -> str:
-        outs = [outputs] if isinstance(outputs, str) else outputs
-        self.nodes.append(Node(len(self.nodes), op, list(inputs), outs))
-        return outs[0]
-
-    def w(self, name: str, *shape: int) -> str:
-        self.weights.setdefault(name, shape)
-        return name
-
-    def linear(self, x: str, prefix: str, rows: int, cols: int, bias: bool, out: str,
-               weight: str | None = None) -> str:
-        """``x @ W^T (+ b)`` with W = ``prefix.weight`` [rows, cols] (or ``weight``, a tied
-        matrix) and b = ``prefix.bias``."""
-        w = weight or self.w(prefix + ".weight", rows, cols)
-        y = self(Matmul(), [x, w], out + "_mm" if bias else out)
-        return self(Add(), [y, self.w(prefix + ".bias", rows)], out) if bias else y
-
-    def norm(self, cfg: DecoderConfig, x: str, prefix: str, out: str) -> str:
-        weight = self.w(prefix + ".weight", cfg.hidden)
-        if cfg.norm == "rms":
-            return self(RmsNorm(eps=cfg.eps), [x, weight], out)
-        return self(LayerNorm(eps=cfg.eps), [x, weight, self.w(prefix + ".bias", cfg.hidden)], out)
+def _norm(b: GraphBuilder, cfg: DecoderConfig, x: str, prefix: str, out: str) -> str:
+    weight = b.weight(prefix + ".weight", cfg.hidden)
+    if cfg.norm == "rms":
+        return b.emit(RmsNorm(eps=cfg.eps), [x, weight], out)
+    return b.emit(LayerNorm(eps=cfg.eps), [x, weight, b.weight(prefix + ".bias", cfg.hidden)], out)
 
 
-def _build(cfg: DecoderConfig) -> _Builder:
-    b = _Builder()
+def _build(cfg: DecoderConfig) -> GraphBuilder:
+    b = GraphBuilder()
     phi = cfg.architecture == "phi"
     attn_o, final_norm = ("dense", "model.final_layernorm") if phi else ("o_proj", "model.norm")
     q_dim, kv_dim = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     rope = Rope(head_dim=cfg.head_dim, rope_dim=cfg.rotary_dims, base=cfg.rope_base)
-    h = b(TokenEmbed(), ["tokens", b.w(EMBED, cfg.vocab, cfg.hidden)], "h_embed")
+    h = b.emit(TokenEmbed(), ["tokens", b.weight(EMBED, cfg.vocab, cfg.hidden)], "h_embed")
     for i in range(cfg.layers):
         w, p = f"model.layers.{i}.", f"l{i}_"
-        x = b.norm(cfg, h, w + "input_layernorm", p + "attn_in")
+        x = _norm(b, cfg, h, w + "input_layernorm", p + "attn_in")
         q = b.linear(x, w + "self_attn.q_proj", q_dim, cfg.hidden, cfg.qkv_bias, p + "q")
         k = b.linear(x, w + "self_attn.k_proj", kv_dim, cfg.hidden, cfg.qkv_bias, p + "k")
         v = b.linear(x, w + "self_attn.v_proj", kv_dim, cfg.hidden, cfg.qkv_bias, p + "v")
-        q = b(rope, [q, POS], p + "q_rot")
-        k = b(rope, [k, POS], p + "k_rot")
-        k_all = b(KvCache(), [k, v], [p + "k_all", p + "v_all"])
+        q = b.emit(rope, [q, POS], p + "q_rot")
+        k = b.emit(rope, [k, POS], p + "k_rot")
+        k_all, v_all = b.emit(KvCache(), [k, v], [p + "k_all", p + "v_all"])
         heads = dict(num_heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim)
         window = cfg.window(i)
         attention = SdpaWindow(**heads, window=window, causal=True) if window else Sdpa(**heads, causal=True)
-        a = b(attention, [q, k_all, p + "v_all"], p + "attn")
+        a = b.emit(attention, [q, k_all, v_all], p + "attn")
         o = b.linear(a, w + "self_attn." + attn_o, cfg.hidden, q_dim, cfg.o_bias, p + "attn_out")
         if cfg.parallel:
             m = _mlp(b, cfg, x, w, p)
-            h = b(Add(), [b(Add(), [o, m], p + "attn_mlp"), h], p + "resid")
+            h = b.emit(Add(), [b.emit(Add(), [o, m], p + "attn_mlp"), h], p + "resid")
         else:
-            h = b(Add(), [h, o], p + "resid_attn")
-            x = b.norm(cfg, h, w + "post_attention_layernorm", p + "mlp_in")
-            h = b(Add(), [h, _mlp(b, cfg, x, w, p)], p + "resid_mlp")
-    x = b.norm(cfg, h, final_norm, "final_norm")
+            h = b.emit(Add(), [h, o], p + "resid_attn")
+            x = _norm(b, cfg, h, w + "post_attention_layernorm", p + "mlp_in")
+            h = b.emit(Add(), [h, _mlp(b, cfg, x, w, p)], p + "resid_mlp")
+    x = _norm(b, cfg, h, final_norm, "final_norm")
     b.linear(x, "lm_head", cfg.vocab, cfg.hidden, cfg.lm_head_bias, "logits", EMBED if cfg.tied else None)
     if cfg.sample:
-        b(Sample(), ["logits"], "next_token")
+        b.emit(Sample(), ["logits"], "next_token")
     return b
 
 
-def _mlp(b: _Builder, cfg: DecoderConfig, x: str, w: str, p: str) -> str:
+def _mlp(b: GraphBuilder, cfg: DecoderConfig, x: str, w: str, p: str) -> str:
     if cfg.mlp == "swiglu":
         gate = b.linear(x, w + "mlp.gate_proj", cfg.ffn, cfg.hidden, cfg.mlp_bias, p + "gate")
         up = b.linear(x, w + "mlp.up_proj", cfg.ffn, cfg.hidden, cfg.mlp_bias, p + "up")
-        act = b(SwiGlu(), [gate, up], p + "act")
+        act = b.emit(SwiGlu(), [gate, up], p + "act")
         return b.linear(act, w + "mlp.down_proj", cfg.hidden, cfg.ffn, cfg.mlp_bias, p + "down")
     fc1 = b.linear(x, w + "mlp.fc1", cfg.ffn, cfg.hidden, cfg.mlp_bias, p + "fc1")
-    act = b(Gelu(approximate=cfg.mlp == "gelu_tanh"), [fc1], p + "act")
+    act = b.emit(Gelu(approximate=cfg.mlp == "gelu_tanh"), [fc1], p + "act")
     return b.linear(act, w + "mlp.fc2", cfg.hidden, cfg.ffn, cfg.mlp_bias, p + "down")
 
 
 def decoder_graph(cfg: DecoderConfig) -> Graph:
     """The decoder graph: input ``tokens`` (i32[-1]), output ``logits`` (and ``next_token`` when
-    ``cfg.sample``).  Weights are named only; ``save_model`` or :func:`with_weight_specs` fills
+    ``cfg.sample``).  Weights are named only; ``save_model`` or ``common.with_weight_specs`` fills
     ``graph.weights``."""
     outputs = ["logits", "next_token"] if cfg.sample else ["logits"]
     return Graph(_build(cfg).nodes, [TensorSpec((-1,), DType.I32)], outputs, {})
@@ -200,13 +170,6 @@ def decoder_graph(cfg: DecoderConfig) -> Graph:
 def weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """Every weight the graph reads, with its shape, in order of first use."""
     return _build(cfg).weights
-
-
-def with_weight_specs(graph: Graph, weights: Mapping[str, Array]) -> Graph:
-    """``graph`` with ``graph.weights`` describing ``weights`` (what a loaded .model's graph has)."""
-    specs = {n: TensorSpec(w.shape, w.dtype if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype))
-             for n, w in weights.items()}
-    return Graph(list(graph.nodes), list(graph.inputs), list(graph.outputs), specs)
 
 
 def random_weights(cfg: DecoderConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -339,188 +302,7 @@ def decoder_config(config: Mapping) -> DecoderConfig:
                          mlp_bias=bool(config.get("mlp_bias", False)) if arch == "llama" else False)
 
 
-def read_config(hf_dir: str | Path) -> dict:
-    """``HF_DIR/config.json`` as a dict, with errors that say what is missing."""
-    hf_dir = Path(hf_dir)
-    if not hf_dir.is_dir():
-        raise HFImportError(f"{hf_dir} is not a directory (expected a Hugging Face model directory)")
-    path = hf_dir / "config.json"
-    if not path.is_file():
-        raise HFImportError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFImportError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise HFImportError(f"{path} must hold a JSON object")
-    return config
-
-
-# -- safetensors checkpoints ------------------------------------------------------------------------
-#: safetensors dtypes read (and widened to f32); integer and f8 tensors are refused.
-_FLOATS = ("F32", "F16", "BF16", "F64")
-
-
-class Checkpoint:
-    """The tensors of ``HF_DIR/*.safetensors``: one file, or shards through their index.
-
-    Use as a context manager; :meth:`get` returns a tensor as numpy (BF16 through ml_dtypes)."""
-
-    def __init__(self, hf_dir: str | Path) -> None:
-        try:
-            import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for BF16 tensors)
-            from safetensors import safe_open
-        except ImportError:
-            raise HFImportError("reading safetensors needs the 'safetensors' package: "
-                                "pip install 'dist-runtime[importers]'") from None
-        self.dir = Path(hf_dir)
-        self._stack = ExitStack()
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (KeyError, TypeError, ValueError) as e:
-                raise HFImportError(f"{index}: not a safetensors index with a weight_map ({e})") from None
-            files = sorted(set(weight_map.values()))
-            missing = [f for f in files if not (self.dir / f).is_file()]
-            if missing:
-                raise HFImportError(f"{index} lists shards that are missing: {missing}")
-        else:
-            single = self.dir / "model.safetensors"
-            files = [single.name] if single.is_file() else sorted(p.name for p in self.dir.glob("*.safetensors"))
-            if not files:
-                others = sorted(p.name for p in self.dir.glob("*.bin"))
-                hint = f" (found {others}: re-save with safe_serialization=True)" if others else ""
-                raise HFImportError(f"{self.dir} has no *.safetensors weights{hint}")
-            weight_map = None
-        self._files: dict[str, object] = {}
-        self.file_of: dict[str, str] = {}
-        for name in files:
-            try:
-                handle = self._stack.enter_context(safe_open(str(self.dir / name), framework="numpy"))
-            except Exception as e:  # safetensors raises its own error types for bad headers
-                self.close()
-                raise HFImportError(f"{self.dir / name}: not a readable safetensors file ({e})") from None
-            self._files[name] = handle
-            for key in handle.keys():
-                if weight_map is None or weight_map.get(key) == name:
-                    self.file_of.setdefault(key, name)
-        if weight_map is not None:
-            lost = sorted(k for k, f in weight_map.items() if k not in self.file_of)
-            if lost:
-                self.close()
-                raise HFImportError(f"the index maps {lost[:5]} to shards that do not contain them")
-
-    def __enter__(self) -> "Checkpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._stack.close()
-
-    def names(self) -> list[str]:
-        return list(self.file_of)
-
-    def _slice(self, name: str):
-        return self._files[self.file_of[name]].get_slice(name)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
-
-    def dtype(self, name: str) -> str:
-        return self._slice(name).get_dtype()
-
-    def get(self, name: str) -> np.ndarray:
-        dtype = self.dtype(name)
-        if dtype not in _FLOATS:
-            raise HFImportError(f"tensor {name!r} is {dtype}; only float checkpoints "
-                                f"({', '.join(_FLOATS)}) can be imported")
-        return self._files[self.file_of[name]].get_tensor(name)
-
-
 # -- conversion ------------------------------------------------------------------------------------
-def _token_ids(hf_dir: Path, config: Mapping) -> dict:
-    """bos/eos token ids: generation_config.json first (it is what generate() uses), then config."""
-    sources = [config]
-    gen = hf_dir / "generation_config.json"
-    if gen.is_file():
-        try:
-            sources.insert(0, json.loads(gen.read_text(encoding="utf-8")))
-        except ValueError:
-            pass
-    out = {}
-    for key in ("bos_token_id", "eos_token_id"):
-        for src in sources:
-            value = src.get(key)
-            if isinstance(value, int) or (isinstance(value, list) and value and all(isinstance(v, int) for v in value)):
-                out[key] = value
-                break
-    return out
-
-
-def checkpoint_prefix(names: Sequence[str], anchor: str, prefixes: Sequence[str], where: Path) -> str:
-    """The prefix (of ``prefixes``) under which the checkpoint holds ``anchor``."""
-    have = set(names)
-    for prefix in prefixes:
-        if prefix + anchor in have:
-            return prefix
-    tried = " or ".join(repr(p + anchor) for p in prefixes)
-    raise HFImportError(f"the checkpoint in {where} has no {tried}: not the model its config.json describes")
-
-
-def read_weights(hf_dir: Path, graph: Graph, shapes: Mapping[str, tuple[int, ...]], dtype: str, *,
-                 prefixes: Sequence[str], made: Mapping[str, np.ndarray], transposed: frozenset[str] = frozenset(),
-                 unprefixed: frozenset[str] = frozenset(), what: str,
-                 progress: bool = False) -> tuple[Graph, dict[str, Array], dict[str, int], list[str]]:
-    """Read the weights ``graph`` names from the checkpoint in ``hf_dir`` and store them as ``dtype``.
-
-    A graph weight ``n`` is ``made[n]``, or the checkpoint tensor ``n`` when in ``unprefixed`` (a
-    head beside the base model), else ``prefix + n`` for the first of ``prefixes`` under which the
-    checkpoint holds ``shapes``' first weight; a name in ``transposed`` is stored ``[in, out]``
-    in the checkpoint (GPT-2's Conv1D) and transposed here.  Returns the graph with weight specs,
-    the weights, the checkpoint's dtype counts and the checkpoint tensors left unread."""
-    if dtype not in DTYPES:
-        raise HFImportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    from dist_runtime.kernels.quant import quantize
-
-    graph.weights = {n: TensorSpec(s, DType.F32) for n, s in shapes.items()}
-    targets = storage_targets(graph, DType[dtype.upper()])
-    wanted = [n for n in shapes if n not in made]
-    weights: dict[str, Array] = {}
-    source_dtypes: dict[str, int] = {}
-    with Checkpoint(hf_dir) as ckpt:
-        prefix = checkpoint_prefix(ckpt.names(), wanted[0], prefixes, hf_dir)
-        source = {n: n if n in unprefixed else prefix + n for n in wanted}
-        stored = {n: shapes[n][::-1] if n in transposed else shapes[n] for n in wanted}
-        missing = [n for n in wanted if source[n] not in ckpt.file_of]
-        if missing:
-            listed = ", ".join(f"{source[n]} {list(stored[n])}" for n in missing[:8])
-            raise HFImportError(f"the checkpoint in {hf_dir} lacks {len(missing)} tensor(s) a {what} with this "
-                                f"config.json needs: {listed}" + (" ..." if len(missing) > 8 else ""))
-        wrong = [f"{source[n]}: {list(ckpt.shape(source[n]))}, expected {list(stored[n])}"
-                 for n in wanted if ckpt.shape(source[n]) != stored[n]]
-        if wrong:
-            raise HFImportError(f"tensor shapes disagree with config.json: {'; '.join(wrong[:8])}")
-        bar = Progress(len(shapes), "converting", progress)
-        try:
-            for name in shapes:
-                if name in made:
-                    x = made[name]
-                else:
-                    kind = ckpt.dtype(source[name])
-                    source_dtypes[kind] = source_dtypes.get(kind, 0) + 1
-                    x = ckpt.get(source[name])
-                    x = np.ascontiguousarray(x.T if name in transposed else x, dtype=np.float32)
-                weights[name] = x if targets[name] == DType.F32 else quantize(x, targets[name])
-                bar.update()
-        finally:
-            bar.close()
-        ignored = sorted(set(ckpt.names()) - set(source.values()))
-    return with_weight_specs(graph, weights), weights, source_dtypes, ignored
-
-
 def load_hf(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
     """Read a Hugging Face model directory and convert it: graph, weights (``dtype`` per
     ``common.storage_targets``), metadata.  Checkpoint tensors the graph does not read are skipped."""
@@ -538,7 +320,7 @@ def load_hf(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -
                    "dtypes": dict(source_dtypes), "directory": hf_dir.resolve().name},
         "dtype": dtype,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "sample"},
-        **_token_ids(hf_dir, config),
+        **token_ids(hf_dir, config),
     }
     tokenizer = hf_dir / "tokenizer.json"
     return Imported(graph, weights, metadata, cfg.architecture, source_dtypes, ignored,
@@ -553,5 +335,5 @@ def convert_hf(hf_dir: str | Path, out: str | Path, dtype: str = "f32", *, progr
 
 
 def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
-    """The ``hf_any`` entry point: :func:`load_hf`."""
+    """The entry point of the ``hf`` package's dispatch: :func:`load_hf`."""
     return load_hf(hf_dir, dtype, progress=progress)
