@@ -26,6 +26,12 @@ class GraphValidationError(DistRuntimeError):
     """A well-formed graph that breaks an invariant (ordering, naming, shapes, memory)."""
 
 
+class KernelError(DistRuntimeError):
+    """A run-time fact the shapes could not show (a dim that was unknown at load time, a token id
+    out of range, a singular matrix).  From the executor, the message names the node, its op and
+    its inputs' names and shapes; from a kernel called directly, it starts with the op's name."""
+
+
 class InfeasiblePlanError(DistRuntimeError):
     """No pipeline plan satisfies the request: a node larger than every budget, budgets that fit
     the total but no contiguous split, a context too long for the budgets, more stages than nodes.

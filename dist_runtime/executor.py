@@ -25,7 +25,7 @@ from dist_runtime.kernels.registry import KernelContext
 
 from .backends import Backend, make_backends
 from .backends.assign import Assignment, assign_backends
-from .errors import GraphValidationError
+from .errors import DistRuntimeError, GraphValidationError, KernelError
 from .ir.graph import POS, Graph, TensorSpec
 from .ir.ops import KvCache
 from .ir.validate import check_memory, estimate_memory, infer_shapes, validate_graph
@@ -202,36 +202,67 @@ class GraphExecutor:
             s.pos = pos
         values: dict[str, Array] = {**self._constants, **self._check_inputs(inputs)}
         values[POS] = np.array([s.pos], np.float32)
-        plain = KernelContext(rng=s.rng, pos=s.pos)
-        wrote = None
-        for step in self._steps:
-            ctx = plain
-            if step.kv_cache is not None:
-                state = s.kv.get(step.index)
-                if state is None:
-                    state = s.kv[step.index] = KvState.for_op(step.kv_cache)
-                ctx = KernelContext(state=state, rng=s.rng, pos=s.pos)
-            outs = step.fn([values[n] for n in step.reads], ctx)
-            for name, value in zip(step.writes, outs):
-                values[name] = value
-            for name in step.frees:
-                del values[name]
-            if observe is not None:
-                observe(self.graph.nodes[step.index], outs, values.keys())
-            if step.kv_cache is not None:
-                if wrote is not None and wrote != ctx.state.length:
-                    raise GraphValidationError(
-                        f"KvCache nodes of one run disagree on the rows they hold ({wrote} vs "
-                        f"{ctx.state.length} at node {self.graph.nodes[step.index].id})")
-                wrote = ctx.state.length
+        wrote = self._walk(values, s, observe)
         s.pos = wrote if wrote is not None else s.pos + 1
         return {name: values[name] for name in self.graph.outputs}
+
+    def _walk(self, values: dict, s: Session, observe) -> int | None:
+        """Every step in order; returns the rows the KvCache nodes hold (None without any).  An
+        exception inside a step leaves as the project's error naming that step's node."""
+        plain = KernelContext(rng=s.rng, pos=s.pos)
+        wrote = step = None
+        try:
+            for step in self._steps:
+                ctx = plain
+                if step.kv_cache is not None:
+                    state = s.kv.get(step.index)
+                    if state is None:
+                        state = s.kv[step.index] = KvState.for_op(step.kv_cache)
+                    ctx = KernelContext(state=state, rng=s.rng, pos=s.pos)
+                outs = step.fn([values[n] for n in step.reads], ctx)
+                for name, value in zip(step.writes, outs):
+                    values[name] = value
+                for name in step.frees:
+                    del values[name]
+                if observe is not None:
+                    observe(self.graph.nodes[step.index], outs, values.keys())
+                if step.kv_cache is not None:
+                    if wrote is not None and wrote != ctx.state.length:
+                        raise GraphValidationError(f"KvCache nodes of one run disagree on the rows they hold "
+                                                   f"({wrote} vs {ctx.state.length})")
+                    wrote = ctx.state.length
+        except Exception as e:  # noqa: BLE001 -- re-raised as the project's error, naming the node
+            raise self._node_error(e, step, values) from e
+        return wrote
+
+    def _node_error(self, error: Exception, step: _Step, values: Mapping[str, Array]) -> DistRuntimeError:
+        """``error``, raised while running ``step``, as the project's error naming the node, its
+        op and its inputs (as torch.fx's "While executing ..." does); the type is kept when it is
+        already one of the project's errors."""
+        node = self.graph.nodes[step.index]
+        seen = ", ".join(f"{name} {_spec_text(values.get(read))}" for name, read in zip(node.inputs, step.reads))
+        message = f"node {node.id} ({node.op_name}) reading {seen or 'nothing'}: {error}"
+        if isinstance(error, DistRuntimeError):
+            try:
+                return type(error)(message)
+            except TypeError:  # a subclass whose constructor takes more than a message
+                pass
+        return KernelError(f"{message} ({type(error).__name__})")
 
     # -- reporting -----------------------------------------------------------------------------
     def plan(self) -> list[dict]:
         """Per node: id, op, backend and the reason it was chosen (``inspect --plan``)."""
         return [{"id": n.id, "op": n.op_name, "backend": a.backend.name, "reason": a.reason}
                 for n, a in zip(self.graph.nodes, self.assignments)]
+
+
+def _spec_text(value) -> str:
+    if value is None:
+        return "(absent)"
+    try:
+        return str(TensorSpec(tuple(value.shape), dtype_of(value)))
+    except Exception:  # noqa: BLE001 -- describing a value must not hide the error being reported
+        return type(value).__name__
 
 
 def _open(model) -> tuple[Graph, Mapping[str, Array], int | None]:

@@ -61,6 +61,7 @@ from typing import Callable, Collection, Iterable, Mapping, Sequence
 from .backends import Backend
 from .backends.assign import candidate_backends
 from .errors import GraphValidationError
+from .ir.builder import GraphBuilder
 from .ir.graph import POS, Graph, Node, TensorSpec
 from .ir.ops import Add, FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, Matmul, Mul, RmsNorm, Silu, SwiGlu
 from .ir.validate import check_structure, infer_shapes
@@ -123,53 +124,44 @@ def backend_acceptor(backends: Sequence[Backend]) -> Accepts:
 def expand_rejected(graph: Graph, accepts: Accepts, specs: Mapping[str, TensorSpec] | None = None) -> Graph:
     """A new graph in which every fused node that ``accepts`` rejects is replaced by its unfused ops."""
     specs = infer_shapes(graph) if specs is None else specs
-    taken = _all_names(graph)
-    next_id = max((n.id for n in graph.nodes), default=-1) + 1
-    nodes: list[Node] = []
+    b = GraphBuilder(next_id=max((n.id for n in graph.nodes), default=-1) + 1, taken=_all_names(graph))
     for node in graph.nodes:
         if isinstance(node.op, FUSED_OPS) and not accepts(node, [specs[n] for n in node.inputs]):
-            parts = expand_fused_node(node, next_id, taken)
-            next_id += len(parts) - 1
-            nodes.extend(parts)
+            expand_fused_node(node, b)
         else:
-            nodes.append(node)
-    return Graph(nodes, list(graph.inputs), list(graph.outputs), dict(graph.weights))
+            b.nodes.append(node)
+    return Graph(b.nodes, list(graph.inputs), list(graph.outputs), dict(graph.weights))
 
 
-def expand_fused_node(node: Node, next_id: int, taken: set[str]) -> list[Node]:
-    """The unfused nodes computing ``node`` (a FusedNormMatmul, FusedSkipNorm or FusedSwiGlu).
-
-    The first keeps ``node.id``, the others take ``next_id, next_id + 1, ...``; new intermediate
-    names are ``<output>.normed`` / ``.gate`` / ``.up``, suffixed until unused (``taken`` is
-    updated).  Attrs and the backend hint carry over, plus ``expanded_from``.
-    """
+def expand_fused_node(node: Node, b: GraphBuilder) -> None:
+    """Append to ``b`` the unfused nodes computing ``node`` (a FusedNormMatmul, FusedSkipNorm or
+    FusedSwiGlu).  The first keeps ``node.id``, the others take the builder's next ids; new
+    intermediate names are ``<output>.normed`` / ``.gate`` / ``.up``, suffixed until unused.
+    Attrs and the backend hint carry over, plus ``expanded_from``."""
     attrs = {**node.attrs, "expanded_from": node.op_name}
-    ids = iter([node.id, *range(next_id, next_id + 2)])
+    first = iter([node.id])
 
-    def new(op, inputs, outputs) -> Node:
-        return Node(next(ids), op, list(inputs), list(outputs), dict(attrs), node.backend_hint)
-
-    def fresh(base: str) -> str:
-        name, k = base, 1
-        while name in taken:
-            name, k = f"{base}.{k}", k + 1
-        taken.add(name)
-        return name
+    def new(op, inputs, outputs) -> None:
+        b.emit(op, inputs, outputs, attrs=attrs, backend_hint=node.backend_hint, node_id=next(first, None))
 
     op, ins, outs = node.op, node.inputs, node.outputs
     if isinstance(op, FusedNormMatmul):
         x, norm_w, w = ins
-        normed = fresh(f"{outs[0]}.normed")
-        return [new(RmsNorm(eps=op.eps), [x, norm_w], [normed]), new(Matmul(), [normed, w], outs)]
-    if isinstance(op, FusedSkipNorm):
+        normed = b.fresh(f"{outs[0]}.normed")
+        new(RmsNorm(eps=op.eps), [x, norm_w], normed)
+        new(Matmul(), [normed, w], outs)
+    elif isinstance(op, FusedSkipNorm):
         x, residual, w = ins
-        return [new(Add(), [x, residual], [outs[0]]), new(RmsNorm(eps=op.eps), [outs[0], w], [outs[1]])]
-    if isinstance(op, FusedSwiGlu):
+        new(Add(), [x, residual], outs[0])
+        new(RmsNorm(eps=op.eps), [outs[0], w], outs[1])
+    elif isinstance(op, FusedSwiGlu):
         x, w_gate, w_up = ins
-        gate, up = fresh(f"{outs[0]}.gate"), fresh(f"{outs[0]}.up")
-        return [new(Matmul(), [x, w_gate], [gate]), new(Matmul(), [x, w_up], [up]),
-                new(SwiGlu(), [gate, up], outs)]
-    raise ValueError(f"node {node.id} ({node.op_name}) is not a fused op")
+        gate, up = b.fresh(f"{outs[0]}.gate"), b.fresh(f"{outs[0]}.up")
+        new(Matmul(), [x, w_gate], gate)
+        new(Matmul(), [x, w_up], up)
+        new(SwiGlu(), [gate, up], outs)
+    else:
+        raise ValueError(f"node {node.id} ({node.op_name}) is not a fused op")
 
 
 # -- the passes ------------------------------------------------------------------------------------

@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from dist_runtime.errors import DistRuntimeError
+from dist_runtime.errors import KernelError
 
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
-
-
-class KernelError(DistRuntimeError):
-    """A run-time fact the shapes could not show (a dim that was unknown at load time, a token id
-    out of range, a singular matrix).  The message starts with the op's name."""
 
 
 def fail(op_name: str, message: str) -> KernelError:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dist_runtime.dtypes import DType
-from dist_runtime.errors import GraphValidationError
+from dist_runtime.errors import GraphValidationError, KernelError
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
 from dist_runtime.executor import GraphExecutor
 from dist_runtime.ir import Graph, Node, Relu, TensorSpec
@@ -218,3 +218,33 @@ def test_runs_from_a_model_file(tmp_path):
     save_model(tmp_path / "m.model", llama_graph(CFG), w, llama_metadata(CFG)).close()
     got = GraphExecutor(tmp_path / "m.model").run({"tokens": TOKENS})["logits"]
     np.testing.assert_allclose(got, executor(weights=w).run({"tokens": TOKENS})["logits"], rtol=1e-6, atol=1e-6)
+
+
+def test_an_error_inside_a_kernel_names_the_node_its_op_and_inputs():
+    ex = executor(backends=["cpu"])
+    with pytest.raises(KernelError, match=r"^node 0 \(TokenEmbed\) reading tokens i32\[2\], "
+                                          r"model.embed_tokens.weight f32\[64,32\]: TokenEmbed: .*99"):
+        ex.run({"tokens": np.array([1, 99], np.int32)})
+
+
+def test_an_unexpected_exception_in_a_backend_becomes_a_kernel_error_naming_the_node():
+    """Not only the project's own errors: a bare exception from any backend comes out as the
+    project's error, with the node, and the original as its cause."""
+    from dist_runtime.backends.cpu import CpuBackend
+
+    class Broken(CpuBackend):
+        name = "broken"
+
+        def bind(self, node):
+            if node.op_name != "Relu":
+                return super().bind(node)
+
+            def fn(inputs, ctx):
+                raise IndexError("index 7 is out of bounds")
+            return fn
+
+    g = Graph([Node(5, Relu(), ["x"], ["y"])], [TensorSpec((-1, 3), DType.F32)], ["y"], {})
+    ex = GraphExecutor((g, {}), backends=[Broken()], fuse=False)
+    with pytest.raises(KernelError, match=r"node 5 \(Relu\) reading x f32\[2,3\]: index 7 .* \(IndexError\)") as e:
+        ex.run({"x": np.zeros((2, 3), np.float32)})
+    assert isinstance(e.value.__cause__, IndexError)

@@ -19,6 +19,7 @@ from dist_runtime.fusion import (PATTERNS, backend_acceptor, expand_fused_node, 
 from dist_runtime.ir import (Add, FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, Graph, Matmul, Mul, Node,
                              Relu, RmsNorm, Silu, SwiGlu, TensorSpec, decode_graph, encode_graph,
                              graph_from_toml, graph_to_toml, validate_graph)
+from dist_runtime.ir.builder import GraphBuilder
 from dist_runtime.ir.hints import BackendHint
 
 CONFIGS = [
@@ -442,7 +443,7 @@ def test_expansion_only_of_what_is_rejected_and_accepted_ones_stay():
                                              "SwiGlu", "Relu"]
     assert fuse_graph(g) == g  # no accepts: fused nodes stay, nothing else to fuse
     with pytest.raises(ValueError, match="not a fused op"):
-        expand_fused_node(g.nodes[3], 100, set())
+        expand_fused_node(g.nodes[3], GraphBuilder(100))
 
 
 def test_backend_acceptor_follows_the_selection_chain():

@@ -100,9 +100,9 @@ def test_generate_cli_runs_it(converted, capsys):
     ref = reference()
     prompt = ",".join(str(t) for t in ref["prompt"])
     assert main(["generate", str(converted), "--ids", prompt, "-n", "8", "--ignore-eos", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["ids"] == ref["tokens"][:8].tolist()
+    assert json.loads(capsys.readouterr().out)["sessions"][0]["ids"] == ref["tokens"][:8].tolist()
     assert main(["generate", str(converted), "--ids", prompt, "-n", "60"]) == 1
-    assert "exceed the model's context length 64" in capsys.readouterr().err
+    assert "exceed the context length 64" in capsys.readouterr().err
 
 
 # -- checkpoint layouts ----------------------------------------------------------------------------

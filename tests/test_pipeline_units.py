@@ -18,9 +18,9 @@ from dist_runtime.errors import DistRuntimeError, TransportError
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
 from dist_runtime.executor import GraphExecutor
 from dist_runtime.model import load_model, save_model
-from dist_runtime.generation import Request
+from dist_runtime.pipeline.header import StageRecord, StepHeader
 from dist_runtime.pipeline.launch import make_plan
-from dist_runtime.generation import LocalEngine, generate
+from dist_runtime.generation import LocalEngine, Request, generate
 from dist_runtime.sampling import Sampling
 from dist_runtime.pipeline.stage import StageWorker
 from dist_runtime.pipeline.subgraph import cut_stages, stages_for_plan
@@ -170,10 +170,11 @@ def test_telemetry_join_table_and_svg():
     # two sessions, one step each; stage 1 is busy with step 1 when step 2's input is ready
     run.submitted(1, "a", "prefill", 3, 0.000)
     run.submitted(2, "b", "prefill", 2, 0.001)
-    run.add_stage_records(0, [(1, "a", 0.001, 0.011, 0.0001, 0.0098, 0.0001, 0.0),
-                              (2, "b", 0.011, 0.021, 0.0001, 0.0098, 0.0001, 0.011)])
-    run.add_stage_records(1, [(1, "a", 0.012, 0.025, 0.0001, 0.0128, 0.0001, 0.0),
-                              (2, "b", 0.025, 0.035, 0.0001, 0.0098, 0.0001, 0.025)])
+    R = StageRecord
+    run.add_stage_records(0, [R(1, "a", 0.001, 0.011, 0.0001, 0.0098, 0.0001, 0.0),
+                              R(2, "b", 0.011, 0.021, 0.0001, 0.0098, 0.0001, 0.011)])
+    run.add_stage_records(1, [R(1, "a", 0.012, 0.025, 0.0001, 0.0128, 0.0001, 0.0),
+                              R(2, "b", 0.025, 0.035, 0.0001, 0.0098, 0.0001, 0.025)])
     run.token(1, 0.026, 0.0002)
     run.token(2, 0.036, 0.0002)
     run.finish()
@@ -229,3 +230,23 @@ def test_thread_env_lets_idle_threads_sleep_when_oversubscribed():
     assert thread_env(1, 1.0) == {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     assert thread_env(2, 1.0)["OPENBLAS_THREAD_TIMEOUT"] == "4"  # stages taking turns on shared cores
     assert "OPENBLAS_THREAD_TIMEOUT" not in thread_env(2, 2.0)
+
+
+@pytest.mark.parametrize("meta, words", [
+    ({"pos": 0, "step": 1}, "'session' must be an int or a string"),
+    ({"session": True, "pos": 0, "step": 1}, "'session' must be an int or a string"),
+    ({"session": "s", "pos": -1, "step": 1}, "'pos' must be a non-negative integer"),
+    ({"session": "s", "pos": 0, "step": 1.5}, "'step' must be a non-negative integer"),
+    ({"session": "s", "pos": 0, "step": 1, "reset": 1}, "'reset' must be true or false"),
+])
+def test_a_step_header_from_the_wire_is_checked_field_by_field(meta, words):
+    from dist_runtime.errors import TransportError
+
+    with pytest.raises(TransportError, match=words):
+        StepHeader.from_meta(meta)
+
+
+def test_a_step_header_round_trips_through_its_meta():
+    for h in (StepHeader("s", 3, 7), StepHeader(4, 0, 1, reset=True, close=True, all_logits=True)):
+        assert StepHeader.from_meta(h.to_meta()) == h
+    assert StepHeader("s", 3, 7).to_meta() == {"session": "s", "pos": 3, "step": 7}

@@ -41,9 +41,11 @@ class GraphBuilder:
         self._count += 1
         return self.fresh(f"{self.scope}{what}{self._count}")
 
-    def emit(self, op: OpPayload, inputs: Sequence[str], outputs: Sequence[str | None] | str | None = None):
+    def emit(self, op: OpPayload, inputs: Sequence[str], outputs: Sequence[str | None] | str | None = None, *,
+             attrs: dict | None = None, backend_hint: int | None = None, node_id: int | None = None):
         """Append a node; ``outputs`` are names (``None`` entries get a temporary name).  Returns
-        the output name, or the list of names for a multi-output op."""
+        the output name, or the list of names for a multi-output op.  ``node_id`` keeps an id the
+        graph already had (a pass rewriting one node into several); otherwise the next id."""
         n = op.spec.num_outputs(op)
         if outputs is None or isinstance(outputs, str):
             outputs = [outputs] + [None] * (n - 1)
@@ -51,8 +53,9 @@ class GraphBuilder:
         if len(names) != n:
             raise AssertionError(f"{type(op).__name__} has {n} outputs, {len(names)} named")
         self.taken.update(names)
-        self.nodes.append(Node(self.next_id, op, list(inputs), names))
-        self.next_id += 1
+        if node_id is None:
+            node_id, self.next_id = self.next_id, self.next_id + 1
+        self.nodes.append(Node(node_id, op, list(inputs), names, dict(attrs or {}), backend_hint))
         return names[0] if n == 1 else names
 
     def weight(self, name: str, *shape: int) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import StageUnavailableError
+from .cluster import call_all
 
 CHANNELS = ("direct", "chain", "compiled", "driver")
 #: Chosen by measurement (docs/cluster.md, "Choosing the channel").
@@ -116,7 +117,7 @@ class DirectChannel(Channel):
         super().__init__(actors)
         self._up = self._down = None
         token = secrets.token_bytes(links.TOKEN_BYTES)
-        addresses = ray.get([a.open_link.remote(token) for a in self.actors], timeout=connect_timeout)
+        addresses = call_all(self.actors, "open_link", token, timeout=connect_timeout)
         acceptor = links.Acceptor(links.node_ip(), token, timeout=connect_timeout)
         try:
             downstream = [*addresses[1:], acceptor.address]  # each stage connects to the next; the last to us
@@ -162,14 +163,12 @@ class DirectChannel(Channel):
         return frame
 
     def close(self) -> None:
-        import ray
-
         for sock in (self._up, self._down):
             if sock is not None:
                 sock.close()
         self._up = self._down = None
         try:
-            ray.get([a.close_link.remote() for a in self.actors], timeout=10)
+            call_all(self.actors, "close_link", timeout=10)
         except Exception:  # noqa: BLE001 -- closing a pipeline whose actors died already
             pass
 

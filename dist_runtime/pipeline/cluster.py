@@ -51,3 +51,10 @@ def describe() -> dict:
                   for n in nodes],
         "resources": ray.cluster_resources(),
     }
+
+
+def call_all(actors, method: str, *args, timeout: float | None):
+    """``actor.method(*args)`` on every actor at once; their results in order (``ray.get``)."""
+    import ray
+
+    return ray.get([getattr(a, method).remote(*args) for a in actors], timeout=timeout)

@@ -37,6 +37,8 @@ from ..generation import Request, TokenEvent, check_requests
 from ..sampling import Sampling
 from ..transport import decode_message, encode_message
 from .channels import Channel
+from .cluster import call_all
+from .header import StepHeader
 from .subgraph import StageGraph
 from .telemetry import RunTelemetry
 
@@ -123,9 +125,7 @@ class Coordinator:
     # -- session control -----------------------------------------------------------------------
     def reset(self, session: Hashable) -> None:
         """Clear ``session`` on every stage (KV caches, position) and on the driver."""
-        import ray
-
-        ray.get([a.reset.remote(session) for a in self.actors], timeout=self.timeout)
+        call_all(self.actors, "reset", session, timeout=self.timeout)
         state = self.sessions.get(session)
         if state is not None:
             state.pos, state.history, state.generated, state.chunks, state.stale = 0, [], [], [], False
@@ -133,9 +133,7 @@ class Coordinator:
 
     def close_session(self, session: Hashable) -> None:
         """Forget ``session`` everywhere and free its KV caches."""
-        import ray
-
-        ray.get([a.close_session.remote(session) for a in self.actors], timeout=self.timeout)
+        call_all(self.actors, "close_session", session, timeout=self.timeout)
         self.sessions.pop(session, None)
 
     def position(self, session: Hashable) -> int:
@@ -180,8 +178,8 @@ class Coordinator:
         handles = []
         for inputs in batches:
             step = self._next_step()
-            meta = {"session": f"run:{step}", "pos": 0, "step": step, "reset": True, "close": True}
-            handles.append(self.channel.submit(encode_message(dict(inputs), meta)))
+            header = StepHeader(f"run:{step}", 0, step, reset=True, close=True)
+            handles.append(self.channel.submit(encode_message(dict(inputs), header.to_meta())))
         return [decode_message(self.channel.get(h, self.timeout))[0] for h in handles]
 
     # -- generation ----------------------------------------------------------------------------
@@ -361,19 +359,14 @@ class Coordinator:
             raise DistRuntimeError("the graph has no logits output to sample from (no Sample node and no 'logits')")
 
     def _message(self, session, tokens, pos, step, reset, all_logits) -> bytes:
-        meta = {"session": session, "pos": int(pos), "step": step}
-        if reset:
-            meta["reset"] = True
-        if all_logits:
-            meta["logits"] = "all"
-        return encode_message({self.input_name: np.asarray(tokens, dtype=np.int32)}, meta)
+        header = StepHeader(session, int(pos), step, reset=bool(reset), all_logits=bool(all_logits))
+        return encode_message({self.input_name: np.asarray(tokens, dtype=np.int32)}, header.to_meta())
 
     def _collect(self, run: RunTelemetry) -> None:
         """Fetch the stages' records of this run and join them with the driver's."""
-        import ray
 
         try:
-            records = ray.get([a.telemetry.remote() for a in self.actors], timeout=self.timeout)
+            records = call_all(self.actors, "telemetry", timeout=self.timeout)
         except Exception:  # noqa: BLE001 -- telemetry must not mask the run's own outcome
             return
         for k, recs in enumerate(records):

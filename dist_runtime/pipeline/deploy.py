@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from ..errors import DistRuntimeError, StageUnavailableError
+from .cluster import call_all
 from .stage import stage_actor_class, thread_env
 from .options import WEIGHT_SOURCES, StageOptions
 from .subgraph import StageGraph
@@ -100,7 +101,7 @@ def _load_weights(path: Path, stages, actors, options: StageOptions, load_model)
             result["fallback"] = result["reason"]
             del ref  # the actor's views keep the object alive for as long as it needs them
         ray.get(pending, timeout=options.placement_timeout)
-    return ray.get([a.report.remote() for a in actors], timeout=options.placement_timeout)
+    return call_all(actors, "report", timeout=options.placement_timeout)
 
 
 def kill(actors: list) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import DistRuntimeError, TransportError
 from ..transport import decode_message, encode_message
+from .header import StageRecord, StepHeader
 from .subgraph import StageGraph
 from .weights import fingerprint, held_bytes, resident_file_bytes
 
@@ -62,20 +63,6 @@ def limit_threads(threads: int) -> str:
         return "env" if os.environ.get("OPENBLAS_NUM_THREADS") == str(threads) else "none"
     threadpool_limits(threads)
     return "threadpoolctl"
-
-
-def _session_id(meta: dict) -> Hashable:
-    sid = meta.get("session")
-    if isinstance(sid, bool) or not isinstance(sid, (int, str)):
-        raise TransportError(f"meta 'session' must be an int or a string, got {type(sid).__name__}")
-    return sid
-
-
-def _int_field(meta: dict, key: str) -> int:
-    value = meta.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TransportError(f"meta {key!r} must be a non-negative integer, got {value!r}")
-    return value
 
 
 class StageWorker:
@@ -186,19 +173,16 @@ class StageWorker:
             tensors, meta = decode_message(message)
             if meta.get("warmup") is True and not tensors:  # a channel warming up: no work, no record
                 return encode_message({}, {"warmup": True})
-            sid = _session_id(meta)
-            pos = _int_field(meta, "pos")
-            step_id = _int_field(meta, "step")
+            header = StepHeader.from_meta(meta)
             if set(tensors) != set(self.stage.receives):
                 raise TransportError(
                     f"stage {self.stage.index} receives {list(self.stage.receives)}, the message "
                     f"holds {sorted(tensors)}")
             with self._lock:
                 t1 = time.perf_counter()
-                outputs = self._run(tensors, meta, sid, pos)
+                outputs = self._run(tensors, header)
                 t2 = time.perf_counter()
-            out_meta = {k: meta[k] for k in ("session", "pos", "step", "reset", "close", "logits") if k in meta}
-            reply = encode_message(outputs, out_meta)
+            reply = encode_message(outputs, header.to_meta())
         except BaseException:
             self.errors += 1
             self._last_end = time.time()
@@ -206,34 +190,34 @@ class StageWorker:
         t3 = time.perf_counter()
         end = time.time()
         with self._lock:
-            self._records.append((step_id, sid, start, end, t1 - t0, t2 - t1, t3 - t2, self._last_end))
+            self._records.append(StageRecord(header.step, header.session, start, end, t1 - t0, t2 - t1, t3 - t2,
+                                             self._last_end))
             self._last_end = end
             self.steps += 1
         return reply
 
-    def _run(self, tensors: dict, meta: dict, sid: Hashable, pos: int) -> dict:
-        stage, ex = self.stage, self._executor
+    def _run(self, tensors: dict, header: StepHeader) -> dict:
+        stage, ex, sid = self.stage, self._executor, header.session
         outputs = {name: tensors[name] for name in stage.forwards}
         if ex is not None:
             known = ex.sessions()
             if len(known) >= self.max_sessions and sid not in known:
                 raise DistRuntimeError(f"stage {stage.index} already holds {self.max_sessions} sessions")
-            if meta.get("reset"):
+            if header.reset:
                 ex.reset(sid)
-            outputs.update(ex.run({n: tensors[n] for n in stage.executor_inputs}, session=sid, pos=pos))
-            if meta.get("close"):  # a one-off pass (Coordinator.run): keep no session state
+            outputs.update(ex.run({n: tensors[n] for n in stage.executor_inputs}, session=sid, pos=header.pos))
+            if header.close:  # a one-off pass (Coordinator.run): keep no session state
                 ex.close_session(sid)
         elif self.source is None and stage.weights:
             raise DistRuntimeError(f"stage {stage.index} has no weights loaded")
         logits = stage.logits
-        if logits is not None and meta.get("logits") != "all" and logits in outputs:
+        if logits is not None and not header.all_logits and logits in outputs:
             outputs[logits] = outputs[logits][-1:]  # the driver samples from the last row only
         return {name: outputs[name] for name in stage.sends}
 
     # -- reports -------------------------------------------------------------------------------
-    def telemetry(self) -> list[tuple]:
-        """Records since the last call: (step, session, start, end, decode, compute, encode,
-        previous end), times in seconds."""
+    def telemetry(self) -> list[StageRecord]:
+        """Records since the last call."""
         with self._lock:
             records = list(self._records)
             self._records.clear()

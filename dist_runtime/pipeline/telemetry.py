@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Hashable
 
+from .header import StageRecord
+
 
 @dataclass
 class StageTiming:
@@ -94,13 +96,13 @@ class RunTelemetry:
         if rec is not None:
             rec.done, rec.error = at, f"{type(error).__name__}: {error}"
 
-    def add_stage_records(self, stage: int, records: list[tuple]) -> None:
+    def add_stage_records(self, stage: int, records: list[StageRecord]) -> None:
         """Records from ``StageWorker.telemetry()``; steps of other runs are ignored."""
-        for step, _sid, start, end, decode, compute, encode, previous_end in records:
-            rec = self.steps.get(step)
+        for r in records:
+            rec = self.steps.get(r.step)
             if rec is not None:
-                rec.stages.append(StageTiming(stage, start, end, decode, compute, encode))
-                self._idle_from[(stage, step)] = previous_end
+                rec.stages.append(StageTiming(stage, r.start, r.end, r.decode, r.compute, r.encode))
+                self._idle_from[(stage, r.step)] = r.previous_end
 
     def finish(self) -> None:
         """Join driver and stage records: queue wait and transfer of every stage of every step."""

@@ -1,0 +1,68 @@
+"""What travels with a step's tensors through every stage, and what a stage records of a step.
+
+The header is the message's meta map (``transport.encode_message``): the session, the position of
+the step's first row, the step's number and three flags.  Stages echo it in their reply, so the
+last stage's reply names the step it answers.  Read from the wire, every field is checked before it
+is used: a bad one is a ``TransportError`` that fails that message only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..errors import TransportError
+
+
+@dataclass(frozen=True)
+class StepHeader:
+    session: int | str
+    pos: int  # the position of the step's first row in the session
+    step: int  # the coordinator's step number (telemetry joins records on it)
+    reset: bool = False  # clear the session's KV caches first (its first step, or a replay)
+    close: bool = False  # forget the session after this pass (a one-off pass of a stateless graph)
+    all_logits: bool = False  # the last stage returns every row's logits, not only the last row's
+
+    def to_meta(self) -> dict:
+        meta = {"session": self.session, "pos": self.pos, "step": self.step}
+        meta.update({k: True for k in ("reset", "close") if getattr(self, k)})
+        if self.all_logits:
+            meta["logits"] = "all"
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> StepHeader:
+        session = meta.get("session")
+        if isinstance(session, bool) or not isinstance(session, (int, str)):
+            raise TransportError(f"meta 'session' must be an int or a string, got {type(session).__name__}")
+        return cls(session, _count(meta, "pos"), _count(meta, "step"), _flag(meta, "reset"), _flag(meta, "close"),
+                   meta.get("logits") == "all")
+
+
+def _count(meta: dict, key: str) -> int:
+    value = meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TransportError(f"meta {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _flag(meta: dict, key: str) -> bool:
+    value = meta.get(key, False)
+    if not isinstance(value, bool):
+        raise TransportError(f"meta {key!r} must be true or false, got {value!r}")
+    return value
+
+
+class StageRecord(NamedTuple):
+    """One step as a stage saw it: wall-clock start and end (to line stages up on one timeline),
+    the seconds spent decoding, computing and encoding, and when the stage's previous call ended
+    (queue wait is measured from it)."""
+
+    step: int
+    session: int | str
+    start: float
+    end: float
+    decode: float
+    compute: float
+    encode: float
+    previous_end: float
