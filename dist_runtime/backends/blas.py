@@ -87,7 +87,7 @@ def _f32(w: np.ndarray) -> np.ndarray:
     return w if w.dtype == F32 else np.ascontiguousarray(w, F32)
 
 
-def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def _rms_numpy(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RmsNorm in F32: ``x / sqrt(mean(x^2) + eps) * weight``."""
     ms = np.einsum("...k,...k->...", x, x)[..., None]
     ms /= max(x.shape[-1], 1)
@@ -102,7 +102,7 @@ def _lin(packed: PackCache, x: np.ndarray, slot: int, w: np.ndarray) -> np.ndarr
     return x @ packed(slot, w).T
 
 
-def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+def _silu_mul_numpy(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """``silu(g) * u`` in place in ``g`` (both fresh F32 products)."""
     with np.errstate(over="ignore"):
         d = np.exp(-g)
@@ -144,7 +144,7 @@ def _matmul(op: Matmul, packed: PackCache) -> BoundKernel:
 def _norm_matmul(op: FusedNormMatmul, packed: PackCache) -> BoundKernel:
     def run(inputs, ctx):
         x, norm_w, w = inputs
-        return (_lin(packed, _rms(_f32(x), _f32(norm_w), op.eps), 2, w).astype(x.dtype, copy=False),)
+        return (_lin(packed, _rms_numpy(_f32(x), _f32(norm_w), op.eps), 2, w).astype(x.dtype, copy=False),)
     return run
 
 
@@ -152,7 +152,7 @@ def _swiglu(op: FusedSwiGlu, packed: PackCache) -> BoundKernel:
     def run(inputs, ctx):
         x, w_gate, w_up = inputs
         xf = _f32(x)
-        return (_silu_mul(_lin(packed, xf, 1, w_gate), _lin(packed, xf, 2, w_up)).astype(x.dtype, copy=False),)
+        return (_silu_mul_numpy(_lin(packed, xf, 1, w_gate), _lin(packed, xf, 2, w_up)).astype(x.dtype, copy=False),)
     return run
 
 

@@ -185,7 +185,7 @@ def _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
 
 
 @_jit
-def _silu_mul(gate, up):
+def _silu_mul_compiled(gate, up):
     """``gate = silu(gate) * up``, in place (both fresh, contiguous 1-D products)."""
     for i in range(gate.shape[0]):
         g = gate[i]
@@ -201,7 +201,7 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x)
 
 
-def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def _rms_compiled(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RmsNorm of F32 ``x`` over its last dim, any rank."""
     out = np.empty(x.shape, F32)
     _rms_rows(_rows(x), weight, eps, out.reshape(-1, x.shape[-1]))
@@ -221,7 +221,7 @@ def _bind_rms_norm(backend: NumbaBackend, node: Node) -> BoundKernel:
         x, weight = inputs
         if not (_is_f32(x, weight) and weight.shape == x.shape[-1:]):
             return reference(inputs, ctx)
-        return (_rms(x, weight, op.eps),)
+        return (_rms_compiled(x, weight, op.eps),)
     return run
 
 
@@ -250,7 +250,7 @@ def _bind_swiglu(backend: NumbaBackend, node: Node) -> BoundKernel:
                 and w_gate.shape[1] == x.shape[-1]):
             return reference(inputs, ctx)
         gate, up = x @ w_gate.T, x @ w_up.T
-        _silu_mul(gate.reshape(-1), up.reshape(-1))
+        _silu_mul_compiled(gate.reshape(-1), up.reshape(-1))
         return (gate,)
     return run
 
@@ -263,7 +263,7 @@ def _bind_norm_matmul(backend: NumbaBackend, node: Node) -> BoundKernel:
         if not (_is_f32(x, norm_weight, w) and norm_weight.shape == x.shape[-1:]
                 and w.shape[1] == x.shape[-1]):
             return reference(inputs, ctx)
-        return (_rms(x, norm_weight, op.eps) @ w.T,)
+        return (_rms_compiled(x, norm_weight, op.eps) @ w.T,)
     return run
 
 

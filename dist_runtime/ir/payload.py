@@ -38,9 +38,13 @@ DTypeTag = Annotated[DType, Wire("dtype", "<B")]  # u8 dtype tag
 Ints = Annotated[tuple[int, ...], Wire("i64[]", None, -(2**63), 2**63 - 1)]  # u32 n + i64 × n
 
 
-def _f32(x: float) -> float:
-    """Round to the nearest f32, so that a payload equals itself after a binary round trip."""
-    return struct.unpack("<f", struct.pack("<f", x))[0]
+def round_f32(x: float) -> float:
+    """``x`` rounded to f32 (+-inf beyond its range), as a payload holds it: a payload equals
+    itself after a binary round trip, and the TOML and text forms print what it holds."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 # -- payload base class ------------------------------------------------------------------------
@@ -67,7 +71,7 @@ def _check_field(payload: OpPayload, f: Field, value: object) -> object:
             raise GraphValidationError(f"{where} must be a number, got {value!r}")
         if math.isnan(value):  # meaningless in every payload, and NaN bits do not round-trip
             raise GraphValidationError(f"{where} must not be NaN")
-        return _f32(float(value))
+        return round_f32(float(value))
     if wire.name == "dtype":
         try:
             return DType(value)

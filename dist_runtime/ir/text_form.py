@@ -29,12 +29,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import struct
 from collections.abc import Mapping
 
 from ..dtypes import DType
 from .graph import AttrValue, Graph, Node, TensorSpec
-from .payload import Field
+from .payload import Field, round_f32
 from .toml_form import shortest_f32
 
 _NAME_CHARS = frozenset("_.-/:")
@@ -101,16 +100,8 @@ def _same(value: object, default: object) -> bool:
         # Defaults are declared as Python floats; the payload holds them rounded to f32.
         if math.isnan(value) or math.isnan(default):
             return math.isnan(value) and math.isnan(default)
-        return value == _as_f32(default)
+        return value == round_f32(default)
     return value == default
-
-
-def _as_f32(x: float) -> float:
-    """``x`` rounded to f32 (inf when it overflows), as a payload holds it."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
 
 
 def _spec_text(spec: TensorSpec | None) -> str:

@@ -54,7 +54,7 @@ from ..errors import GraphValidationError, ModelFormatError
 from ..safe_toml import MAX_TOML_BYTES, parse_toml  # noqa: F401  (the limit is part of this API)
 from .codec import MAX_RANK
 from .graph import POS, AttrValue, Graph, Node, TensorSpec
-from .payload import OPS_BY_NAME, Wire
+from .payload import OPS_BY_NAME, Wire, round_f32
 
 #: A TOML text larger than this (in UTF-8 bytes) is rejected before it is parsed.
 
@@ -113,11 +113,8 @@ def shortest_f32(x: float) -> float:
         return x
     for digits in range(1, 10):
         candidate = float(f"{x:.{digits}g}")
-        try:
-            if struct.unpack("<f", struct.pack("<f", candidate))[0] == x:
-                return candidate
-        except OverflowError:
-            continue
+        if round_f32(candidate) == x:
+            return candidate
     return x
 
 
