@@ -13,7 +13,25 @@ from .units import parse_bytes
 
 #: Exit statuses: a problem with the model, the plan or the run; a usage error (argparse's);
 #: Ctrl-C, as a shell reports a process that SIGINT ended (128 + 2).
-FAILED, USAGE, INTERRUPTED = 1, 2, 128 + 2
+FAILED, USAGE, INTERRUPTED, TERMINATED = 1, 2, 128 + 2, 128 + 15
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that it is torn down as Ctrl-C tears it down
+    (pipelines closed, an embedded Ray stopped) and exits with one line, not a stack dump."""
+
+
+def raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def handle_sigterm() -> None:
+    """SIGTERM raises :class:`Terminated` in the main thread (a command's ``main`` calls this)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_terminated)
 
 
 def positive_int(text: str) -> int:
@@ -59,6 +77,7 @@ def run_command(func, args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"error: cannot open {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return FAILED
-    except KeyboardInterrupt:  # Ctrl-C: what was printed stands; no traceback
-        print(f"\ndist-runtime {getattr(args, 'command', '') or ''}: interrupted".rstrip(), file=sys.stderr)
-        return INTERRUPTED
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: what was printed stands; no traceback
+        what = "terminated" if isinstance(e, Terminated) else "interrupted"
+        print(f"\ndist-runtime {getattr(args, 'command', '') or ''}: {what}".rstrip(), file=sys.stderr)
+        return TERMINATED if isinstance(e, Terminated) else INTERRUPTED

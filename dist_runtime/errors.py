@@ -37,7 +37,8 @@ class InfeasiblePlanError(DistRuntimeError):
     the total but no contiguous split, a context too long for the budgets, more stages than nodes.
 
     ``kind`` names the case for programs (``"node_too_large"``, ``"total_too_large"``,
-    ``"contiguity"``, ``"context"``, ``"no_machines"``, ``"empty_graph"``, ``"more_stages_than_nodes"``)
+    ``"contiguity"``, ``"context"``, ``"no_machines"``, ``"empty_graph"``, ``"more_stages_than_nodes"``,
+    ``"too_large"``)
     and ``details`` holds its numbers."""
 
     def __init__(self, message: str, kind: str = "infeasible", details: dict | None = None) -> None:
@@ -53,6 +54,11 @@ class TransportError(DistRuntimeError):
 
 class SamplingError(DistRuntimeError):
     """Sampling settings that contradict each other or are out of range; the message says which."""
+
+
+class ClusterError(DistRuntimeError):
+    """The Ray cluster cannot be reached, joined or used as asked: an address that is not one,
+    nothing listening there, a missing token, or resources no node has."""
 
 
 class StageUnavailableError(DistRuntimeError):

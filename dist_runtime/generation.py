@@ -72,21 +72,27 @@ def check_requests(requests: Sequence[Request], *, vocab: int | None = None, con
                                    f"exceed the context length {context}")
 
 
+def generative_io(graph) -> tuple[str, str]:
+    """(token input, logits output) of a graph that can generate; a ``DistRuntimeError`` saying
+    what to do instead for one that cannot (an encoder)."""
+    from .pipeline.subgraph import driver_outputs
+
+    _, logits = driver_outputs(graph)
+    names = graph.input_names
+    if logits is None or len(names) != 1:
+        raise DistRuntimeError(f"this graph cannot generate: it needs one token input and a 'logits' output "
+                               f"(inputs {names}, outputs {graph.outputs}); for sentence embeddings use "
+                               f"`dist-runtime embed`")
+    return names[0], logits
+
+
 class LocalEngine:
     """Requests on one ``GraphExecutor`` in this process, sessions interleaved step by step (round
     robin, as the pipeline interleaves them) so that a leak between sessions would show."""
 
     def __init__(self, executor) -> None:
-        from .pipeline.subgraph import driver_outputs
-
         self.executor = executor
-        _, self.logits_name = driver_outputs(executor.graph)
-        names = executor.graph.input_names
-        if self.logits_name is None or len(names) != 1:
-            raise DistRuntimeError("this graph cannot generate: it needs one token input and a 'logits' "
-                                   f"output (inputs {names}, outputs {executor.graph.outputs}); for an "
-                                   "encoder use `dist-runtime embed`")
-        self.input_name = names[0]
+        self.input_name, self.logits_name = generative_io(executor.graph)
 
     def _step(self, session: Hashable, tokens: Sequence[int]) -> np.ndarray:
         return self.executor.run({self.input_name: np.asarray(tokens, np.int32)}, session=session)[self.logits_name]

@@ -620,14 +620,16 @@ def save_model(
     metadata: Mapping | None = None,
     *,
     graph_format: str = "binary",
+    progress: bool = True,
 ) -> Model:
     """Write a ``.model`` file atomically and return it loaded (``validate=False``).
 
     Tensors are laid out in ``weights``' order, each at a multiple of 64 bytes.  The stored
     graph's ``weights`` are filled from the resulting index; if ``graph.weights`` is already
     filled, its names, shapes and dtypes must agree with ``weights``.  ``graph_format``:
-    ``"binary"`` (canonical ``~~~graph``) or ``"toml"`` (``~~~graph.toml``).  The graph is not
-    validated here; :func:`load_model` validates.
+    ``"binary"`` (canonical ``~~~graph``) or ``"toml"`` (``~~~graph.toml``).  ``progress`` shows
+    a bar while large weights are written.  The graph is not validated here; :func:`load_model`
+    validates.
     """
     if graph_format not in ("binary", "toml"):
         raise ValueError(f"graph_format must be 'binary' or 'toml', got {graph_format!r}")
@@ -678,7 +680,7 @@ def save_model(
             if index:
                 f.write(_header("weights", end, at))
                 at = _align(at + len(f"~~~weights {end}\n")) + end
-                _write_weights(f, plan, index, end, path.name)
+                _write_weights(f, plan, index, end, path.name if progress else None)
             f.write(_header(END, 0, at))
             f.flush()
             os.fsync(f.fileno())
@@ -693,8 +695,8 @@ def save_model(
     return load_model(path, validate=False)
 
 
-def _write_weights(f, plan: Sequence, index: dict[str, TensorSpec], total: int, desc: str) -> None:
-    bar = _progress(total, desc)
+def _write_weights(f, plan: Sequence, index: dict[str, TensorSpec], total: int, desc: str | None) -> None:
+    bar = _progress(total, desc) if desc is not None else None
     pos = 0
     try:
         for name, dtype, value in plan:

@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from dist_runtime.errors import DistRuntimeError, GraphValidationError, ModelFormatError
+from dist_runtime.errors import DistRuntimeError, GraphValidationError, InfeasiblePlanError, ModelFormatError
 from dist_runtime.ir.graph import POS, Graph, TensorSpec
 from dist_runtime.ir.shape_rules import ShapeError
 from dist_runtime.ir.validate import POS_SPEC, infer_shapes
@@ -109,6 +109,20 @@ def graph_costs(
     return _costs(graph, list(order), max_context, sessions, microbatches, tokens)
 
 
+#: The solver sums costs in int64 prefix sums: totals at or above this would wrap silently.
+INT64_BOUND = 2**62
+
+
+def _fits_int64(values: list[int], what: str, request: str) -> np.ndarray:
+    """``values`` as int64, refused when their total would not fit (a context no machine holds)."""
+    total = sum(values)
+    if total >= INT64_BOUND:
+        raise InfeasiblePlanError(f"the {what} of this graph at {request} add up to {total:.3e}, beyond what "
+                                  f"any machine holds (2**62): lower --max-context or --sessions",
+                                  "too_large", {"what": what, "total": total})
+    return np.array(values, dtype=np.int64)
+
+
 class _OutOfOrder(Exception):
     """A node consumes a name that a later node produces."""
 
@@ -119,12 +133,14 @@ def _costs(graph, order, max_context, sessions, microbatches, tokens) -> CostMod
     size_of = _Sizer(max_context)
     facts, inputs = _infer(graph, nodes, order, tokens, size_of)
     names, use_pos, use_weight, last = _uses(nodes, graph.weights)
-    table = _tensor_table(nodes, facts, inputs, last, graph.outputs, size_of, microbatches)
+    request = f"max_context {max_context}, {sessions} session(s), {microbatches} micro-batch(es)"
+    table = _tensor_table(nodes, facts, inputs, last, graph.outputs, size_of, microbatches, request)
+    scratch = _fits_int64([f[4] * microbatches for f in facts], "scratch bytes", request)
     live, cut = live_and_cut(n, table)
-    live += np.array([f[4] for f in facts], dtype=np.int64) * microbatches  # scratch inside a node
+    live += scratch  # scratch inside a node
     return CostModel(
-        compute=np.array([f[2] for f in facts], dtype=np.int64),
-        kv=np.array([sum(f[1]) * sessions if f[3] else 0 for f in facts], dtype=np.int64),
+        compute=_fits_int64([f[2] for f in facts], "FLOPs", request),
+        kv=_fits_int64([sum(f[1]) * sessions if f[3] else 0 for f in facts], "KV cache bytes", request),
         live=live, cut=cut, weight_names=names,
         weight_bytes=_weight_bytes([graph.weights[w] for w in names]), use_pos=use_pos, use_weight=use_weight,
         node_ids=np.array([node.id for node in nodes], dtype=np.int64),
@@ -217,12 +233,12 @@ def _missing(node, name: str) -> GraphValidationError:
     )
 
 
-def _tensor_table(nodes, facts, inputs, last, outputs, size_of, microbatches) -> TensorTable:
+def _tensor_table(nodes, facts, inputs, last, outputs, size_of, microbatches, request) -> TensorTable:
     """Graph inputs (produced at -1) and every node output, with sizes and lifetimes."""
     n = len(nodes)
     names = [*inputs, *chain.from_iterable(node.outputs for node in nodes)]
-    size = np.array([*(size_of(s)[1] for s in inputs.values()), *chain.from_iterable(f[1] for f in facts)],
-                    dtype=np.int64)
+    sizes = [*(size_of(s)[1] for s in inputs.values()), *chain.from_iterable(f[1] for f in facts)]
+    size = _fits_int64([b * microbatches for b in sizes], "activation bytes", request) // microbatches
     count = np.array([len(f[1]) for f in facts], dtype=np.int64)
     producer = np.concatenate([np.full(len(inputs), -1, dtype=np.int64), np.repeat(np.arange(n), count)])
     view = np.concatenate([np.zeros(len(inputs), dtype=bool), np.repeat([f[3] for f in facts], count)])

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from fractions import Fraction
 
+from dist_runtime.errors import DistRuntimeError
 from dist_runtime.units import format_bytes
 
 FORMAT = "dist-runtime-plan/1"
@@ -109,8 +110,17 @@ class Plan:
         return plan
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, where: str = "the plan") -> Plan:
+        """A plan written by ``to_json`` (``partition -o``); anything else is a ``DistRuntimeError``
+        naming ``where`` and what is wrong."""
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise DistRuntimeError(f"{where} is not JSON ({e.msg} at line {e.lineno} column {e.colno}): "
+                                   f"write one with `dist-runtime partition MODEL -o PLAN.json`") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DistRuntimeError(f"{where} is not a plan written by `dist-runtime partition -o` "
+                                   f"({type(e).__name__}: {e})") from None
 
     # -- text --------------------------------------------------------------------------------
     def table(self) -> str:

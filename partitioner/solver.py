@@ -357,7 +357,7 @@ def check_request(costs: CostModel, machines: Sequence[Machine], allow_empty: bo
         raise infeasible(
             "more_stages_than_nodes",
             f"{len(machines)} stages were requested but there are only {costs.n} {unit} to place: "
-            f"ask for at most {costs.n} stages, or allow empty stages",
+            f"ask for at most {costs.n} stages (or let machines stay empty: `dist-runtime partition --allow-empty`)",
             stages=len(machines), nodes=costs.n,
         )
 

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..commands import positive_int, run_command, size
+from ..commands import handle_sigterm, positive_int, run_command, size
 from ..errors import DistRuntimeError
 from ..importers import DTYPES
 from ..partitioner.cli import register as register_partition
@@ -263,9 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Write a small random-weight Llama-architecture model "
                                     "(seeded; Hugging Face weight names).")
     ex.add_argument("-o", "--out", default="out/tiny-llama.model", help="output path (default: %(default)s)")
-    for flag, default in (("vocab", 256), ("hidden", 64), ("layers", 2), ("heads", 4),
-                          ("kv-heads", 2), ("ffn", 128), ("seed", 0)):
-        ex.add_argument(f"--{flag}", type=int, default=default, help=f"(default: {default})")
+    for flag, default in (("vocab", 256), ("hidden", 64), ("layers", 2), ("heads", 4), ("kv-heads", 2), ("ffn", 128)):
+        ex.add_argument(f"--{flag}", type=positive_int, default=default, help=f"(default: {default})")
+    ex.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     ex.set_defaults(func=cmd_example)
 
     cv = sub.add_parser("convert", help="Convert a model (Hugging Face directory, .gguf or .onnx) to a "
@@ -293,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    handle_sigterm()
     return run_command(args.func, args)
 
 

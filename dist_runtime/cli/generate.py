@@ -87,6 +87,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return USAGE
     if args.command == "pipeline" and not wants_pipeline(args):
         raise DistRuntimeError("give --stages N, --budgets (one size per stage) or --plan PLAN.json")
+    if wants_pipeline(args):
+        _check_before_ray(args)
     job = _Job.open(args, sampling)
     if wants_pipeline(args):
         return _run_on_pipeline(args, job)
@@ -107,11 +109,14 @@ class _Job:
 
     @classmethod
     def open(cls, args, sampling) -> _Job:
-        from ..generation import Request, check_requests, stop_ids
+        from ..generation import Request, check_requests, generative_io, stop_ids
         from ..model import load_model
 
         with load_model(args.model, tensors=[]) as model:
             metadata = model.metadata
+            if model.graph is None:
+                raise DistRuntimeError(f"{args.model} has no graph section: there is nothing to run")
+            generative_io(model.graph)
         tokenizer = _tokenizer(args, metadata)
         prompt = args.ids if args.ids is not None else tokenizer.encode(args.prompt)
         stop = frozenset() if args.ignore_eos else stop_ids(metadata)
@@ -244,6 +249,22 @@ def _print_pipeline(args, pipeline: dict) -> None:
               else "check: FAILED, tokens differ from one process")
 
 
+def _check_before_ray(args) -> None:
+    """What can be refused before Ray starts (which takes seconds): every session must fit a stage,
+    and the timeline must be writable (not found out after the run, with its tokens lost)."""
+    from ..pipeline.options import MAX_SESSIONS
+
+    if args.sessions > MAX_SESSIONS:
+        raise DistRuntimeError(f"--sessions {args.sessions}: a stage holds at most {MAX_SESSIONS} sessions")
+    if args.timeline:
+        import os
+
+        folder = os.path.dirname(os.path.abspath(args.timeline))
+        if os.path.isdir(args.timeline) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise DistRuntimeError(f"--timeline {args.timeline}: cannot write a file there "
+                                   f"({'a directory' if os.path.isdir(args.timeline) else 'no writable folder ' + folder})")
+
+
 def open_pipeline(args, sessions: int):
     """``Pipeline`` for the parsed deployment options (see ``pipeline.options``)."""
     from pathlib import Path
@@ -254,11 +275,11 @@ def open_pipeline(args, sessions: int):
     if args.plan:
         from ..partitioner.plan import Plan
 
-        plan = Plan.from_json(Path(args.plan).read_text())
+        plan = Plan.from_json(Path(args.plan).read_text(), where=f"--plan {args.plan}")
     return Pipeline(args.model, plan=plan, stages=args.stages, budgets=args.budgets, speeds=args.speeds,
                     reserve=args.reserve, max_context=args.max_context, sessions=sessions,
                     channel=args.channel, options=stage_options(args), address=args.address,
-                    num_cpus=args.num_cpus, timeout=args.timeout)
+                    num_cpus=args.num_cpus, timeout=args.timeout, connect_timeout=args.connect_timeout)
 
 
 @contextlib.contextmanager

@@ -49,8 +49,21 @@ def detect_format(source: str | Path) -> str:
                            f"a .gguf file or an .onnx file")
 
 
+def check_output(out: str | Path) -> None:
+    """Refuse, before any conversion work, an output path that cannot be written."""
+    import os
+
+    out = Path(out)
+    if out.is_dir():
+        raise DistRuntimeError(f"-o {out} is a directory: give the file to write, e.g. {out / 'model.model'}")
+    folder = next((p for p in [out.parent, *out.parent.parents] if p.exists()), Path("."))
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise DistRuntimeError(f"-o {out}: cannot create files in {folder}")
+
+
 def convert(source: str | Path, out: str | Path, dtype: str | None = None, *, progress: bool = False):
     """Convert ``source`` (any supported format) to ``out``; returns a ``common.ConvertReport``."""
+    check_output(out)
     module, func = IMPORTERS[detect_format(source)]
     convert_fn = getattr(importlib.import_module(f"{__name__}.{module}"), func)
     return convert_fn(source, out, dtype, progress=progress)

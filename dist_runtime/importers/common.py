@@ -123,8 +123,10 @@ class ConvertReport:
         return d
 
 
-def write_imported(imported: Imported, out: str | Path, source_format: str, started: float | None = None) -> ConvertReport:
-    """Write ``imported`` to ``out`` (and its tokenizer to :func:`tokenizer_path_for`)."""
+def write_imported(imported: Imported, out: str | Path, source_format: str, started: float | None = None, *,
+                   progress: bool = False) -> ConvertReport:
+    """Write ``imported`` to ``out`` (and its tokenizer to :func:`tokenizer_path_for`); a bar
+    shows the write of large weights with ``progress``."""
     from ..model import save_model
 
     start = time.perf_counter() if started is None else started
@@ -135,7 +137,7 @@ def write_imported(imported: Imported, out: str | Path, source_format: str, star
     if imported.tokenizer is not None:
         tokenizer = tokenizer_path_for(out)
         metadata["tokenizer"] = tokenizer.name
-    model = save_model(out, imported.graph, imported.weights, metadata)
+    model = save_model(out, imported.graph, imported.weights, metadata, progress=progress)
     size = sum(s.size for s in model.index.values())
     model.close()
     if isinstance(imported.tokenizer, (bytes, bytearray)):

@@ -661,6 +661,6 @@ def convert_gguf(source: str | Path, out: str | Path, dtype: str | None = None, 
     """``dist-runtime convert FILE.gguf``: write ``out`` and, when one could be built, a tokenizer
     beside it (``report.tokenizer`` is None when not)."""
     start = time.perf_counter()
-    return write_imported(load(source, dtype, progress=progress), out, "gguf", start)
+    return write_imported(load(source, dtype, progress=progress), out, "gguf", start, progress=progress)
 
 

@@ -14,30 +14,146 @@ covers tokens and TLS.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
+import socket
+
+from ..errors import ClusterError
 
 NAMESPACE = "dist-runtime"
 
+#: Seconds to reach a cluster given by --address / RAY_ADDRESS before giving up (``--connect-timeout``).
+CONNECT_TIMEOUT = 30.0
+
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+_TOKEN_HINT = ("if the cluster uses token authentication (RAY_AUTH_MODE=token), this driver needs the same token: "
+               "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN, or the token file at RAY_AUTH_TOKEN_PATH "
+               "(default ~/.ray/auth_token)")
+
+
+def cluster_address(address: str | None) -> str | None:
+    """The cluster to join (``--address``, else ``RAY_ADDRESS``), checked, or None for an embedded
+    Ray.  Refuses at once what Ray would hang on or fail on with a traceback."""
+    given, where = (address, "--address") if address else (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
+    if not given:
+        return None
+    if given == "auto":
+        return given
+    if re.match(r"^https?://", given):
+        raise ClusterError(f"{where}={given} is the address of Ray's jobs API and dashboard (what `ray job submit` "
+                           f"takes), not a cluster to join: give the head node's HOST:PORT (port 6379 by "
+                           f"default), or 'auto' on a node of the cluster"
+                           + (", or unset RAY_ADDRESS for an embedded local Ray" if where == "RAY_ADDRESS" else ""))
+    if not _HOST_PORT.match(given) or not 0 < int(_HOST_PORT.match(given).group(2)) < 65536:
+        raise ClusterError(f"{where}={given!r} is not a cluster address: give HOST:PORT (the head node's GCS "
+                           f"port, 6379 by default) or 'auto' (the cluster started on this machine)")
+    return given
+
+
+def _reachable(address: str, timeout: float) -> None:
+    host, port = _HOST_PORT.match(address).groups()
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except socket.gaierror as e:
+        raise ClusterError(f"cannot reach the Ray cluster at {address}: unknown host {host!r} ({e.strerror})") from None
+    except OSError as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise ClusterError(f"cannot reach the Ray cluster at {address}: {why}. Is `ray start --head` running "
+                           f"there, and is the port open to this machine?") from None
+
 
 def connect(address: str | None = None, *, num_cpus: int | None = None, namespace: str = NAMESPACE,
-            quiet: bool = True) -> bool:
+            quiet: bool = True, timeout: float = CONNECT_TIMEOUT) -> bool:
     """Make sure this process is connected to Ray; returns True if this call started or joined it
-    (so the caller should shut it down), False if Ray was already initialised."""
+    (so the caller should shut it down), False if Ray was already initialised.
+
+    Joins a cluster only when asked (``address`` or ``RAY_ADDRESS``), within ``timeout`` seconds,
+    with a ``ClusterError`` naming the address (and the token, when that may be why) otherwise.
+    """
+    target = cluster_address(address)  # before importing Ray: a bad address is refused at once
+    if target is not None:
+        _token_if_present()
     import ray
 
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
-        ray.init(address=address, namespace=namespace, log_to_driver=not quiet)
-    else:
+    with _keeping_sigterm():
+        return _init(ray, target, num_cpus, namespace, quiet, timeout)
+
+
+@contextlib.contextmanager
+def _keeping_sigterm():
+    """``ray.init`` installs its own SIGTERM handlers (exit at once, or drain the node): keep the
+    process's own, so a command is torn down as it chose (``commands.Terminated``)."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if previous not in (None, signal.SIG_DFL):  # a handler the process chose, not the default
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init(ray, target: str | None, num_cpus, namespace: str, quiet: bool, timeout: float) -> bool:
+    if target is None:
         # Embedded: always a fresh private instance ("local"), never one that Ray's session file
         # names (a stale or foreign cluster there would be joined, or waited for forever).  No
         # dashboard; Ray's own servers still listen on the node's address, and what guards them
-        # is Ray's token authentication, on by default (docs/security.md).
+        # is Ray's token authentication, which Ray turns on for a new local instance and then
+        # announces on every run: the note is dropped (docs/security.md says it once).
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
                  log_to_driver=not quiet, configure_logging=not quiet)
+        return True
+    if target == "auto":
+        target = _started_here()
+    _reachable(target, min(timeout, 10.0))
+    # Ray retries an unanswered GCS for a minute by default: bound it by the deadline.
+    os.environ.setdefault("RAY_gcs_rpc_server_connect_timeout_s", str(max(1, int(timeout))))
+    try:
+        ray.init(address=target, namespace=namespace, log_to_driver=not quiet)
+    except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ClusterError(f"cannot join the Ray cluster at {target}: {why}; {_TOKEN_HINT}") from None
     return True
+
+
+def _token_if_present() -> None:
+    """Joining a cluster with a token at hand (``RAY_AUTH_TOKEN``, or the file ``ray start`` and
+    ``ray get-auth-token --generate`` write): present it, as Ray's own CLI does.  Ray reads the
+    mode once, when it is imported, so this must run first; an explicit RAY_AUTH_MODE wins."""
+    import sys
+
+    if "RAY_AUTH_MODE" in os.environ or "ray" in sys.modules:
+        return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(path):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def _started_here() -> str:
+    """What ``--address auto`` means here: the cluster that ``ray start`` last started on this
+    machine (the address it wrote in Ray's temporary folder) -- never any Ray process found
+    running, which may be another program's private instance (Ray's own fallback for "auto")."""
+    from ray._common.utils import get_ray_address_file
+
+    path = get_ray_address_file(None)
+    try:
+        with open(path) as f:
+            address = f.read().strip()
+    except OSError:
+        address = ""
+    if not _HOST_PORT.match(address):
+        raise ClusterError("no Ray cluster was started on this machine (--address auto joins the one `ray start "
+                           "--head` started; none is recorded in " + path + "): start one, give HOST:PORT, or drop "
+                           "--address for an embedded local Ray")
+    return address
 
 
 def describe() -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import DistRuntimeError, StageUnavailableError
+from ..errors import ClusterError, DistRuntimeError, StageUnavailableError
 from .cluster import call_all
 from .stage import stage_actor_class, thread_env
 from .options import WEIGHT_SOURCES, StageOptions
@@ -34,6 +34,30 @@ def resolve_cpus(options: StageOptions, n_stages: int) -> StageOptions:
     # By default the stages share the CPUs still free (another pipeline may hold some already).
     cpus = options.cpus or max(ray.available_resources().get("CPU", 0.0), 0.01 * n_stages) / n_stages
     return dataclasses.replace(options, cpus=cpus, threads=options.threads or max(1, int(cpus)))
+
+
+def check_placeable(options: StageOptions, n_stages: int) -> None:
+    """Refuse at once what Ray would wait for forever: a stage asking for more CPUs than any
+    node has, or for a resource no node has.  Compares with the nodes' totals (not what is free:
+    another run may free its share)."""
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    for k in range(n_stages):
+        asked = {"CPU": options.cpus or 0, **(options.resources[k] if options.resources else {})}
+        if any(all(res.get(name, 0) >= amount for name, amount in asked.items()) for res in nodes):
+            continue
+        for name, amount in asked.items():
+            have = max((res.get(name, 0) for res in nodes), default=0)
+            if have < amount:
+                known = sorted({r for res in nodes for r in res if not r.startswith("node:")} | {"node:<ip>"})
+                what = (f"{amount:g} {name}" if name == "CPU" else f"resource {name!r}")
+                exists = (f"the largest node has {have:g}" if have else
+                          f"no node has it (resources: {', '.join(known)})")
+                raise ClusterError(f"stage {k} asks for {what}, which no node of the cluster can give: {exists}"
+                                   + ("; lower --cpus-per-stage" if name == "CPU" else
+                                      "; check --stage-resources against the nodes' resources"))
+        raise ClusterError(f"stage {k} asks for {asked}, which no single node of the cluster has")
 
 
 def deploy(model_path: str | os.PathLike, stages: list[StageGraph], options: StageOptions) -> tuple[list, list[dict]]:

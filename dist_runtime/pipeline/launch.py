@@ -12,8 +12,9 @@ from pathlib import Path
 
 from ..errors import DistRuntimeError
 from .channels import DEFAULT_CHANNEL, make_channel
+from .cluster import CONNECT_TIMEOUT, connect
 from .coordinator import Coordinator
-from .deploy import deploy, kill, resolve_cpus
+from .deploy import check_placeable, deploy, kill, resolve_cpus
 from .options import StageOptions
 from .subgraph import StageGraph, stages_for_plan
 
@@ -47,28 +48,31 @@ class Pipeline:
     def __init__(self, model_path: str | os.PathLike, *, plan=None, stages: int | None = None,
                  budgets=None, speeds=None, reserve="0", max_context: int | None = None, sessions: int = 1,
                  channel: str = DEFAULT_CHANNEL, options: StageOptions | None = None, address: str | None = None,
-                 num_cpus: int | None = None, timeout: float | None = 600.0) -> None:
+                 num_cpus: int | None = None, timeout: float | None = 600.0,
+                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
         from ..model import load_model
-        from .cluster import connect
 
         self.path = Path(model_path)
+        self._started_ray = False
         self.options = options or StageOptions()
         self.actors: list = []
         self.channel = None
         self.channel_kind = channel
-        self._started_ray = connect(address, num_cpus=num_cpus)
+        # Everything that needs no Ray is checked before Ray starts (seconds): the model, the plan.
+        with load_model(self.path, tensors=[]) as model:
+            if model.graph is None:
+                raise DistRuntimeError(f"{self.path} has no graph section: there is nothing to run")
+            self.graph = model.graph
+            name = str(model.metadata.get("name") or self.path.name)
+            max_context = max_context or context_limit(model.metadata)
+        self.plan = plan or make_plan(self.graph, stages=stages, budgets=budgets, speeds=speeds,
+                                      reserve=reserve, max_context=max_context, sessions=sessions,
+                                      model_name=name)
+        self.stages: list[StageGraph] = stages_for_plan(self.graph, self.plan)
+        self._started_ray = connect(address, num_cpus=num_cpus, timeout=connect_timeout)
         try:
-            with load_model(self.path, tensors=[], validate=False) as model:
-                if model.graph is None:
-                    raise DistRuntimeError(f"{self.path} has no graph section: there is nothing to run")
-                self.graph = model.graph
-                name = str(model.metadata.get("name") or self.path.name)
-                max_context = max_context or context_limit(model.metadata)
-            self.plan = plan or make_plan(self.graph, stages=stages, budgets=budgets, speeds=speeds,
-                                          reserve=reserve, max_context=max_context, sessions=sessions,
-                                          model_name=name)
-            self.stages: list[StageGraph] = stages_for_plan(self.graph, self.plan)
             self.options = resolve_cpus(self.options, len(self.stages))
+            check_placeable(self.options, len(self.stages))
             self.actors, self.reports = deploy(self.path, self.stages, self.options)
             self.channel = make_channel(channel, self.actors)
             self.coordinator = Coordinator(self.stages, self.actors, self.channel, timeout=timeout,

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 WEIGHT_SOURCES = ("auto", "file", "store")
 
+#: Sessions one stage keeps at most: each holds KV caches, so an unbounded number is a memory leak
+#: (or an attack); the coordinator closes sessions it is done with.
+MAX_SESSIONS = 4096
+
 
 @dataclass
 class StageOptions:
@@ -28,6 +32,7 @@ def add_deployment_options(p) -> None:
     """The options of a run split into stages (``generate --stages`` and ``pipeline`` share them)."""
     from ..commands import positive_int
     from .channels import CHANNELS, DEFAULT_CHANNEL
+    from .cluster import CONNECT_TIMEOUT
 
     plan = p.add_argument_group("split into pipeline stages on Ray (embedded local Ray unless --address)")
     plan.add_argument("--stages", type=positive_int, metavar="N", help="number of stages (machines without a memory limit)")
@@ -57,6 +62,9 @@ def add_deployment_options(p) -> None:
     plan.add_argument("--stage-resources", metavar="NAMES",
                       help="pin stage k to the node with resource NAME_k, e.g. node:10.0.0.11,node:10.0.0.12 "
                            "(Ray's per-node resource) or custom ones like stage0,stage1")
+    plan.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT, metavar="SECONDS",
+                      help="longest wait to reach and join the cluster of --address / RAY_ADDRESS "
+                           "(default: %(default)g)")
     plan.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                       help="longest wait for one step's reply before the run fails (default: 600; a dead "
                            "stage is noticed at once)")

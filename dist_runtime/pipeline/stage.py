@@ -26,12 +26,10 @@ import numpy as np
 from ..errors import DistRuntimeError, TransportError
 from ..transport import decode_message, encode_message
 from .header import StageRecord, StepHeader
+from .options import MAX_SESSIONS
 from .subgraph import StageGraph
 from .weights import fingerprint, held_bytes, resident_file_bytes
 
-#: Sessions one stage keeps at most: each holds KV caches, so an unbounded number is a memory leak
-#: (or an attack); the coordinator closes sessions it is done with.
-MAX_SESSIONS = 4096
 #: Telemetry records kept between two ``telemetry()`` calls (the oldest are dropped first).
 MAX_RECORDS = 200_000
 

@@ -135,6 +135,12 @@ def stage_bounds(plan) -> list[tuple[int, int]]:
 
 def stages_for_plan(graph: Graph, plan) -> list[StageGraph]:
     """The stages of a :class:`partitioner.plan.Plan`, checked against what the plan says."""
+    ids = [node.id for node in graph.nodes]
+    if sorted(plan.order) != sorted(ids):
+        raise GraphValidationError(
+            f"the plan was made for another graph: it orders {len(plan.order)} nodes "
+            f"(of {plan.model.get('name', 'another model')!r}), this model's graph has {len(ids)}; make one with "
+            f"`dist-runtime partition MODEL -o PLAN.json`")
     stages = cut_stages(graph, stage_bounds(plan), plan.order)
     for st, ps in zip(stages, plan.stages):
         if set(st.weights) != set(ps.weights):

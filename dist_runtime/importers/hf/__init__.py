@@ -49,4 +49,4 @@ def load_hf_dir(hf_dir: str | Path, dtype: str | None = None, *, progress: bool 
 def convert_hf_dir(hf_dir: str | Path, out: str | Path, dtype: str | None = None, *,
                    progress: bool = False) -> ConvertReport:
     start = time.perf_counter()
-    return write_imported(load_hf_dir(hf_dir, dtype, progress=progress), out, "huggingface", start)
+    return write_imported(load_hf_dir(hf_dir, dtype, progress=progress), out, "huggingface", start, progress=progress)

@@ -331,7 +331,7 @@ def convert_hf(hf_dir: str | Path, out: str | Path, dtype: str = "f32", *, progr
     """``dist-runtime convert HF_DIR``: write ``out`` (graph + weights) and, when
     ``HF_DIR/tokenizer.json`` exists, a copy of it beside ``out`` (named in the metadata)."""
     start = time.perf_counter()
-    return write_imported(load_hf(hf_dir, dtype, progress=progress), out, "huggingface", start)
+    return write_imported(load_hf(hf_dir, dtype, progress=progress), out, "huggingface", start, progress=progress)
 
 
 def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:

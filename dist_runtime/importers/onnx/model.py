@@ -458,5 +458,5 @@ def convert_onnx(source, out, dtype: str | None = None, *, progress: bool = Fals
     """``dist-runtime convert FILE.onnx -o OUT``: import and write ``OUT`` (atomically: nothing is
     left behind when the import fails)."""
     start = time.perf_counter()
-    return write_imported(load(source, dtype, progress=progress), out, "onnx", start)
+    return write_imported(load(source, dtype, progress=progress), out, "onnx", start, progress=progress)
 
