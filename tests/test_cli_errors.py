@@ -123,7 +123,9 @@ def _check(cases, results) -> None:
 
 
 def test_bad_invocations_that_need_no_ray_fail_at_once(files):
+    before = sorted(os.listdir(files["dir"]))
     results = _run(NO_RAY, files)
+    assert sorted(os.listdir(files["dir"])) == before  # no temporary or partial file left
     _check(NO_RAY, results)
     for case_id, _, _, code, _ in NO_RAY:
         if code == 1:  # the problem, in one line ("error: Kind: message")

@@ -16,7 +16,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from conftest import PIPELINE_CFG, wait_dead  # noqa: E402
-from dist_runtime.errors import StageUnavailableError, TransportError  # noqa: E402
+from dist_runtime.errors import ClusterError, StageUnavailableError, TransportError  # noqa: E402
 from dist_runtime.executor import GraphExecutor  # noqa: E402
 from dist_runtime.model import load_model  # noqa: E402
 from dist_runtime.pipeline import Pipeline, Request, Sampling, StageOptions  # noqa: E402
@@ -175,8 +175,14 @@ def test_cli_pipeline_command(model_path, tmp_path, capsys):
     assert len(report["pipeline"]["stages"]) == 2 and report["pipeline"]["nodes"]
     assert main(["pipeline", str(model_path), "--max-context", "64"]) == 1  # neither --stages nor --budgets
     assert "give --stages N" in capsys.readouterr().err
-    with pytest.raises(StageUnavailableError, match="not all placed"):  # no hanging on a full cluster
+    with pytest.raises(ClusterError, match="asks for 64 CPU.*the largest node has 4"):  # refused, not awaited
         Pipeline(model_path, stages=1, max_context=64, options=StageOptions(cpus=64, placement_timeout=2))
+    held = Pipeline(model_path, stages=1, max_context=64, options=StageOptions(cpus=3))
+    try:  # CPUs a node has, but another run holds: waited for, up to the placement deadline
+        with pytest.raises(StageUnavailableError, match="not all placed"):
+            Pipeline(model_path, stages=1, max_context=64, options=StageOptions(cpus=2, placement_timeout=2))
+    finally:
+        held.close()
 
 
 def test_encoder_runs_split_with_batches_in_flight(tmp_path, capsys):
