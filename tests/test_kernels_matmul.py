@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
-from kernel_cases import load_cases, run_kernel as run
+from kernel_cases import load_cases, run_kernel as run, stored_inputs
 
 import dist_runtime.kernels.matmul as MM
 from dist_runtime.dtypes import DType
@@ -32,7 +32,8 @@ from dist_runtime.ir import ops
 from dist_runtime.tensor import QuantizedArray
 from dist_runtime.kernels.registry import kernel_for
 
-CASES = load_cases(Path(__file__).parent / "fixtures" / "kernels" / "matmul.npz")
+FIXTURE = Path(__file__).parent / "fixtures" / "kernels" / "matmul.npz"
+CASES = load_cases(FIXTURE)
 OPS = ["Matmul", "LoraApply", "Kron", "MatrixInverse", "FusedNormMatmul", "FusedSwiGlu"]
 
 #: unit roundoff of the compute dtype (f32, or f64 for F64 inputs) and of the output dtype
@@ -120,6 +121,16 @@ def test_every_op_has_cases_and_a_kernel():
     assert {type(c.op).__name__ for c in CASES} == set(OPS)
     for name in OPS:
         kernel_for(getattr(ops, name))
+
+
+def test_bf16_inputs_are_stored_exactly():
+    """bf16 inputs are stored as f32 values: one that bf16 cannot hold would be rounded before the
+    kernel sees it, while the reference was computed from the unrounded value."""
+    stored = stored_inputs(FIXTURE, "bf16")
+    assert len(stored) >= len(OPS)  # every op has a bf16 case
+    inexact = [name for name, a in stored.items()
+               if not np.array_equal(a.astype(ml_dtypes.bfloat16).astype(a.dtype), a)]
+    assert inexact == []
 
 
 # -- block-quantized and half-precision weights -------------------------------------------------

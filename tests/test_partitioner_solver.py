@@ -382,3 +382,74 @@ def test_coarsening_keeps_interval_memory_and_the_optimum_over_allowed_cuts():
         except InfeasiblePlanError:
             got = None
         assert got == best
+
+
+# -- the exact-fit memory boundary: a stage whose memory equals its budget fits, one byte more not --
+U = 1000  # bytes per node of the component that fills the budget
+R = 50 * U  # the reserve, when the reserve is what fills the budget
+
+
+def fill(component: str, n: int) -> tuple[CostModel, int]:
+    """``n`` nodes of equal compute, the memory of each in one component: a stage of two nodes
+    needs 2U (one node alone: U, or 2U at odd positions for activations, a stage's peak); and the
+    reserve kept free on every budgeted machine (R when it is what fills the budget, else 0)."""
+    own = dict(weights=[[f"w{i}"] for i in range(n)], weight_bytes={f"w{i}": U for i in range(n)})
+    parts = {
+        "weights": own,
+        "kv": dict(kv=[U] * n),
+        "activations": dict(tensors=[TensorUse(f"t{i}", U * (1 + i % 2), i, i) for i in range(n)]),
+        "reserve": dict(own, weight_bytes={f"w{i}": 1 for i in range(n)}),
+    }[component]
+    return CostModel.from_parts([1] * n, **parts), R if component == "reserve" else 0
+
+
+def need(costs: CostModel, a: int, b: int, reserve: int) -> int:
+    """What stage ``[a, b)`` needs of a budget, reserve included."""
+    return int(IntervalMemory(costs).total(a, b)) + reserve
+
+
+COMPONENTS = ["weights", "kv", "activations", "reserve"]
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_a_stage_filling_its_budget_exactly_fits_one_byte_less_does_not(component):
+    from dist_runtime.partitioner.planner import build_plan
+
+    costs, reserve = fill(component, 4)
+    budget = need(costs, 0, 2, reserve)
+    machines = [Machine(budget, reserve=reserve, name="m0"), Machine(None, name="m1")]
+    sol = solve(costs, machines)
+    assert sol.bounds == (0, 2, 4)  # the balanced plan, stage 0 at its budget to the byte
+    memory = build_plan(costs, machines, sol).stages[0].memory
+    assert memory.total == memory.budget == budget
+    assert getattr(memory, component) == max(memory.weights, memory.kv, memory.activations, memory.reserve)
+    machines[0] = Machine(budget - 1, reserve=reserve, name="m0")
+    assert solve(costs, machines).bounds == (0, 1, 4)  # stage 0 keeps one node
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_a_node_filling_its_budget_exactly_fits_one_byte_less_does_not(component):
+    costs, reserve = fill(component, 4)
+    budget = need(costs, 0, 1, reserve)
+    assert solve(costs, [Machine(budget, reserve=reserve), Machine(None)]).bounds == (0, 1, 4)
+    with pytest.raises(InfeasiblePlanError):
+        solve(costs, [Machine(budget - 1, reserve=reserve), Machine(None)])
+
+
+@pytest.mark.parametrize("length", [2, 3])
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_every_stage_filling_its_budget_exactly_fits_one_byte_less_does_not(component, length):
+    costs, reserve = fill(component, 4 * length)
+    budget = need(costs, 0, length, reserve)
+    assert solve(costs, [Machine(budget, reserve=reserve)] * 4).bounds == tuple(range(0, 4 * length + 1, length))
+    assert not feasible(costs, [Machine(budget - 1, reserve=reserve)] * 4)
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_a_whole_model_filling_one_budget_exactly_fits_one_byte_less_does_not(component):
+    costs, reserve = fill(component, 4)
+    budget = need(costs, 0, 4, reserve)
+    assert solve(costs, [Machine(budget, reserve=reserve)]).bounds == (0, 4)
+    assert not feasible(costs, [Machine(budget - 1, reserve=reserve)])
+    with pytest.raises(InfeasiblePlanError):
+        solve(costs, [Machine(budget - 1, reserve=reserve)])

@@ -2,7 +2,7 @@
 
 A backend implements :class:`Backend`.  Every backend is named in one registry, :data:`_REGISTRY`:
 a name maps to a factory, or to the module that registers the factory on import (so an optional
-dependency -- numba, torch -- is imported only when its backend is asked for by name, and a
+dependency -- numba -- is imported only when its backend is asked for by name, and a
 missing one is named in the error).  :func:`register_backend` adds one; the executor never changes
 for it.  Which backend runs a node is :mod:`dist_runtime.backends.assign`'s business.
 
@@ -88,7 +88,6 @@ _REGISTRY: dict[str, Callable[[], Backend] | str] = {
     "cpu": "dist_runtime.backends.cpu",
     "numpy-blas": "dist_runtime.backends.blas",
     "numba": "dist_runtime.backends.numba",
-    "torch": "dist_runtime.backends.torch",
 }
 
 

@@ -113,9 +113,9 @@ def _silu_mul_numpy(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 class MatmulFamilyBackend(TableBackend):
-    """What the matmul-family backends (numpy-blas, torch) share: binders that take the op and a
-    :class:`PackCache` of ``pack`` (one per node), and block-quantized weights left to the CPU
-    library's kernel."""
+    """What a matmul-family backend has (numpy-blas, or one on a device library): binders that take
+    the op and a :class:`PackCache` of ``pack`` (one per node), and block-quantized weights left to
+    the CPU library's kernel."""
 
     dtypes = PLAIN
     pack: Callable[[np.ndarray], object]  # a weight as the binders use it, made once per node and slot

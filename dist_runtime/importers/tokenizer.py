@@ -15,7 +15,7 @@ from ..errors import DistRuntimeError
 class Tokenizer:
     """Encode text to ids and decode ids to text, as ``transformers``' fast tokenizers do."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, max_length: int | None = None) -> None:
         try:
             from tokenizers import Tokenizer as _Tokenizer
         except ImportError:
@@ -26,6 +26,8 @@ class Tokenizer:
             self._tok = _Tokenizer.from_file(str(self.path))
         except Exception as e:  # tokenizers raises a bare Exception for unreadable files
             raise DistRuntimeError(f"cannot read tokenizer {self.path}: {e}") from None
+        if max_length is not None:  # the model's limit (e.g. its max_seq_length) over the file's
+            self._tok.enable_truncation(max_length)
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text``, with the special tokens the tokenizer adds (e.g. Llama's BOS)."""

@@ -12,5 +12,5 @@ class BackendHint(enum.IntEnum):
     CPU = 0
     METAL = 1  # the seed's honeycrisp
     WGPU = 2
-    TORCH = 3
+    TORCH = 3  # kept (the value is part of the file format), though no backend serves it today
     NUMBA = 4

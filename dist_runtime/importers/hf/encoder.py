@@ -16,8 +16,10 @@ Hugging Face).  The encoder is stateless: no KV cache, positions always start at
 
 When the directory is a sentence-transformers model (``modules.json``: Transformer ->
 Pooling(mean) [-> Normalize]), a second output ``sentence_embedding`` ``f32[B, H]`` is what
-``SentenceTransformer.encode`` returns.  There is no reduce op, so the masked mean is two
-matmuls, ``(m @ h) / (m @ m^T)`` with ``m`` the 0/1 mask as ``[B, 1, T]``; and the L2 norm is
+``SentenceTransformer.encode`` returns; the ``max_seq_length`` of its ``sentence_bert_config.json``
+(where ``SentenceTransformer`` truncates, whatever its tokenizer.json says) goes into the metadata
+and the converted tokenizer.  There is no reduce op, so the masked mean is two matmuls,
+``(m @ h) / (m @ m^T)`` with ``m`` the 0/1 mask as ``[B, 1, T]``; and the L2 norm is
 RmsNorm with weight ``1/sqrt(H)``, since ``x / sqrt(mean(x^2) + eps) / sqrt(H) = x / sqrt(|x|^2 +
 H eps)``, with ``H eps = 1e-24``: torch's ``normalize`` floor ``max(|x|, 1e-12)``, squared.
 
@@ -134,6 +136,25 @@ def sentence_transformers_head(hf_dir: str | Path) -> tuple[str, bool]:
     return "mean", names[-1] == "Normalize"
 
 
+def sentence_max_length(hf_dir: str | Path, positions: int) -> int | None:
+    """``max_seq_length`` of a sentence-transformers directory's ``sentence_bert_config.json``, or
+    None without one (or without the key).  It wins over the tokenizer's own truncation: all-MiniLM-
+    L6-v2's tokenizer.json truncates at 128 tokens, ``SentenceTransformer`` at 256."""
+    path = Path(hf_dir) / "sentence_bert_config.json"
+    if not path.is_file():
+        return None
+    try:
+        length = json.loads(path.read_text(encoding="utf-8")).get("max_seq_length")
+    except (UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise HFImportError(f"{path}: not a sentence-transformers config ({e})") from None
+    if length is None:
+        return None
+    if not isinstance(length, int) or isinstance(length, bool) or not 0 < length <= positions:
+        raise HFImportError(f"{path}: max_seq_length {length!r} is not a token count in 1..{positions} "
+                            f"(the model's max_position_embeddings)")
+    return length
+
+
 # -- the graph -------------------------------------------------------------------------------------
 def _layer_norm(b: GraphBuilder, cfg: EncoderConfig, x: str, prefix: str, out: str) -> str:
     weight, bias = b.weight(prefix + ".weight", cfg.hidden), b.weight(prefix + ".bias", cfg.hidden)
@@ -204,10 +225,11 @@ def constants(cfg: EncoderConfig) -> dict[str, np.ndarray]:
 
 
 # -- conversion ------------------------------------------------------------------------------------
-def _tokenizer(hf_dir: Path) -> bytes | None:
+def _tokenizer(hf_dir: Path, max_length: int | None) -> bytes | None:
     """``tokenizer.json`` without its padding: a fixed-length padding (all-MiniLM-L6-v2's pads
     every text to 128) would make ``Tokenizer.encode`` return pad ids, which transformers' tokenizers
-    do not for a single text; ``dist_runtime.embed`` pads a batch itself."""
+    do not for a single text; ``dist_runtime.embed`` pads a batch itself.  With ``max_length``
+    (sentence-transformers'), it truncates there, as ``SentenceTransformer`` does."""
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
         return None
@@ -216,6 +238,9 @@ def _tokenizer(hf_dir: Path) -> bytes | None:
     except (UnicodeDecodeError, ValueError) as e:
         raise HFImportError(f"{path} is not valid JSON: {e}") from None
     data["padding"] = None
+    if max_length is not None:
+        data["truncation"] = {"direction": "Right", "max_length": max_length, "strategy": "LongestFirst",
+                              "stride": 0}
     return json.dumps(data, ensure_ascii=False).encode("utf-8")
 
 
@@ -224,6 +249,7 @@ def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> I
     hf_dir = Path(hf_dir)
     config = read_config(hf_dir)
     cfg = encoder_config(config, *sentence_transformers_head(hf_dir))
+    max_length = sentence_max_length(hf_dir, cfg.positions) if cfg.pooling else None
     graph, weights, source_dtypes, ignored = read_weights(
         hf_dir, encoder_graph(cfg), weight_shapes(cfg), dtype, prefixes=("", "bert."), made=constants(cfg),
         what="BERT encoder", progress=progress)
@@ -237,5 +263,8 @@ def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> I
         "config": {**asdict(cfg), "context_length": cfg.positions},
         "inputs": list(INPUTS),
     }
-    return Imported(graph, weights, metadata, "bert", source_dtypes, ignored, _tokenizer(hf_dir), cfg)
+    if max_length is not None:
+        metadata["max_seq_length"] = max_length
+    tokenizer = _tokenizer(hf_dir, max_length)
+    return Imported(graph, weights, metadata, "bert", source_dtypes, ignored, tokenizer, cfg)
 
