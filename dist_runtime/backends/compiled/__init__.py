@@ -1,0 +1,94 @@
+"""Compiled products ``y = x @ W^T`` on weights as they are stored, many rows at once.
+
+``linear(x, w)`` takes ``x`` f32 ``[M, K]`` (``M`` = 1 for a decode step, up to a few hundred
+for a batched step or a prefill chunk) and ``W [N, K]`` stored as F32, F16, BF16 or GGML blocks
+(Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) and returns f32 ``[M, N]``.  Every kernel:
+
+- reads the stored blocks in place: no dequantized copy of a weight, ever;
+- loads each weight block once per call and uses it for all ``M`` rows;
+- splits the output rows ``N`` over threads (numba's ``workqueue`` layer, as many threads as
+  the stage's CPU share: :func:`set_threads`), never the reduction over ``K``;
+- is **batch-invariant**: row ``m`` of the result is bitwise what the same row gives alone, for
+  any ``M`` and thread count, because every ``(m, n)`` is the same fixed sequence of operations
+  (block by block in order; within a block, fixed lanes combined in a fixed order).
+
+Numerics (docs/ops.md, "Matmul"): by default the activations stay f32, and the result equals
+dequantize-then-matmul within 1e-5 of the output's scale.  ``activations="q8_0"`` quantizes each
+32-element block of ``x`` to int8 first, as llama.cpp's ``vec_dot_*_q8_0`` do (its numerics,
+integer dot products): faster, and what the GGUF tests compare with llama.cpp.
+
+Each element type's kernel lives in its family's module (``floats``, ``legacy``, ``kquants``) and
+registers itself in :data:`KERNELS` with :func:`kernel`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+
+# Before numba compiles anything parallel: workqueue is numba's own pool with no spinning
+# workers, so two stage processes on one machine do not fight (OpenMP's layer, measured here,
+# made 2 threads beside a busy core 2x slower than 1; docs/architecture.md).
+os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+
+import numba  # noqa: E402
+
+from ...dtypes import DType  # noqa: E402
+from ...tensor import Array, QuantizedArray  # noqa: E402
+
+#: The activation modes of :func:`linear`.
+ACTIVATIONS = ("f32", "q8_0")
+
+#: element type -> ``kernel(x, w, out, q8)``: ``x`` f32 [M, K] C-contiguous, ``w`` the stored
+#: weight as a 2-D array (f32/u16 [N, K] for floats, u8 [N, K / block * block_bytes] for blocks),
+#: ``out`` f32 [M, N] to fill, ``q8`` True for Q8_0-quantized activations (ignored by floats).
+KERNELS: dict[DType, Callable] = {}
+
+
+def kernel(*dtypes: DType):
+    """Register the decorated function as the kernel of ``dtypes``."""
+    def register(fn):
+        for d in dtypes:
+            KERNELS[d] = fn
+        return fn
+    return register
+
+
+def set_threads(n: int) -> None:
+    """Threads the kernels split ``N`` over (the stage's CPU share; at most the cores numba saw)."""
+    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+
+
+def supports(w: Array) -> bool:
+    """Whether :func:`linear` takes this weight (2-D, a registered type)."""
+    dtype = w.dtype if isinstance(w, QuantizedArray) else _float_dtype(w)
+    data = w.data if isinstance(w, QuantizedArray) else w
+    return dtype in KERNELS and len(w.shape) == 2 and data.flags.c_contiguous
+
+
+def _float_dtype(w: np.ndarray) -> DType | None:
+    try:
+        return DType.from_numpy(w.dtype)
+    except (KeyError, ValueError):
+        return None
+
+
+def linear(x: np.ndarray, w: Array, *, activations: str = "f32") -> np.ndarray:
+    """``x [M, K] @ W[N, K]^T`` as f32 ``[M, N]`` (see the module docstring)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    n, k = w.shape
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"linear: x {list(x.shape)} does not match the weight's {k} columns")
+    x = np.ascontiguousarray(x, np.float32)
+    if isinstance(w, QuantizedArray):
+        dtype, data = w.dtype, w.data
+    else:
+        dtype = _float_dtype(w)
+        data = w.view(np.uint16) if dtype in (DType.F16, DType.BF16) else w
+    out = np.empty((x.shape[0], n), np.float32)
+    if x.shape[0] and n:
+        KERNELS[dtype](x, data, out, activations == "q8_0")
+    return out

@@ -1,0 +1,24 @@
+"""What this CPU offers the kernels, decided once at import, with the reason (``inspect --plan``)."""
+
+from __future__ import annotations
+
+import os
+
+
+def _features() -> set[str]:
+    try:
+        from llvmlite import binding
+
+        return {name for name, on in binding.get_host_cpu_features().items() if on}
+    except Exception:  # noqa: BLE001 -- no feature list: the portable path, which runs anywhere
+        return set()
+
+
+FEATURES = _features()
+#: The vector path (LLVM vector IR: AVX2 integer dot products, FMA on f32) or the portable one.
+#: ``DIST_RUNTIME_PORTABLE=1`` forces the portable path (its tests run on any machine).
+AVX2 = {"avx2", "fma", "f16c"} <= FEATURES and os.environ.get("DIST_RUNTIME_PORTABLE") != "1"
+PATH = "avx2" if AVX2 else "portable"
+REASON = ("AVX2, FMA and F16C present: vector kernels" if AVX2 else
+          "portable kernels: " + ("forced by DIST_RUNTIME_PORTABLE=1" if os.environ.get("DIST_RUNTIME_PORTABLE") == "1"
+                                  else f"this CPU lacks {', '.join(sorted({'avx2', 'fma', 'f16c'} - FEATURES))}"))
