@@ -177,10 +177,11 @@ def test_cli_pipeline_command(model_path, tmp_path, capsys):
     assert "give --stages N" in capsys.readouterr().err
     with pytest.raises(ClusterError, match="asks for 64 CPU.*the largest node has 4"):  # refused, not awaited
         Pipeline(model_path, stages=1, max_context=64, options=StageOptions(cpus=64, placement_timeout=2))
-    held = Pipeline(model_path, stages=1, max_context=64, options=StageOptions(cpus=3))
+    free = ray.available_resources().get("CPU", 0)
+    held = Pipeline(model_path, stages=1, max_context=64, options=StageOptions(cpus=free))
     try:  # CPUs a node has, but another run holds: waited for, up to the placement deadline
         with pytest.raises(StageUnavailableError, match="not all placed"):
-            Pipeline(model_path, stages=1, max_context=64, options=StageOptions(cpus=2, placement_timeout=2))
+            Pipeline(model_path, stages=1, max_context=64, options=StageOptions(cpus=0.5, placement_timeout=2))
     finally:
         held.close()
 
