@@ -145,6 +145,43 @@ def write_gguf_files(weights, directory: Path) -> dict[str, Path]:
             for name, q in (("f32", Q.F32), ("q8_0", Q.Q8_0))}
 
 
+def quantize_with_llama_cpp(source: Path, out: Path, ftype: str = "Q4_K_M") -> Path | None:
+    """``source`` (a GGUF) requantized by llama.cpp's own quantizer, as people make Q4_K_M files;
+    None when llama-cpp-python is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 2
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {ftype}")
+    return out
+
+
+def gguf_executor(path: Path, directory: Path, backends=None) -> GraphExecutor:
+    """A GGUF file converted by our importer (tensors kept as stored), as an executor."""
+    from dist_runtime.importers import convert
+    from dist_runtime.model import load_model
+
+    out = convert(path, directory / (path.stem + ".model")).out
+    return GraphExecutor(load_model(out), backends)
+
+
+def rows_step(ex: GraphExecutor, rows: int, context: int = 32, runs: int = 9) -> float:
+    """Median time of one step over ``rows`` new rows after ``context`` rows (``rows`` = 8: the
+    products' M = 8, what a batched step of 8 sessions will ask of them)."""
+    times = []
+    for _ in range(runs):
+        ex.reset()
+        ex.run({"tokens": np.arange(context) % CFG.vocab})
+        t = time.perf_counter()
+        ex.run({"tokens": np.arange(rows) % CFG.vocab})
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def llama_cpp_decoder(path: Path):
     """A function timing one decode run of llama.cpp on ``path``, and the logits of the prompt's
     last position; None when llama-cpp-python is not installed."""
@@ -215,14 +252,20 @@ def main() -> None:
 
     ours = {"ours f32 (fused)": our_executor(w, True), "ours f32 (unfused)": our_executor(w, False),
             "ours f32 (CPU library)": our_executor(w, True, ["cpu"]),
-            "ours Q8_0 (fused)": our_executor(q8, True)}
+            "ours Q8_0 (fused)": our_executor(q8, True),
+            "ours Q8_0 (q8 activations)": our_executor(q8, True, ["numba-q8"])}
+    tmp = tempfile.TemporaryDirectory()
+    files = {} if args.no_llama_cpp else write_gguf_files(w, Path(tmp.name))
+    if files and quantize_with_llama_cpp(files["f32"], Path(tmp.name) / "bench-q4_k_m.gguf"):
+        files["q4_k_m"] = Path(tmp.name) / "bench-q4_k_m.gguf"
+        ours["ours Q4_K_M (its GGUF)"] = gguf_executor(files["q4_k_m"], Path(tmp.name))
+        ours["ours Q4_K_M (q8 activations)"] = gguf_executor(files["q4_k_m"], Path(tmp.name), ["numba-q8"])
     engines = {name: (lambda ex=ex: time_ours(ex, args.tokens)) for name, ex in ours.items()}
     torch_run = torch_decoder(w)
     engines["PyTorch eager f32"] = (lambda: torch_run(args.tokens)) if torch_run else (lambda: None)
-    tmp = tempfile.TemporaryDirectory()
     ours_logits = our_executor(w, False).run({"tokens": PROMPT})["logits"][-1]
     agreement = {}
-    for name, path in ({} if args.no_llama_cpp else write_gguf_files(w, Path(tmp.name))).items():
+    for name, path in files.items():
         run, logits = llama_cpp_decoder(path)
         engines[f"llama.cpp {name.upper()}"] = (lambda run=run: run(args.tokens)) if run else (lambda: None)
         if logits is not None:
@@ -248,7 +291,17 @@ def main() -> None:
         ratio_cpp = f"{cpp / sec:.2f}x" if cpp else "-"
         print(f"{name:<24} {sec * 1e3:9.2f} {1 / sec:8.1f} {ratio:>11} {ratio_cpp:>17}")
     for name, err in agreement.items():
-        print(f"llama.cpp {name.upper()} vs ours, logits of the prompt's last position: max |diff| / max |logit| = {err:.1e}")
+        print(f"llama.cpp {name.upper()} vs ours f32, logits of the prompt's last position: max |diff| / max |logit| = {err:.1e}")
+    timed = dict(rows)
+    for ours_name, theirs in (("ours f32 (fused)", "llama.cpp F32"), ("ours Q8_0 (fused)", "llama.cpp Q8_0"),
+                              ("ours Q8_0 (q8 activations)", "llama.cpp Q8_0"),
+                              ("ours Q4_K_M (its GGUF)", "llama.cpp Q4_K_M"),
+                              ("ours Q4_K_M (q8 activations)", "llama.cpp Q4_K_M")):
+        if timed.get(ours_name) and timed.get(theirs):
+            print(f"{ours_name} / {theirs}: {timed[theirs] / timed[ours_name]:.2f}x llama.cpp's speed")
+    for name in ("ours f32 (fused)", "ours Q8_0 (fused)", "ours Q8_0 (q8 activations)"):
+        one, eight = rows_step(ours[name], 1), rows_step(ours[name], 8)
+        print(f"{name}: a step of 8 rows takes {eight / one:.2f}x the time of 1 row ({eight * 1e3:.2f} / {one * 1e3:.2f} ms)")
 
     per_token, in_kernels = kernel_share(ours["ours f32 (fused)"], args.tokens)
     print(f"\nper-token Python overhead (fused f32): {(per_token - in_kernels) * 1e3:.2f} ms of "

@@ -1,19 +1,22 @@
-"""Matrix-vector products on a 4096 x 4096 weight: GB/s of weight read, per weight format.
+"""Products ``x [M, K] @ W[N, K]^T`` on a 4096 x 4096 weight: GB/s of weight bytes, per stored type.
 
-Rows: plain numpy ``x @ W.T`` on the f32 weight (the reference, measured in the same run, since
-this machine is shared and noisy: compare the ratios), then ``dist_runtime.kernels.quant.quant_matmul`` on the
-weight stored as F32, F16, BF16, Q8_0 and Q4_0.  GB/s = the weight's stored bytes / the median time
-of ``--runs`` products; "vs numpy" = our GB/s / the reference's GB/s; "time x" = our time / the
-reference's time.  A decode step is a chain of such products, so this bounds decoding speed.
+Per ``M`` (1 = one decode step; 4, 16, 64 = batched steps): numpy's ``x @ W.T`` on the f32 weight
+(the reference, measured in the same run: this machine is shared and noisy, compare the ratios),
+then the compiled products (``dist_runtime.backends.compiled.linear``) on the weight stored as
+every type they read, with f32 activations and (block types) Q8_0 activations.  GB/s = the weight's
+stored bytes / the median time; "vs numpy" = our GB/s / the reference's GB/s at the same ``M``.  A
+decode step streams every weight once, so GB/s at ``M`` = 1 bounds decoding speed.  The last table
+gives each type's time at ``M`` = 8 over its time at ``M`` = 1 (each weight block is read once for
+all rows, so this stays well under 8 until the arithmetic, not the memory, is the limit).
 
 Run it as::
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/bench_matvec.py
 
-Trap (/work/shared/notes/performance.md): OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE may be set on
-these machines for old OpenBLAS builds and slow a current numpy's OpenBLAS down; unset them for this
-command alone (as above), never in tests or CI.  The script prints which BLAS numpy uses and warns
-when either variable is set.
+Trap (shared/notes/performance.md): OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE may be set on these
+machines for old OpenBLAS builds and slow a current numpy's OpenBLAS down; unset them for this
+command alone (as above), never in tests or CI.  The script prints which BLAS numpy uses, the
+compiled path (AVX2 or portable) and the threads.
 """
 
 from __future__ import annotations
@@ -25,8 +28,14 @@ import time
 
 import numpy as np
 
+from dist_runtime.backends import compiled
 from dist_runtime.dtypes import DType
-from dist_runtime.kernels.quant import quant_matmul, quantize
+from dist_runtime.kernels.quant import quantize
+from dist_runtime.tensor import QuantizedArray
+
+#: Where each K-quant block keeps its f16 scales (d, then dmin): there is no reference encoder for
+#: K-quants, so their weights are random codes with sane scales (the bytes streamed are the same).
+K_SCALES = {DType.Q4_K: (0, 2), DType.Q5_K: (0, 2), DType.Q6_K: (208,)}
 
 
 def blas_info() -> str:
@@ -46,7 +55,7 @@ def blas_info() -> str:
 
 
 def median_seconds(fn, runs: int) -> float:
-    fn()  # warm up: page in the weight, let BLAS start its threads
+    fn()  # warm up: compile or load the kernel, page in the weight, start the threads
     times = []
     for _ in range(runs):
         start = time.perf_counter()
@@ -55,37 +64,75 @@ def median_seconds(fn, runs: int) -> float:
     return statistics.median(times)
 
 
+def stored(w: np.ndarray, dtype: DType, rng: np.random.Generator):
+    if dtype == DType.F32:
+        return w
+    if dtype in (DType.F16, DType.BF16):
+        return w.astype(dtype.numpy)
+    if dtype in K_SCALES:
+        n, k = w.shape
+        data = rng.integers(0, 256, (n, k // 256 * dtype.block_bytes), dtype=np.uint8)
+        blocks = data.reshape(n, -1, dtype.block_bytes)
+        for at in K_SCALES[dtype]:
+            scale = rng.uniform(0.002, 0.02, blocks.shape[:2]).astype(np.float16)
+            blocks[..., at:at + 2] = scale.view(np.uint8).reshape(*blocks.shape[:2], 2)
+        return QuantizedArray(data, dtype, (n, k))
+    return quantize(w, dtype)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=4096, help="rows of the weight (N)")
     parser.add_argument("--k", type=int, default=4096, help="columns of the weight (K)")
-    parser.add_argument("--m", type=int, default=1, help="rows of x (1 = matrix-vector)")
+    parser.add_argument("--ms", default="1,4,16,64", help="rows of x to measure (default: 1,4,16,64)")
     parser.add_argument("--runs", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: numba's, the cores)")
     args = parser.parse_args()
+    if args.threads:
+        compiled.set_threads(args.threads)
+
+    import numba
 
     print(f"numpy {np.__version__}; BLAS: {blas_info()}")
+    print(f"compiled products: {compiled.cpu.REASON}; {numba.get_num_threads()} thread(s), "
+          f"layer {numba.threading_layer() if hasattr(numba, 'threading_layer') else '?'}")
     for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
         if var in os.environ:
             print(f"warning: {var}={os.environ[var]} is set; it may slow OpenBLAS (see the docstring)")
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((args.n, args.k), dtype=np.float32)
-    x = rng.standard_normal((args.m, args.k), dtype=np.float32)
-    cases = {"numpy x @ W.T (f32)": (lambda: x @ w.T, w.nbytes)}
-    for dtype in (DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0):
-        stored = w if dtype is DType.F32 else quantize(w, dtype)
-        cases[f"quant_matmul {dtype.name}"] = (lambda s=stored: quant_matmul(x, s), stored.nbytes)
-
-    print(f"\nx [{args.m}, {args.k}] @ W[{args.n}, {args.k}]^T, median of {args.runs} runs\n")
-    print(f"| {'product':<24} | {'weight MB':>9} | {'ms':>8} | {'GB/s':>6} | {'vs numpy':>8} | {'time x':>6} |")
-    print(f"|{'-' * 26}|{'-' * 11}|{'-' * 10}|{'-' * 8}|{'-' * 10}|{'-' * 8}|")
-    reference = None
-    for name, (fn, nbytes) in cases.items():
-        seconds = median_seconds(fn, args.runs)
-        reference = reference or (nbytes / seconds, seconds)
-        gbs = nbytes / seconds
-        print(f"| {name:<24} | {nbytes / 1e6:>9.1f} | {seconds * 1e3:>8.2f} | {gbs / 1e9:>6.2f} | "
-              f"{gbs / reference[0]:>8.2f} | {seconds / reference[1]:>6.1f} |")
+    types = [d for d in (DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0,
+                         DType.Q4_K, DType.Q5_K, DType.Q6_K) if d in compiled.KERNELS]
+    weights = {d: stored(w, d, rng) for d in types}
+    ms = [int(v) for v in args.ms.split(",")]
+    times: dict[tuple[str, int], float] = {}
+    print(f"\nW [{args.n}, {args.k}], median of {args.runs} runs; GB/s of weight bytes (vs numpy f32 at the same M)\n")
+    head = f"| {'product':<26} | {'MB':>6} |" + "".join(f" {'M=' + str(m):>15} |" for m in ms)
+    print(head)
+    print("|" + "-" * 28 + "|" + "-" * 8 + "|" + "".join("-" * 17 + "|" for _ in ms))
+    rows = [("numpy x @ W.T (f32)", w.nbytes, lambda x: x @ w.T)]
+    for d in types:
+        modes = ("f32", "q8_0") if d.is_quantized else ("f32",)
+        for mode in modes:
+            rows.append((f"compiled {d.name}" + (" q8 act." if mode == "q8_0" else ""), weights[d].nbytes,
+                         lambda x, s=weights[d], a=mode: compiled.linear(x, s, activations=a)))
+    reference = {}
+    for name, nbytes, fn in rows:
+        cells = []
+        for m in ms:
+            x = rng.standard_normal((m, args.k), dtype=np.float32)
+            seconds = median_seconds(lambda: fn(x), args.runs)
+            times[(name, m)] = seconds
+            gbs = nbytes / seconds / 1e9
+            reference.setdefault(m, gbs)
+            cells.append(f"{gbs:6.2f} ({gbs / reference[m]:4.2f}x)")
+        print(f"| {name:<26} | {nbytes / 1e6:6.1f} |" + "".join(f" {c:>15} |" for c in cells))
+    if 1 in ms:
+        print("\ntime at M = 8 / time at M = 1 (each weight block read once for all rows)\n")
+        for name, _, fn in rows:
+            x8 = rng.standard_normal((8, args.k), dtype=np.float32)
+            print(f"  {name:<26} {median_seconds(lambda: fn(x8), args.runs) / times[(name, 1)]:5.2f}x")
 
 
 if __name__ == "__main__":

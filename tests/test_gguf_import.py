@@ -532,3 +532,25 @@ def test_garbage(tmp_path, content):
     path.write_bytes(content)
     with pytest.raises(GGUFImportError, match=str(path)):
         load(path)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("backends", [["numba-q8"], None], ids=["q8 activations", "f32 activations"])
+def test_greedy_tokens_equal_llama_cpps_on_the_same_file(tmp_path, qtype, backends):
+    """llama.cpp's greedy tokens on these very files (stored once by
+    tests/fixtures/make_llama_cpp_fixtures.py, with the files' SHA-256): the compiled products with
+    Q8_0 activations, llama.cpp's numerics, choose the same tokens; so do f32 activations here."""
+    pytest.importorskip("numba")
+    import hashlib
+
+    from dist_runtime.executor import GraphExecutor
+    from dist_runtime.generation import LocalEngine, Request, generate
+    from dist_runtime.importers import convert
+
+    ref = np.load(Path(__file__).parent / "fixtures" / "llama_cpp" / "greedy.npz")
+    path = write_gguf(tmp_path / f"llama-{qtype}.gguf", getattr(Q, qtype.upper()))
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == str(ref[f"{qtype}_sha256"])  # the same bytes
+    model = convert(path, tmp_path / f"{qtype}.model").out
+    want = ref[f"{qtype}_tokens"].tolist()
+    got = generate(LocalEngine(GraphExecutor(model, backends)), [Request(0, ref["prompt"].tolist(), len(want))])
+    assert got.tokens[0] == want

@@ -227,7 +227,8 @@ def test_run_telemetry_stays_bounded():
 def test_thread_env_lets_idle_threads_sleep_when_oversubscribed():
     from dist_runtime.pipeline.stage import thread_env
 
-    assert thread_env(1, 1.0) == {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    assert thread_env(1, 1.0) == {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                                  "NUMBA_NUM_THREADS": "1"}
     assert thread_env(2, 1.0)["OPENBLAS_THREAD_TIMEOUT"] == "4"  # stages taking turns on shared cores
     assert "OPENBLAS_THREAD_TIMEOUT" not in thread_env(2, 2.0)
 

@@ -65,7 +65,9 @@ def _assign(node: Node, in_specs: list[TensorSpec], backends: list[Backend]) -> 
     notes = []
     for candidate in candidate_backends(node, backends):
         if candidate.takes(node, in_specs):
-            return Assignment(candidate.backend, "; ".join([*notes, candidate.taken]))
+            detail = getattr(candidate.backend, "detail", None)  # how it runs the node, if it says
+            how = detail(node.op, in_specs) if detail is not None else None
+            return Assignment(candidate.backend, "; ".join([*notes, candidate.taken, *([how] if how else [])]))
         notes.append(candidate.declined)
     raise GraphValidationError(  # pass 4: never silent
         f"node {node.id} ({node.op_name}): no backend accepts it ({'; '.join(notes)}); "

@@ -14,18 +14,24 @@ the data each (2-22 us a call):
   keys, or ``Tq * Tk <= 1024``); larger ones go to the CPU library, whose BLAS products win there
   (``benchmarks/bench_attention.py``).
 
-and the matmul family with F32 weights as numpy-blas runs it (stored weights straight to BLAS, no
-per-call conversion), FusedSwiGlu's ``silu(gate) * up`` and FusedNormMatmul's norm compiled.
+and the matmul family -- Matmul (the lm_head and tied embeddings included), FusedNormMatmul,
+FusedSwiGlu, LoraApply -- on the compiled products of :mod:`dist_runtime.backends.compiled`:
+weights as stored (F32, F16, BF16, GGML blocks), read in place, threads over output rows,
+batch-invariant; FusedSwiGlu's ``silu(gate) * up`` and FusedNormMatmul's norm compiled too.
+``NumbaBackend(activations="q8_0")`` (the backend name ``numba-q8``) quantizes the activations per
+block as llama.cpp does.  ``inspect --plan`` says per product which path runs it and why.
 
-It takes F32 only; every other dtype and op it declines at plan time, and
-:func:`dist_runtime.backends.assign.assign_backends` sends those nodes to the CPU library.  A node
+Its activations are F32 and its weights any type the compiled products read; every other dtype
+and op it declines at plan time, and :func:`dist_runtime.backends.assign.assign_backends` sends
+those nodes to the CPU library.  A node
 whose inputs at run time leave the fast path (a large attention, an empty tensor, a shape the CPU
 library would reject) is run by the CPU library's kernel, which gives the same result or the same
 error.  Each op it takes is one entry of :attr:`NumbaBackend.ops`.
 Results agree with the CPU library within float rounding (``tests/test_backends_numba.py``).
 
-No kernel uses numba's thread pool: its threads and OpenBLAS's, spinning on the same 2 cores, made
-the next matrix-vector product 60x slower (8 ms instead of 0.13).  numba compiles each kernel on
+The small ops use no threads.  The products use numba's ``workqueue`` pool (no spinning workers;
+OpenMP's, beside OpenBLAS's on the same 2 cores, made the next matrix-vector product 60x slower),
+as many threads as the stage's CPU share (``NUMBA_NUM_THREADS``, set per stage actor).  numba compiles each kernel on
 first use and caches the machine code beside this file (8 s for all of them in a new checkout,
 0.6 s to load them in a later process).  With numba installed, ``GraphExecutor(model)`` uses this
 backend by default (:func:`dist_runtime.backends.default_backends`), and a node hinted ``numba``
@@ -49,8 +55,8 @@ from ..ir.hints import BackendHint
 from ..ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, LoraApply, Matmul, OpPayload, RmsNorm, Rope,
                       Sdpa, SdpaWindow)
 from ..tensor import Array
-from . import BoundKernel, OpEntry, TableBackend, register_backend
-from .blas import NumpyBlasBackend, matmul_family_supports
+from . import BoundKernel, OpEntry, TableBackend, compiled, register_backend
+from .blas import WEIGHT_SLOTS, matmul_family_supports
 from .cpu import CpuBackend
 
 F32 = np.dtype(np.float32)
@@ -60,6 +66,11 @@ F32 = np.dtype(np.float32)
 #: win (``benchmarks/bench_attention.py``: 1.3x faster here at 1 x 1024, 2.5x slower at 1 x 4096).
 SMALL_ATTENTION = 1024
 DECODE_KEYS = 2048
+
+#: An F32 product with at least this many rows goes to BLAS (0: never): where BLAS is measured
+#: faster and batch invariance is not needed -- one session's prefill (continuous batching will
+#: mix sessions in a step and then needs the compiled, invariant product).
+BLAS_FROM_ROWS = 0
 
 
 def small_attention(query_rows: int, keys: int) -> bool:
@@ -241,15 +252,19 @@ def _bind_skip_norm(backend: NumbaBackend, node: Node) -> BoundKernel:
     return run
 
 
+def _takes_weight(x, w) -> bool:
+    """``x [..., K]`` F32 against a stored ``W [N, K]`` the compiled products read."""
+    return _is_f32(x) and compiled.supports(w) and w.shape[1] == x.shape[-1]
+
+
 def _bind_swiglu(backend: NumbaBackend, node: Node) -> BoundKernel:
     reference = backend.reference(node)
 
     def run(inputs, ctx):
         x, w_gate, w_up = inputs
-        if not (_is_f32(x, w_gate, w_up) and w_gate.shape == w_up.shape
-                and w_gate.shape[1] == x.shape[-1]):
+        if not (_takes_weight(x, w_gate) and _takes_weight(x, w_up) and w_gate.shape == w_up.shape):
             return reference(inputs, ctx)
-        gate, up = x @ w_gate.T, x @ w_up.T
+        gate, up = backend.linear(x, w_gate), backend.linear(x, w_up)
         _silu_mul_compiled(gate.reshape(-1), up.reshape(-1))
         return (gate,)
     return run
@@ -260,16 +275,38 @@ def _bind_norm_matmul(backend: NumbaBackend, node: Node) -> BoundKernel:
 
     def run(inputs, ctx):
         x, norm_weight, w = inputs
-        if not (_is_f32(x, norm_weight, w) and norm_weight.shape == x.shape[-1:]
-                and w.shape[1] == x.shape[-1]):
+        if not (_takes_weight(x, w) and _is_f32(norm_weight) and norm_weight.shape == x.shape[-1:]):
             return reference(inputs, ctx)
-        return (_rms_compiled(x, norm_weight, op.eps) @ w.T,)
+        return (backend.linear(_rms_compiled(x, norm_weight, op.eps), w),)
     return run
 
 
-def _bind_blas(backend: NumbaBackend, node: Node) -> BoundKernel:
-    """BLAS as it is; nothing to compile around it."""
-    return backend.blas.bind(node)
+def _bind_matmul(backend: NumbaBackend, node: Node) -> BoundKernel:
+    op, reference = node.op, backend.reference(node)
+
+    def run(inputs, ctx):
+        a, b = inputs
+        if not (op.transpose_b and _takes_weight(a, b)):
+            return reference(inputs, ctx)
+        return (backend.linear(a, b),)
+    return run
+
+
+def _bind_lora(backend: NumbaBackend, node: Node) -> BoundKernel:
+    """The base product and both low-rank ones compiled: a row's result stays batch-invariant."""
+    op, reference = node.op, backend.reference(node)
+
+    def run(inputs, ctx):
+        x, w, a, b = inputs
+        if not (_takes_weight(x, w) and _takes_weight(x, a) and _is_f32(b) and b.ndim == 2
+                and b.shape[1] == a.shape[0] and b.shape[0] == w.shape[0]):
+            return reference(inputs, ctx)
+        y = backend.linear(x, w)
+        low = backend.linear(backend.linear(x, a), np.ascontiguousarray(b))
+        low *= np.float32(op.scale)
+        y += low
+        return (y,)
+    return run
 
 
 def _bind_rope(backend: NumbaBackend, node: Node) -> BoundKernel:
@@ -335,14 +372,46 @@ class NumbaBackend(TableBackend):
         SdpaWindow: OpEntry(_attention_2d, _bind_attention),
         FusedSwiGlu: OpEntry(matmul_family_supports, _bind_swiglu),
         FusedNormMatmul: OpEntry(matmul_family_supports, _bind_norm_matmul),
-        Matmul: OpEntry(matmul_family_supports, _bind_blas),
-        LoraApply: OpEntry(matmul_family_supports, _bind_blas),
+        Matmul: OpEntry(matmul_family_supports, _bind_matmul),
+        LoraApply: OpEntry(matmul_family_supports, _bind_lora),
     }
 
-    def __init__(self, hint: BackendHint = BackendHint.NUMBA) -> None:
+    def __init__(self, hint: BackendHint = BackendHint.NUMBA, *, activations: str = "f32") -> None:
+        if activations not in compiled.ACTIVATIONS:
+            raise ValueError(f"activations must be one of {compiled.ACTIVATIONS}, got {activations!r}")
         self.hint = BackendHint(hint)
+        self.activations = activations
         self._cpu = CpuBackend()
-        self.blas = NumpyBlasBackend()
+
+    def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
+        """F32 everywhere, except the weights of the matmul family: any type a compiled product
+        reads (F32, F16, BF16, GGML blocks)."""
+        entry = self.ops.get(type(op))
+        if entry is None or not entry.supports(op, input_specs):
+            return False
+        weights = WEIGHT_SLOTS.get(type(op), ())
+        return all(s.dtype in (compiled.KERNELS if i in weights else self.dtypes)
+                   for i, s in enumerate(input_specs))
+
+    def detail(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> str | None:
+        """How a product runs (``inspect --plan``): the compiled path and its activations."""
+        if type(op) not in WEIGHT_SLOTS:
+            return None
+        types = sorted({input_specs[i].dtype.name for i in WEIGHT_SLOTS[type(op)] if i < len(input_specs)})
+        blas = (f"; F32 with >= {BLAS_FROM_ROWS} rows (a single session's prefill) on BLAS, not batch-invariant"
+                if "F32" in types and BLAS_FROM_ROWS else "")
+        return (f"compiled {'/'.join(types)} product ({compiled.cpu.REASON}), {self.activations} "
+                f"activations{blas}")
+
+    def linear(self, x: np.ndarray, w: Array) -> np.ndarray:
+        """``x [..., K] @ W[N, K]^T`` in F32: the compiled product (batch-invariant), or BLAS for an
+        F32 weight from :data:`BLAS_FROM_ROWS` rows on, where it is measured faster."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if BLAS_FROM_ROWS and x2.shape[0] >= BLAS_FROM_ROWS and isinstance(w, np.ndarray) and w.dtype == F32:
+            y = x2 @ w.T
+        else:
+            y = compiled.linear(x2, w, activations=self.activations)
+        return y.reshape(*x.shape[:-1], w.shape[0])
 
     def reference(self, node: Node) -> BoundKernel:
         """The CPU library's kernel for ``node``: what runs off the fast path."""
@@ -353,3 +422,5 @@ class NumbaBackend(TableBackend):
 
 
 register_backend("numba", NumbaBackend)
+# llama.cpp's numerics: activations quantized to Q8_0 per block before integer dot products.
+register_backend("numba-q8", lambda: NumbaBackend(activations="q8_0"))

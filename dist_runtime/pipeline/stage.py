@@ -37,10 +37,11 @@ MAX_RECORDS = 200_000
 #: the coordinator's sessions are the caller's ids, and one-off passes are "run:<step>").
 WARMUP_SESSION = "warmup:stage"
 
-#: Environment variables that cap the BLAS / OpenMP pools of a stage process.  They must be set
+#: Environment variables that cap the BLAS / OpenMP / numba pools of a stage process (numba's
+#: threads run the compiled products, splitting their output rows).  They must be set
 #: before numpy loads, so they go in the actor's ``runtime_env``; threadpoolctl, when installed,
 #: also applies the cap to a process that has loaded numpy already.
-THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def thread_env(threads: int, cpus: float | None = None) -> dict[str, str]:
