@@ -2,8 +2,16 @@
 
 Written as ``numba.extending.intrinsic`` so that the vector shape is what we say, not what LLVM's
 vectorizer makes of a loop (it vectorizes differently for different trip counts, which would make
-results depend on ``M``).  Only generic LLVM intrinsics (``llvm.fma``) are used: the IR compiles
-on any CPU, though it is fast only with AVX2 and FMA.
+results depend on ``M``).  Only generic LLVM operations and ``llvm.fma`` are used: the IR compiles
+on any CPU (the portable path is compiled beside it), though it is fast only with AVX2 and FMA.
+
+One call takes one weight row to every row of ``x``, :data:`TILE` rows of ``x`` at a time (then
+one at a time), each row's 8 lanes held in a register over the whole row of ``W``.  Per
+super-block and sub-block, the codes are widened to ``<8 x float>`` once for the tile; for each row
+their products with ``x`` are summed in 8 lanes (``fmul`` then ``fma`` in element order) and added
+to the lanes times the sub-block's scale (one ``fma``); for Q4_K/Q5_K the mins then come off as
+``lanes -= dm * xsum`` (one ``fma``, lane ``j`` = sub-block ``j``).  Every row sees the same
+operations in the same order in a tile or alone: the result is batch-invariant.
 """
 
 from __future__ import annotations
@@ -13,82 +21,213 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+#: Rows of ``x`` that share each decoded sub-block (4 rows x 2 vectors + 4 codes: 12 of 16 ymm).
+TILE = 4
+
 F32 = ir.FloatType()
 I8 = ir.IntType(8)
 I32 = ir.IntType(32)
 V8F = ir.VectorType(F32, 8)
 V8I8 = ir.VectorType(I8, 8)
 V8I = ir.VectorType(I32, 8)
+ARGS = ("row", "size", "blocks", "scales", "dm", "x", "k", "xsum", "nsub", "acc", "m_rows")
 
 
-def _data(context, builder, ty, value):
-    return context.make_array(ty)(context, builder, value).data
+def _i32s(value):
+    return ir.Constant(V8I, [value] * 8)
 
 
-def _vec_ptr(builder, base, at, vt):
-    return builder.bitcast(builder.gep(base, [at]), vt.as_pointer())
+def _halves(low, high):
+    """Four lanes of ``low`` then four of ``high``."""
+    return ir.Constant(V8I, [low] * 4 + [high] * 4)
 
 
-def _splat(builder, scalar, vt):
-    one = builder.insert_element(ir.Constant(vt, ir.Undefined), scalar, ir.Constant(I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, vt.count), [0] * vt.count))
+class _Row:
+    """One call's arguments (array data pointers, ``intp`` integers) and the IR helpers the
+    element types' emitters share."""
+
+    def __init__(self, context, builder, sig, args):
+        self.builder = builder
+        self.intp = context.get_value_type(types.intp)
+        self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+        for name, ty, value in zip(ARGS, sig.args, args):
+            if isinstance(ty, types.Array):
+                value = context.make_array(ty)(context, builder, value).data
+            else:
+                value = context.cast(builder, value, ty, types.intp)
+            setattr(self, name, value)
+
+    def const(self, v):
+        return ir.Constant(self.intp, v)
+
+    def at(self, *terms):
+        """The sum of ``terms`` (ints or ``intp`` values)."""
+        total = self.const(0)
+        for t in terms:
+            total = self.builder.add(total, self.const(t) if isinstance(t, int) else t)
+        return total
+
+    def load(self, base, at, vt, align=4):
+        b = self.builder
+        return b.load(b.bitcast(b.gep(base, [at]), vt.as_pointer()), align=align)
+
+    def codes8(self, byte_at):
+        """8 bytes of the current super-block from ``byte_at``, widened to i32."""
+        return self.builder.zext(self.load(self.row, self.at(self.block_at, byte_at), V8I8, 1), V8I)
+
+    def splat(self, value, n=8):
+        b = self.builder
+        vt = ir.VectorType(value.type, n)
+        one = b.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(I32, 0))
+        return b.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, n), [0] * n))
+
+    def half(self, byte_at):
+        """The f16 at ``byte_at`` of the current super-block as f32, with integer operations and
+        one exact multiply (no F16C: this IR must compile on any CPU): the f16's exponent and
+        mantissa placed in an f32's low bits times ``2 ** 112`` is its value (subnormals too),
+        and 65536 or more means inf or NaN."""
+        b = self.builder
+        h = b.zext(b.load(b.bitcast(b.gep(self.row, [self.at(self.block_at, byte_at)]), ir.IntType(16).as_pointer()), align=1), I32)
+        f = b.fmul(b.bitcast(b.shl(b.and_(h, ir.Constant(I32, 0x7FFF)), ir.Constant(I32, 13)), F32), ir.Constant(F32, 2.0 ** 112))
+        bits = b.bitcast(f, I32)
+        bits = b.select(b.fcmp_ordered(">=", f, ir.Constant(F32, 65536.0)), b.or_(bits, ir.Constant(I32, 0x7F800000)), bits)
+        return b.bitcast(b.or_(bits, b.shl(b.and_(h, ir.Constant(I32, 0x8000)), ir.Constant(I32, 16))), F32)
+
+    def scales_q45_k(self):
+        """The super-block's ``d * scale`` and ``dmin * min`` (``get_scale_min_k4``) into
+        ``scales[16 block:]`` and ``dm[8 block:]``: bytes 0-3 hold scales 0-3 and the top bits of
+        scales 4-7, bytes 4-7 the same for the mins, bytes 8-11 the rest of scales and mins 4-7."""
+        b = self.builder
+        v = self.load(self.row, self.at(self.block_at, 4), ir.VectorType(I8, 16), 1)
+
+        def pick(*lanes):
+            return b.zext(b.shuffle_vector(v, ir.Constant(ir.VectorType(I8, 16), ir.Undefined), ir.Constant(V8I, list(lanes))), V8I)
+
+        def top(*lanes):  # the top 2 bits of bytes ``lanes``, as bits 4-5 of lanes 4-7
+            return b.and_(b.shl(b.lshr(pick(0, 0, 0, 0, *lanes), _i32s(6)), _i32s(4)), _halves(0, 48))
+
+        sc = b.or_(b.and_(pick(0, 1, 2, 3, 8, 9, 10, 11), _halves(63, 15)), top(0, 1, 2, 3))
+        mn = b.or_(b.and_(b.lshr(pick(4, 5, 6, 7, 8, 9, 10, 11), _halves(0, 4)), _halves(63, 15)), top(4, 5, 6, 7))
+        for value, half, dest, width in ((sc, 0, self.scales, 16), (mn, 2, self.dm, 8)):
+            out = b.fmul(self.splat(self.half(half)), b.sitofp(value, V8F))
+            b.store(out, b.bitcast(b.gep(dest, [b.mul(self.block, self.const(width))]), V8F.as_pointer()), align=4)
+
+    def scales_q6_k(self):
+        """The super-block's ``d * scale`` (16 int8 scales) into ``scales[16 block:]``."""
+        b = self.builder
+        v16f = ir.VectorType(F32, 16)
+        codes = b.sitofp(self.load(self.row, self.at(self.block_at, 192), ir.VectorType(I8, 16), 1), v16f)
+        out = b.fmul(self.splat(self.half(208), 16), codes)
+        b.store(out, b.bitcast(b.gep(self.scales, [b.mul(self.block, self.const(16))]), v16f.as_pointer()), align=4)
+
+    def each_block(self, emit):
+        """``emit(self)`` for each super-block of the row (``block``, ``block_at``, ``scale_at`` set)."""
+        b = self.builder
+        with cgutils.for_range(b, self.blocks, intp=self.intp) as loop:
+            self.block = loop.index
+            self.block_at = b.mul(loop.index, self.size)
+            self.scale_at = b.mul(loop.index, self.const(16))
+            emit(self)
+
+    def scale(self, j):
+        """Sub-block ``j``'s scale of the current super-block on all 8 lanes."""
+        b = self.builder
+        return self.splat(b.load(b.gep(self.scales, [self.at(self.scale_at, j)])))
+
+    def subblock(self, codes, first, scale):
+        """Each row's lanes += ``scale * sum_g(codes[g] * x[row, first + 8 g:])``."""
+        b = self.builder
+        codes = [b.sitofp(c, V8F) for c in codes]
+        for r, slot in enumerate(self.slots):
+            xat = self.at(self.x_at[r], first)
+            part = b.fmul(codes[0], self.load(self.x, xat, V8F))
+            for g in range(1, len(codes)):
+                part = b.call(self.fma, [codes[g], self.load(self.x, self.at(xat, 8 * g), V8F), part])
+            b.store(b.call(self.fma, [scale, part, b.load(slot)]), slot)
+
+    def mins(self):
+        """Each row's lanes -= ``dm * xsum`` (the current super-block's 8 mins and sub-block sums)."""
+        b = self.builder
+        dm = b.fneg(self.load(self.dm, b.mul(self.block, self.const(8)), V8F))
+        for r, slot in enumerate(self.slots):
+            xs = self.load(self.xsum, self.at(self.xsum_at[r], b.mul(self.block, self.const(8))), V8F)
+            b.store(b.call(self.fma, [dm, xs, b.load(slot)]), slot)
+
+    def rows(self, first, count, emit):
+        """The lanes of rows ``first .. first + count`` over the whole weight row, into ``acc``."""
+        b = self.builder
+        self.slots = [cgutils.alloca_once(b, V8F) for _ in range(count)]
+        for slot in self.slots:
+            b.store(ir.Constant(V8F, [0.0] * 8), slot)
+        ms = [self.at(first, r) for r in range(count)]
+        x_rows = [b.mul(m, self.k) for m in ms]
+        self.xsum_at = [b.mul(m, self.nsub) for m in ms]
+
+        def block(blk):
+            self.x_at = [self.at(xr, b.mul(self.block, self.const(256))) for xr in x_rows]
+            emit(blk)
+        self.each_block(block)
+        for m, slot in zip(ms, self.slots):
+            b.store(b.load(slot), b.bitcast(b.gep(self.acc, [b.mul(m, self.const(8))]), V8F.as_pointer()), align=4)
 
 
-@intrinsic
-def fma_lanes_avx2(typingctx, acc, a, x, at, n):
-    """``acc[l] = fma(a[i + l], x[at + i + l], acc[l])`` for the 32 lanes, ``i`` in steps of 32
-    below ``n``: four ``<8 x float>`` accumulators, so four independent fma chains."""
-    def codegen(context, builder, sig, args):
-        acc_v, a_v, x_v, at_v, n_v = args
-        intp = context.get_value_type(types.intp)
-        accp = _data(context, builder, sig.args[0], acc_v)
-        ap = _data(context, builder, sig.args[1], a_v)
-        xp = builder.gep(_data(context, builder, sig.args[2], x_v), [context.cast(builder, at_v, sig.args[3], types.intp)])
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
-        slots = []
-        for v in range(4):
-            slot = cgutils.alloca_once(builder, V8F)
-            builder.store(builder.load(_vec_ptr(builder, accp, ir.Constant(intp, 8 * v), V8F), align=4), slot)
-            slots.append(slot)
-        stop = context.cast(builder, n_v, sig.args[4], types.intp)
-        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), stop, ir.Constant(intp, 32), intp) as (i, _):
-            for v, slot in enumerate(slots):
-                at = builder.add(i, ir.Constant(intp, 8 * v))
-                av = builder.load(_vec_ptr(builder, ap, at, V8F), align=4)
-                xv = builder.load(_vec_ptr(builder, xp, at, V8F), align=4)
-                builder.store(builder.call(fma, [av, xv, builder.load(slot)]), slot)
-        for v, slot in enumerate(slots):
-            builder.store(builder.load(slot), _vec_ptr(builder, accp, ir.Constant(intp, 8 * v), V8F), align=4)
-        return context.get_dummy_value()
-
-    return types.void(acc, a, x, at, n), codegen
+def _emit_q45_k(blk, high):
+    """Q4_K (``high`` False) or Q5_K: sub-block ``j = 2c + s``, elements ``32 j + l``: nibble
+    ``s`` of ``qs[32 c + l]`` (and bit ``j`` of ``qh[l]`` as the fifth bit)."""
+    b = blk.builder
+    qs, qh = (48, 16) if high else (16, None)
+    highs = [blk.codes8(qh + 8 * g) for g in range(4)] if high else None
+    for c in range(4):
+        packed = [blk.codes8(qs + 32 * c + 8 * g) for g in range(4)]
+        for s in range(2):
+            j = 2 * c + s
+            codes = [b.and_(b.lshr(p, _i32s(4)) if s else p, _i32s(15)) for p in packed]
+            if high:
+                codes = [b.or_(q, b.shl(b.and_(b.lshr(h, _i32s(j)), _i32s(1)), _i32s(4))) for q, h in zip(codes, highs)]
+            blk.subblock(codes, 32 * j, blk.scale(j))
+    blk.mins()
 
 
-@intrinsic
-def decode_q4_k_avx2(typingctx, row, qs, ds, dm, buf):
-    """The 256 values of a Q4_K super-block whose nibbles start at ``row[qs]`` into ``buf``:
-    element ``64 c + 32 s + l`` is ``ds[2c + s] * (nibble s of row[qs + 32 c + l]) - dm[2c + s]``
-    (the products of ``kernels.quant._decode_q4_k``, so the same f32 bits)."""
-    def codegen(context, builder, sig, args):
-        row_v, qs_v, ds_v, dm_v, buf_v = args
-        intp = context.get_value_type(types.intp)
-        q = builder.gep(_data(context, builder, sig.args[0], row_v), [context.cast(builder, qs_v, sig.args[1], types.intp)])
-        dsp = _data(context, builder, sig.args[2], ds_v)
-        dmp = _data(context, builder, sig.args[3], dm_v)
-        out = _data(context, builder, sig.args[4], buf_v)
-        low = ir.Constant(V8I, [15] * 8)
-        four = ir.Constant(V8I, [4] * 8)
-        for c in range(4):
-            codes = [builder.zext(builder.load(_vec_ptr(builder, q, ir.Constant(intp, 32 * c + 8 * g), V8I8), align=1), V8I)
-                     for g in range(4)]
-            for s in range(2):
-                j = ir.Constant(intp, 2 * c + s)
-                scale = _splat(builder, builder.load(builder.gep(dsp, [j])), V8F)
-                shift = _splat(builder, builder.load(builder.gep(dmp, [j])), V8F)
-                for g, code in enumerate(codes):
-                    nib = builder.and_(builder.lshr(code, four) if s else code, low)
-                    val = builder.fsub(builder.fmul(scale, builder.sitofp(nib, V8F)), shift)
-                    builder.store(val, _vec_ptr(builder, out, ir.Constant(intp, 64 * c + 32 * s + 8 * g), V8F), align=4)
-        return context.get_dummy_value()
+def _emit_q6_k(blk):
+    """Q6_K: elements ``128 h + 32 g + l``: nibble ``g // 2`` of ``ql[64 h + 32 (g % 2) + l]``,
+    bits ``2g`` of ``qh[32 h + l]``, minus 32; sub-blocks of 16 (scale ``8 h + 2 g + l // 16``)."""
+    b = blk.builder
+    for h in range(2):
+        highs = [blk.codes8(128 + 32 * h + 8 * v) for v in range(4)]
+        for g in range(4):
+            codes = []
+            for v in range(4):
+                low = blk.codes8(64 * h + 32 * (g % 2) + 8 * v)
+                low = b.and_(b.lshr(low, _i32s(4)) if g // 2 else low, _i32s(15))
+                hi = b.and_(b.lshr(highs[v], _i32s(2 * g)), _i32s(3))
+                codes.append(b.sub(b.or_(low, b.shl(hi, _i32s(4))), _i32s(32)))
+            for half in range(2):
+                blk.subblock(codes[2 * half:2 * half + 2], 128 * h + 32 * g + 16 * half, blk.scale(8 * h + 2 * g + half))
 
-    return types.void(row, qs, ds, dm, buf), codegen
+
+def _row_kernel(emit_scales, emit):
+    @intrinsic
+    def row_kernel(typingctx, row, size, blocks, scales, dm, x, k, xsum, nsub, acc, m_rows):
+        def codegen(context, builder, sig, args):
+            blk = _Row(context, builder, sig, args)
+            blk.each_block(emit_scales)
+            tiled = builder.mul(builder.sdiv(blk.m_rows, blk.const(TILE)), blk.const(TILE))
+            with cgutils.for_range_slice(builder, blk.const(0), tiled, blk.const(TILE), blk.intp) as (m, _):
+                blk.rows(m, TILE, emit)
+            with cgutils.for_range_slice(builder, tiled, blk.m_rows, blk.const(1), blk.intp) as (m, _):
+                blk.rows(m, 1, emit)
+            return context.get_dummy_value()
+
+        return types.void(row, size, blocks, scales, dm, x, k, xsum, nsub, acc, m_rows), codegen
+
+    return row_kernel
+
+
+#: ``f(row, size, blocks, scales, dm, x, k, xsum, nsub, acc, m_rows)``: the weight row ``row``
+#: (``blocks`` super-blocks of ``size`` bytes) against every row of ``x`` (flat, ``k`` per row);
+#: row ``m``'s 8 lanes go to ``acc[8 m:]``.  ``scales``: each super-block's 16 sub-block scales
+#: (f32, d * scale; Q4_K/Q5_K use the first 8); ``dm``: its 8 mins (d_min * min) and ``xsum``
+#: (flat, ``nsub`` per row): each 32-element sub-block's sum of ``x`` (both unused by Q6_K).
+q4_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, False))
+q5_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, True))
+q6_k_avx2 = _row_kernel(_Row.scales_q6_k, _emit_q6_k)
