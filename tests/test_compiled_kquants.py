@@ -1,0 +1,89 @@
+"""The K-quant kernels (``dist_runtime.backends.compiled.kquants``) beyond the shared harness
+(tests/test_compiled_linear.py): against ``gguf``'s decoder (independent of ours), on both paths
+in one process (the AVX2 path's IR compiles on any CPU, so both always run here), with the f16
+scales where decoders go wrong (subnormal, zero, negative, the largest), and many super-blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+gguf_quants = pytest.importorskip("gguf.quants")
+
+from gguf import GGMLQuantizationType  # noqa: E402
+from test_compiled_linear import K_SCALES, reference, weight  # noqa: E402
+
+from dist_runtime.backends.compiled import kquants, linear, set_threads  # noqa: E402
+from dist_runtime.dtypes import DType  # noqa: E402
+from dist_runtime.tensor import QuantizedArray  # noqa: E402
+
+TYPES = list(K_SCALES)
+KIND = {DType.Q4_K: 4, DType.Q5_K: 5, DType.Q6_K: 6}
+PATHS = {"avx2": True, "portable": False}
+#: f16 bit patterns for d / dmin: subnormals (smallest, largest), zero, negative, the largest normal.
+SPECIAL_F16 = np.array([0x0001, 0x03FF, 0x0000, 0x8000, 0xA3D7, 0x7BFF, 0x1400], np.uint16)
+
+
+def on_path(x: np.ndarray, w: QuantizedArray, vec: bool) -> np.ndarray:
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    kquants._linear_k(np.ascontiguousarray(x, np.float32), w.data, out, KIND[w.dtype], vec)
+    return out
+
+
+def close(got: np.ndarray, want: np.ndarray) -> bool:
+    return bool(np.max(np.abs(got - want)) <= 1e-5 * max(np.max(np.abs(want)), 1.0))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", TYPES, ids=lambda d: d.name)
+def test_matches_gguf_dequantize_then_matmul(dtype, path):
+    w = weight(dtype, 37, 1024, seed=5)
+    x = np.random.default_rng(6).standard_normal((6, 1024)).astype(np.float32)
+    wf = gguf_quants.dequantize(w.data, GGMLQuantizationType[dtype.name]).reshape(37, 1024)
+    assert close(on_path(x, w, PATHS[path]), x.astype(np.float64) @ wf.astype(np.float64).T)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", TYPES, ids=lambda d: d.name)
+def test_special_f16_scales(dtype, path):
+    """Weight row ``n``'s d (and dmin) is ``SPECIAL_F16[n % 7]`` in every super-block: the kernels
+    decode f16 with integer operations, so subnormals and signs must come out as numpy's cast has
+    them (each output column checked against its own scale)."""
+    n = 2 * len(SPECIAL_F16)
+    w = weight(dtype, n, 768, seed=7)
+    blocks = w.data.reshape(n, 3, dtype.block_bytes)
+    bits = np.resize(SPECIAL_F16, n)[:, None].repeat(3, axis=1)
+    for at in K_SCALES[dtype]:
+        blocks[..., at:at + 2] = bits.view(np.uint8).reshape(n, 3, 2)
+    x = np.random.default_rng(9).standard_normal((5, 768)).astype(np.float32)
+    want = reference(x, w)
+    got = on_path(x, w, PATHS[path])
+    for col in range(n):
+        assert np.max(np.abs(got[:, col] - want[:, col])) <= 1e-5 * np.max(np.abs(want[:, col])), col
+
+
+@pytest.mark.parametrize("dtype", TYPES, ids=lambda d: d.name)
+def test_portable_path_is_batch_invariant(dtype):
+    """The shared harness checks the path this CPU takes; this one the other (portable) path."""
+    w = weight(dtype, 40, 512, seed=10)
+    xs = np.random.default_rng(11).standard_normal((70, 512)).astype(np.float32)
+    alone = np.concatenate([on_path(xs[i:i + 1], w, False) for i in range(70)])
+    try:
+        for threads, m0, m in [(1, 0, 70), (2, 5, 9), (2, 33, 4)]:
+            set_threads(threads)
+            got = on_path(xs[m0:m0 + m], w, False)
+            assert np.array_equal(got.view(np.uint32), alone[m0:m0 + m].view(np.uint32)), (threads, m)
+    finally:
+        set_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+@pytest.mark.parametrize("dtype", TYPES, ids=lambda d: d.name)
+def test_long_rows_and_q8_activations_take_the_f32_path(dtype):
+    """K = 4096 (16 super-blocks a row); ``activations="q8_0"`` is the f32 path for K-quants."""
+    w = weight(dtype, 5, 4096, seed=12)
+    x = np.random.default_rng(13).standard_normal((9, 4096)).astype(np.float32)
+    got = linear(x, w)
+    assert close(got, reference(x, w))
+    assert np.array_equal(linear(x, w, activations="q8_0"), got)
