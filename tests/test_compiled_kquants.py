@@ -79,11 +79,61 @@ def test_portable_path_is_batch_invariant(dtype):
         set_threads(numba.config.NUMBA_NUM_THREADS)
 
 
+def q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's ``quantize_row_q8_K_ref`` in numpy: per 256 elements, ``max`` the first
+    element of largest magnitude, ``iscale = -127 / max`` (f32), codes ``min(127, rint(iscale x))``
+    and ``d = 1 / iscale`` (an all-zero block: d = 0, codes 0).  Returns codes [M, K / 256, 256]
+    and d [M, K / 256]."""
+    blocks = x.reshape(x.shape[0], -1, 256)
+    big = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)[..., 0]
+    safe = np.where(big == 0, np.float32(1), big)
+    iscale = np.float32(-127) / safe
+    codes = np.minimum(np.rint(iscale[..., None] * blocks), 127)
+    d = np.float32(1) / iscale
+    return np.where(big[..., None] == 0, 0, codes), np.where(big == 0, np.float32(0), d)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [DType.Q4_K, DType.Q5_K], ids=lambda d: d.name)
+def test_q8_activations_are_llama_cpps_numerics(dtype, path):
+    """``activations="q8_0"`` on Q4_K/Q5_K quantizes ``x`` to Q8_K (llama.cpp's
+    ``vec_dot_q*_K_q8_K``): the result is the decoded weight times the *decoded activations*
+    (within f32 rounding), and within the quantization's bound of the f32 product."""
+    w = weight(dtype, 29, 1024, seed=14)
+    x = np.random.default_rng(15).standard_normal((7, 1024)).astype(np.float32)
+    x[3, 256:512] = 0.0  # an all-zero activation block
+    codes, d = q8_k(x)
+    wf = gguf_quants.dequantize(w.data, GGMLQuantizationType[dtype.name]).reshape(29, -1, 256).astype(np.float64)
+    want = np.einsum("mbk,nbk,mb->mn", codes.astype(np.float64), wf, d.astype(np.float64))
+    out = np.empty((7, 29), np.float32)
+    kquants._linear_k_q8(x, w.data, out, KIND[dtype], PATHS[path])
+    assert close(out, want)
+    # |x - d q| <= |d| / 2 per element (rint), so |y_q8 - y| <= sum_b |d_b| / 2 * sum |w_b|.
+    bound = np.einsum("mb,nb->mn", np.abs(d.astype(np.float64)) / 2, np.abs(wf).sum(-1))
+    assert (np.abs(out - reference(x, w)) <= bound * (1 + 1e-4) + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [DType.Q4_K, DType.Q5_K], ids=lambda d: d.name)
+def test_q8_paths_agree_and_are_batch_invariant(dtype):
+    """The integer sums are exact, so both paths give the same bits; rows alone or together too."""
+    w = weight(dtype, 40, 512, seed=16)
+    xs = np.random.default_rng(17).standard_normal((37, 512)).astype(np.float32)
+    alone = np.concatenate([linear(xs[i:i + 1], w, activations="q8_0") for i in range(37)])
+    assert np.array_equal(linear(xs, w, activations="q8_0").view(np.uint32), alone.view(np.uint32))
+    portable = np.empty_like(alone)
+    kquants._linear_k_q8(xs, w.data, portable, KIND[dtype], False)
+    assert np.array_equal(portable.view(np.uint32), alone.view(np.uint32))
+
+
+def test_q6_k_q8_activations_take_the_f32_path():
+    w = weight(DType.Q6_K, 5, 512, seed=18)
+    x = np.random.default_rng(19).standard_normal((3, 512)).astype(np.float32)
+    assert np.array_equal(linear(x, w, activations="q8_0"), linear(x, w))
+
+
 @pytest.mark.parametrize("dtype", TYPES, ids=lambda d: d.name)
-def test_long_rows_and_q8_activations_take_the_f32_path(dtype):
-    """K = 4096 (16 super-blocks a row); ``activations="q8_0"`` is the f32 path for K-quants."""
+def test_long_rows(dtype):
+    """K = 4096: 16 super-blocks a row."""
     w = weight(dtype, 5, 4096, seed=12)
     x = np.random.default_rng(13).standard_normal((9, 4096)).astype(np.float32)
-    got = linear(x, w)
-    assert close(got, reference(x, w))
-    assert np.array_equal(linear(x, w, activations="q8_0"), got)
+    assert close(linear(x, w), reference(x, w))

@@ -1,17 +1,19 @@
 """Kernels for the K-quants (Q4_K, Q5_K, Q6_K): 256-element super-blocks read in place.
 
-Each super-block of a weight row is decoded once per call into 256 f32 values, bit for bit
-``kernels.quant.dequantize``'s (same products in the same order), and every row of ``x`` then
-takes its dot product with them in 32 fixed lanes (lane ``l`` sums the elements ``k = l mod 32``
-in order of ``k``); the lanes are added in one fixed tree at the end of the row.  So ``(m, n)`` is
-the same sequence of operations whatever ``M``, the row's position and the thread count.
+f32 activations (the default): a weight row's sub-block scales are decoded once, then every row of
+``x`` takes, per sub-block, the sum of (integer code x element) in 8 fixed lanes, times the
+sub-block's scale, minus (Q4_K/Q5_K) the sub-block's min times the sum of its 32 elements of ``x``
+(computed once per call).  Lane ``l`` of row ``m`` is one fixed sequence of operations over the
+whole of ``K``; the 8 lanes are added in one fixed tree at the end.  So ``(m, n)`` does not depend
+on ``M``, the row's position or the thread count.  On AVX2 this is LLVM vector IR
+(:mod:`.simd_k`, ``fma`` on ``<8 x float>``, 4 rows of ``x`` sharing each decoded sub-block); the
+portable path does the same arithmetic in plain numba with multiplies and adds unfused.
 
-On AVX2 the lanes are four ``fma`` on ``<8 x float>`` (LLVM vector IR, :mod:`.simd_k`); the
-portable path multiplies and adds in plain numba.  The two paths round differently (fused or
-not), each is batch-invariant on its own.
-
-``q8=True`` (Q8_0-quantized activations) is not implemented for K-quants: they always take the f32
-activations path.
+``q8=True`` on Q4_K/Q5_K: llama.cpp's numerics (``vec_dot_q4_K_q8_K``): each row of ``x`` is
+quantized to Q8_K (``quantize_row_q8_K_ref``), each super-block's integer sums are exact
+(``pmaddubsw``/``pmaddwd`` on AVX2), and ``acc += (dx * d) * isum - (dx * dmin) * imin`` in f32,
+block after block: both paths give the same bits.  Q6_K has no Q8_K path yet: ``q8`` takes the f32
+path there.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 
 from ...dtypes import DType
 from . import cpu, kernel
-from .simd_k import q4_k_avx2, q5_k_avx2, q6_k_avx2
+from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2
 
 QK_K = 256
 #: Lanes per row of ``x``: one ``<8 x float>``.
@@ -46,26 +48,81 @@ def _f16(lo, hi):
     return -value if bits & np.int32(0x8000) else value
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _scale_codes_q45_k(w, at, sc, mn):
+    """A Q4_K/Q5_K super-block's 8 six-bit scales and mins (``get_scale_min_k4``)."""
+    s = at + 4
+    for j in range(4):
+        sc[j] = w[s + j] & 63
+        mn[j] = w[s + 4 + j] & 63
+        sc[j + 4] = (w[s + 8 + j] & 15) | ((w[s + j] >> 6) << 4)
+        mn[j + 4] = (w[s + 8 + j] >> 4) | ((w[s + 4 + j] >> 6) << 4)
+
+
 @numba.njit(nogil=True, cache=True)
 def _row_scales(w, kind, size, ds, dm):
-    """Each super-block's ``d * scale`` (16 a block; 8 used by Q4_K/Q5_K, from
-    ``get_scale_min_k4``) and ``dmin * min`` (8 a block) of one weight row, as f32."""
+    """Each super-block's ``d * scale`` (16 a block; 8 used by Q4_K/Q5_K) and ``dmin * min``
+    (8 a block) of one weight row, as f32."""
+    sc = np.empty(8, np.int32)
+    mn = np.empty(8, np.int32)
     for b in range(w.shape[0] // size):
         at = b * size
         if kind == 6:
             d = _f16(w[at + 208], w[at + 209])
             for j in range(16):
-                sc = np.int32(w[at + 192 + j])
-                ds[16 * b + j] = d * np.float32(sc - np.int32(256) if sc > 127 else sc)
+                code = np.int32(w[at + 192 + j])
+                ds[16 * b + j] = d * np.float32(code - np.int32(256) if code > 127 else code)
             continue
         d = _f16(w[at], w[at + 1])
         dmin = _f16(w[at + 2], w[at + 3])
-        s = at + 4
-        for j in range(4):
-            ds[16 * b + j] = d * np.float32(w[s + j] & 63)
-            dm[8 * b + j] = dmin * np.float32(w[s + 4 + j] & 63)
-            ds[16 * b + j + 4] = d * np.float32((w[s + 8 + j] & 15) | ((w[s + j] >> 6) << 4))
-            dm[8 * b + j + 4] = dmin * np.float32((w[s + 8 + j] >> 4) | ((w[s + 4 + j] >> 6) << 4))
+        _scale_codes_q45_k(w, at, sc, mn)
+        for j in range(8):
+            ds[16 * b + j] = d * np.float32(sc[j])
+            dm[8 * b + j] = dmin * np.float32(mn[j])
+
+
+@numba.njit(nogil=True, cache=True)
+def _quantize_q8_k(x):
+    """Each row of ``x`` as Q8_K (llama.cpp's ``quantize_row_q8_K_ref``): per 256 elements an f32
+    ``d`` and int8 codes ``rint(x * -127 / max)`` (``max`` the element of largest magnitude, with
+    its sign), flat; and the sums of each 32 codes (int32)."""
+    m_rows, k = x.shape
+    q = np.zeros(m_rows * k, np.int8)
+    d = np.zeros(m_rows * (k // QK_K), np.float32)
+    sums = np.zeros(m_rows * (k // 32), np.int32)
+    for m in range(m_rows):
+        for b in range(k // QK_K):
+            big = np.float32(0.0)
+            amax = np.float32(0.0)
+            for i in range(b * QK_K, (b + 1) * QK_K):
+                if abs(x[m, i]) > amax:
+                    amax = abs(x[m, i])
+                    big = x[m, i]
+            if amax == 0:
+                continue
+            iscale = np.float32(-127.0) / big
+            for i in range(b * QK_K, (b + 1) * QK_K):
+                v = min(np.int32(np.rint(iscale * x[m, i])), np.int32(127))
+                q[m * k + i] = v
+                sums[(m * k + i) // 32] += v
+            d[m * (k // QK_K) + b] = np.float32(1.0) / iscale
+    return q, d, sums
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _q45_k_q8_portable(w, at, kind, q8, q8at, sums, sat, codes, sc, mn):
+    """:func:`.simd_k.q4_k_q8`'s integers in plain numba."""
+    _codes_portable(w, at, kind, codes, np.int64(32))
+    _scale_codes_q45_k(w, at, sc, mn)
+    isum = 0
+    imin = 0
+    for j in range(8):
+        part = 0
+        for l in range(32 * j, 32 * j + 32):
+            part += np.int32(codes[l]) * np.int32(q8[q8at + l])
+        isum += sc[j] * part
+        imin += mn[j] * sums[sat + j]
+    return isum, imin, _f16(w[at], w[at + 1]), _f16(w[at + 2], w[at + 3])
 
 
 @numba.njit(nogil=True, cache=True)
@@ -164,11 +221,44 @@ def _linear_k(x, w, out, kind, vec):
                 out[m, r] = _lanes_sum(acc, LANES * m)
 
 
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _linear_k_q8(x, w, out, kind, vec):
+    """``out = x @ W^T`` with ``x`` quantized to Q8_K: per super-block, integer dot products
+    (exact), then ``acc += (dx * d) * isum - (dx * dmin) * imin`` in f32, block after block."""
+    m_rows, k = x.shape
+    n = w.shape[0]
+    blocks = k // QK_K
+    size = w.shape[1] // blocks
+    q8, dx, sums = _quantize_q8_k(x)
+    for c in numba.prange((n + ROWS - 1) // ROWS):
+        codes = np.empty(QK_K, np.float32)
+        sc = np.empty(8, np.int32)
+        mn = np.empty(8, np.int32)
+        for r in range(c * ROWS, min(n, (c + 1) * ROWS)):
+            row = w[r]
+            for m in range(m_rows):
+                acc = np.float32(0.0)
+                for b in range(blocks):
+                    at, q8at, sat = b * size, m * k + b * QK_K, m * (k // 32) + b * 8
+                    if not vec:
+                        isum, imin, d, dmin = _q45_k_q8_portable(row, at, kind, q8, q8at, sums, sat, codes, sc, mn)
+                    elif kind == 4:
+                        isum, imin, d, dmin = q4_k_q8(row, at, q8, q8at, sums, sat)
+                    else:
+                        isum, imin, d, dmin = q5_k_q8(row, at, q8, q8at, sums, sat)
+                    scale = dx[m * blocks + b]
+                    acc += (scale * d) * np.float32(isum) - (scale * dmin) * np.float32(imin)
+                out[m, r] = acc
+
+
 def _register(dtype: DType, kind: int) -> None:
     @kernel(dtype)
     def linear_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
-        """A K-quant kernel (``q8`` ignored: f32 activations, see the module docstring)."""
-        _linear_k(x, w, out, kind, cpu.AVX2)
+        """A K-quant kernel (see the module docstring)."""
+        if q8 and kind != 6:
+            _linear_k_q8(x, w, out, kind, cpu.AVX2)
+        else:
+            _linear_k(x, w, out, kind, cpu.AVX2)
 
 
 for _dtype, _kind in ((DType.Q4_K, 4), (DType.Q5_K, 5), (DType.Q6_K, 6)):

@@ -21,6 +21,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import cpu
+
 #: Rows of ``x`` that share each decoded sub-block (4 rows x 2 vectors + 4 codes: 12 of 16 ymm).
 TILE = 4
 
@@ -46,11 +48,12 @@ class _Row:
     """One call's arguments (array data pointers, ``intp`` integers) and the IR helpers the
     element types' emitters share."""
 
-    def __init__(self, context, builder, sig, args):
+    def __init__(self, context, builder, sig, args, names=ARGS):
         self.builder = builder
         self.intp = context.get_value_type(types.intp)
         self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
-        for name, ty, value in zip(ARGS, sig.args, args):
+        self.block_at = self.const(0)
+        for name, ty, value in zip(names, sig.args, args):
             if isinstance(ty, types.Array):
                 value = context.make_array(ty)(context, builder, value).data
             else:
@@ -93,10 +96,10 @@ class _Row:
         bits = b.select(b.fcmp_ordered(">=", f, ir.Constant(F32, 65536.0)), b.or_(bits, ir.Constant(I32, 0x7F800000)), bits)
         return b.bitcast(b.or_(bits, b.shl(b.and_(h, ir.Constant(I32, 0x8000)), ir.Constant(I32, 16))), F32)
 
-    def scales_q45_k(self):
-        """The super-block's ``d * scale`` and ``dmin * min`` (``get_scale_min_k4``) into
-        ``scales[16 block:]`` and ``dm[8 block:]``: bytes 0-3 hold scales 0-3 and the top bits of
-        scales 4-7, bytes 4-7 the same for the mins, bytes 8-11 the rest of scales and mins 4-7."""
+    def scale_codes_q45_k(self):
+        """The super-block's 6-bit scales and mins (``get_scale_min_k4``) as two ``<8 x i32>``:
+        bytes 0-3 hold scales 0-3 and the top bits of scales 4-7, bytes 4-7 the same for the
+        mins, bytes 8-11 the rest of scales and mins 4-7."""
         b = self.builder
         v = self.load(self.row, self.at(self.block_at, 4), ir.VectorType(I8, 16), 1)
 
@@ -108,6 +111,13 @@ class _Row:
 
         sc = b.or_(b.and_(pick(0, 1, 2, 3, 8, 9, 10, 11), _halves(63, 15)), top(0, 1, 2, 3))
         mn = b.or_(b.and_(b.lshr(pick(4, 5, 6, 7, 8, 9, 10, 11), _halves(0, 4)), _halves(63, 15)), top(4, 5, 6, 7))
+        return sc, mn
+
+    def scales_q45_k(self):
+        """The super-block's ``d * scale`` and ``dmin * min`` into ``scales[16 block:]`` and
+        ``dm[8 block:]``."""
+        b = self.builder
+        sc, mn = self.scale_codes_q45_k()
         for value, half, dest, width in ((sc, 0, self.scales, 16), (mn, 2, self.dm, 8)):
             out = b.fmul(self.splat(self.half(half)), b.sitofp(value, V8F))
             b.store(out, b.bitcast(b.gep(dest, [b.mul(self.block, self.const(width))]), V8F.as_pointer()), align=4)
@@ -231,3 +241,93 @@ def _row_kernel(emit_scales, emit):
 q4_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, False))
 q5_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, True))
 q6_k_avx2 = _row_kernel(_Row.scales_q6_k, _emit_q6_k)
+
+
+# -- Q8_K activations: integer dot products (llama.cpp's vec_dot_q*_K_q8_K) -----------------------
+V32I8 = ir.VectorType(I8, 32)
+V16I16 = ir.VectorType(ir.IntType(16), 16)
+#: ``pmaddubsw``/``pmaddwd`` where the hardware has them (decided by the CPU itself, not by
+#: DIST_RUNTIME_PORTABLE, because numba's cache is keyed by the CPU); elsewhere the same sums in
+#: generic IR (equal here: the products never saturate 16 bits).
+_X86_AVX2 = "avx2" in cpu.FEATURES
+
+
+def _pairs(builder, wide, vt):
+    """Adjacent lanes of ``wide`` added: ``[w0 + w1, w2 + w3, ...]``."""
+    n = vt.count
+    even = builder.shuffle_vector(wide, ir.Constant(wide.type, ir.Undefined), ir.Constant(ir.VectorType(I32, n), list(range(0, 2 * n, 2))))
+    odd = builder.shuffle_vector(wide, ir.Constant(wide.type, ir.Undefined), ir.Constant(ir.VectorType(I32, n), list(range(1, 2 * n, 2))))
+    return builder.add(even, odd)
+
+
+def _maddubs(builder, codes, q8):
+    """Unsigned ``codes`` times signed ``q8`` (``<32 x i8>``), adjacent pairs added: ``<16 x i16>``."""
+    if _X86_AVX2:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16I16, [V32I8, V32I8]), "llvm.x86.avx2.pmadd.ub.sw")
+        return builder.call(fn, [codes, q8])
+    v32i16 = ir.VectorType(ir.IntType(16), 32)
+    return _pairs(builder, builder.mul(builder.zext(codes, v32i16), builder.sext(q8, v32i16)), V16I16)
+
+
+def _maddwd(builder, a, b):
+    """``<16 x i16>`` times ``<16 x i16>``, adjacent pairs added: ``<8 x i32>``."""
+    if _X86_AVX2:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8I, [V16I16, V16I16]), "llvm.x86.avx2.pmadd.wd")
+        return builder.call(fn, [a, b])
+    v16i32 = ir.VectorType(I32, 16)
+    return _pairs(builder, builder.mul(builder.sext(a, v16i32), builder.sext(b, v16i32)), V8I)
+
+
+def _reduce_add(builder, v):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [v.type]), f"llvm.vector.reduce.add.v{v.type.count}i32")
+    return builder.call(fn, [v])
+
+
+Q8_ARGS = ("row", "block_at", "q8", "q8at", "bsums", "bsat")
+
+
+def _emit_q45_k_q8(blk, high):
+    """``(sum_j scale_j * sum_l q_l * q8_l, sum_j min_j * bsum_j, d, dmin)`` of one Q4_K/Q5_K
+    super-block against 256 Q8_K codes (``bsums``: sums of 32 codes)."""
+    b = blk.builder
+    sc, mn = blk.scale_codes_q45_k()
+    q8 = b.gep(blk.q8, [blk.q8at])
+    qs = 48 if high else 16
+    low4 = ir.Constant(V32I8, [15] * 32)
+    highs = blk.load(blk.row, blk.at(blk.block_at, 16), V32I8, 1) if high else None
+    total = ir.Constant(V8I, [0] * 8)
+    for c in range(4):
+        packed = blk.load(blk.row, blk.at(blk.block_at, qs + 32 * c), V32I8, 1)
+        for s in range(2):
+            j = 2 * c + s
+            codes = b.and_(b.lshr(packed, ir.Constant(V32I8, [4] * 32)) if s else packed, low4)
+            if high:
+                bit = b.and_(b.lshr(highs, ir.Constant(V32I8, [j] * 32)), ir.Constant(V32I8, [1] * 32))
+                codes = b.or_(codes, b.shl(bit, ir.Constant(V32I8, [4] * 32)))
+            y = blk.load(q8, blk.const(32 * j), V32I8, 1)
+            scale = blk.splat(b.trunc(b.extract_element(sc, ir.Constant(I32, j)), ir.IntType(16)), 16)
+            total = b.add(total, _maddwd(b, _maddubs(b, codes, y), scale))
+    bsums = blk.load(blk.bsums, blk.bsat, V8I)
+    return _reduce_add(b, total), _reduce_add(b, b.mul(mn, bsums)), blk.half(0), blk.half(2)
+
+
+def _q8_kernel(high):
+    @intrinsic
+    def q8_dot(typingctx, row, at, q8, q8at, bsums, bsat):
+        ret = types.Tuple((types.int32, types.int32, types.float32, types.float32))
+
+        def codegen(context, builder, sig, args):
+            blk = _Row(context, builder, sig, args, Q8_ARGS)
+            return context.make_tuple(builder, ret, _emit_q45_k_q8(blk, high))
+
+        return ret(row, at, q8, q8at, bsums, bsat), codegen
+
+    return q8_dot
+
+
+#: ``f(row, at, q8, q8at, bsums, bsat) -> (isum, imin, d, dmin)``: the Q4_K / Q5_K super-block at
+#: byte ``at`` of ``row`` against the Q8_K codes ``q8[q8at:q8at + 256]`` (int8), whose sums of 32
+#: are ``bsums[bsat:bsat + 8]`` (int32): ``isum = sum_j scale_j * sum_l q_l * q8_l`` and
+#: ``imin = sum_j min_j * bsum_j`` (exact integers), ``d``/``dmin`` the block's f16 scales.
+q4_k_q8 = _q8_kernel(False)
+q5_k_q8 = _q8_kernel(True)
