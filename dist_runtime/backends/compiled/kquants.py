@@ -9,11 +9,11 @@ on ``M``, the row's position or the thread count.  On AVX2 this is LLVM vector I
 (:mod:`.simd_k`, ``fma`` on ``<8 x float>``, 4 rows of ``x`` sharing each decoded sub-block); the
 portable path does the same arithmetic in plain numba with multiplies and adds unfused.
 
-``q8=True`` on Q4_K/Q5_K: llama.cpp's numerics (``vec_dot_q4_K_q8_K``): each row of ``x`` is
+``q8=True``: llama.cpp's numerics (``vec_dot_q4_K_q8_K``): each row of ``x`` is
 quantized to Q8_K (``quantize_row_q8_K_ref``), each super-block's integer sums are exact
 (``pmaddubsw``/``pmaddwd`` on AVX2), and ``acc += (dx * d) * isum - (dx * dmin) * imin`` in f32,
-block after block: both paths give the same bits.  Q6_K has no Q8_K path yet: ``q8`` takes the f32
-path there.
+block after block: both paths give the same bits.  Q6_K likewise (``vec_dot_q6_K_q8_K``: codes
+0..63 times ``q8``, less 32 times the sums of 16 codes; no min term).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 from ...dtypes import DType
 from . import cpu, kernel
-from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2
+from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2, q6_k_q8
 
 QK_K = 256
 #: Lanes per row of ``x``: one ``<8 x float>``.
@@ -85,11 +85,12 @@ def _row_scales(w, kind, size, ds, dm):
 def _quantize_q8_k(x):
     """Each row of ``x`` as Q8_K (llama.cpp's ``quantize_row_q8_K_ref``): per 256 elements an f32
     ``d`` and int8 codes ``rint(x * -127 / max)`` (``max`` the element of largest magnitude, with
-    its sign), flat; and the sums of each 32 codes (int32)."""
+    its sign), flat; and the sums (int32) of each 32 and each 16 codes."""
     m_rows, k = x.shape
     q = np.zeros(m_rows * k, np.int8)
     d = np.zeros(m_rows * (k // QK_K), np.float32)
     sums = np.zeros(m_rows * (k // 32), np.int32)
+    sums16 = np.zeros(m_rows * (k // 16), np.int32)
     for m in range(m_rows):
         for b in range(k // QK_K):
             big = np.float32(0.0)
@@ -105,14 +106,24 @@ def _quantize_q8_k(x):
                 v = min(np.int32(np.rint(iscale * x[m, i])), np.int32(127))
                 q[m * k + i] = v
                 sums[(m * k + i) // 32] += v
+                sums16[(m * k + i) // 16] += v
             d[m * (k // QK_K) + b] = np.float32(1.0) / iscale
-    return q, d, sums
+    return q, d, sums, sums16
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _q45_k_q8_portable(w, at, kind, q8, q8at, sums, sat, codes, sc, mn):
-    """:func:`.simd_k.q4_k_q8`'s integers in plain numba."""
+def _k_q8_portable(w, at, kind, q8, q8at, sums, sat, codes, sc, mn):
+    """:data:`.simd_k.q4_k_q8`'s (and ``q5_k_q8``'s, ``q6_k_q8``'s) integers in plain numba."""
     _codes_portable(w, at, kind, codes, np.int64(32))
+    if kind == 6:
+        isum = 0
+        for j in range(16):
+            part = 0
+            for l in range(16 * j, 16 * j + 16):
+                part += np.int32(codes[l]) * np.int32(q8[q8at + l])
+            code = np.int32(w[at + 192 + j])
+            isum += (code - np.int32(256) if code > 127 else code) * part
+        return isum, 0, _f16(w[at + 208], w[at + 209]), np.float32(0.0)
     _scale_codes_q45_k(w, at, sc, mn)
     isum = 0
     imin = 0
@@ -229,7 +240,9 @@ def _linear_k_q8(x, w, out, kind, vec):
     n = w.shape[0]
     blocks = k // QK_K
     size = w.shape[1] // blocks
-    q8, dx, sums = _quantize_q8_k(x)
+    q8, dx, sums32, sums16 = _quantize_q8_k(x)
+    sums = sums16 if kind == 6 else sums32
+    per_block = 16 if kind == 6 else 8
     for c in numba.prange((n + ROWS - 1) // ROWS):
         codes = np.empty(QK_K, np.float32)
         sc = np.empty(8, np.int32)
@@ -239,13 +252,15 @@ def _linear_k_q8(x, w, out, kind, vec):
             for m in range(m_rows):
                 acc = np.float32(0.0)
                 for b in range(blocks):
-                    at, q8at, sat = b * size, m * k + b * QK_K, m * (k // 32) + b * 8
+                    at, q8at, sat = b * size, m * k + b * QK_K, (m * blocks + b) * per_block
                     if not vec:
-                        isum, imin, d, dmin = _q45_k_q8_portable(row, at, kind, q8, q8at, sums, sat, codes, sc, mn)
+                        isum, imin, d, dmin = _k_q8_portable(row, at, kind, q8, q8at, sums, sat, codes, sc, mn)
                     elif kind == 4:
                         isum, imin, d, dmin = q4_k_q8(row, at, q8, q8at, sums, sat)
-                    else:
+                    elif kind == 5:
                         isum, imin, d, dmin = q5_k_q8(row, at, q8, q8at, sums, sat)
+                    else:
+                        isum, imin, d, dmin = q6_k_q8(row, at, q8, q8at, sums, sat)
                     scale = dx[m * blocks + b]
                     acc += (scale * d) * np.float32(isum) - (scale * dmin) * np.float32(imin)
                 out[m, r] = acc
@@ -255,7 +270,7 @@ def _register(dtype: DType, kind: int) -> None:
     @kernel(dtype)
     def linear_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
         """A K-quant kernel (see the module docstring)."""
-        if q8 and kind != 6:
+        if q8:
             _linear_k_q8(x, w, out, kind, cpu.AVX2)
         else:
             _linear_k(x, w, out, kind, cpu.AVX2)

@@ -311,23 +311,49 @@ def _emit_q45_k_q8(blk, high):
     return _reduce_add(b, total), _reduce_add(b, b.mul(mn, bsums)), blk.half(0), blk.half(2)
 
 
-def _q8_kernel(high):
+def _emit_q6_k_q8(blk):
+    """``(sum_i scale_i * sum_l (q_l - 32) * q8_l, 0, d, 0)`` of one Q6_K super-block (16
+    sub-blocks of 16; ``bsums``: sums of 16 codes, for the ``- 32``)."""
+    b = blk.builder
+    scales = b.sext(blk.load(blk.row, blk.at(blk.block_at, 192), ir.VectorType(I8, 16), 1), V16I16)
+    q8 = b.gep(blk.q8, [blk.q8at])
+    total = ir.Constant(V8I, [0] * 8)
+    for h in range(2):
+        highs = blk.load(blk.row, blk.at(blk.block_at, 128 + 32 * h), V32I8, 1)
+        for g in range(4):
+            low = blk.load(blk.row, blk.at(blk.block_at, 64 * h + 32 * (g % 2)), V32I8, 1)
+            low = b.and_(b.lshr(low, ir.Constant(V32I8, [4] * 32)) if g // 2 else low, ir.Constant(V32I8, [15] * 32))
+            high = b.and_(b.lshr(highs, ir.Constant(V32I8, [2 * g] * 32)), ir.Constant(V32I8, [3] * 32))
+            codes = b.or_(low, b.shl(high, ir.Constant(V32I8, [4] * 32)))
+            y = blk.load(q8, blk.const(128 * h + 32 * g), V32I8, 1)
+            i = 8 * h + 2 * g
+            scale = b.shuffle_vector(scales, ir.Constant(V16I16, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), [i] * 8 + [i + 1] * 8))
+            total = b.add(total, _maddwd(b, _maddubs(b, codes, y), scale))
+    v16i32 = ir.VectorType(I32, 16)
+    offset = b.mul(b.sext(scales, v16i32), blk.load(blk.bsums, blk.bsat, v16i32))
+    isum = b.sub(_reduce_add(b, total), b.shl(_reduce_add(b, offset), ir.Constant(I32, 5)))
+    return isum, ir.Constant(I32, 0), blk.half(208), ir.Constant(F32, 0.0)
+
+
+def _q8_kernel(emit):
     @intrinsic
     def q8_dot(typingctx, row, at, q8, q8at, bsums, bsat):
         ret = types.Tuple((types.int32, types.int32, types.float32, types.float32))
 
         def codegen(context, builder, sig, args):
             blk = _Row(context, builder, sig, args, Q8_ARGS)
-            return context.make_tuple(builder, ret, _emit_q45_k_q8(blk, high))
+            return context.make_tuple(builder, ret, emit(blk))
 
         return ret(row, at, q8, q8at, bsums, bsat), codegen
 
     return q8_dot
 
 
-#: ``f(row, at, q8, q8at, bsums, bsat) -> (isum, imin, d, dmin)``: the Q4_K / Q5_K super-block at
-#: byte ``at`` of ``row`` against the Q8_K codes ``q8[q8at:q8at + 256]`` (int8), whose sums of 32
-#: are ``bsums[bsat:bsat + 8]`` (int32): ``isum = sum_j scale_j * sum_l q_l * q8_l`` and
-#: ``imin = sum_j min_j * bsum_j`` (exact integers), ``d``/``dmin`` the block's f16 scales.
-q4_k_q8 = _q8_kernel(False)
-q5_k_q8 = _q8_kernel(True)
+#: ``f(row, at, q8, q8at, bsums, bsat) -> (isum, imin, d, dmin)``: the super-block at byte ``at``
+#: of ``row`` against the Q8_K codes ``q8[q8at:q8at + 256]`` (int8), whose sums (int32) of 32
+#: (Q4_K/Q5_K: 8) or 16 (Q6_K: 16) codes are at ``bsums[bsat:]``: the exact integers
+#: ``isum = sum_j scale_j * sum_l q_l * q8_l`` and ``imin = sum_j min_j * bsum_j`` (0 for Q6_K,
+#: whose codes are centred), and the block's f16 scales ``d``, ``dmin`` (0 for Q6_K).
+q4_k_q8 = _q8_kernel(lambda blk: _emit_q45_k_q8(blk, False))
+q5_k_q8 = _q8_kernel(lambda blk: _emit_q45_k_q8(blk, True))
+q6_k_q8 = _q8_kernel(_emit_q6_k_q8)
