@@ -82,61 +82,6 @@ def _row_scales(w, kind, size, ds, dm):
 
 
 @numba.njit(nogil=True, cache=True)
-def _quantize_q8_k(x):
-    """Each row of ``x`` as Q8_K (llama.cpp's ``quantize_row_q8_K_ref``): per 256 elements an f32
-    ``d`` and int8 codes ``rint(x * -127 / max)`` (``max`` the element of largest magnitude, with
-    its sign), flat; and the sums (int32) of each 32 and each 16 codes."""
-    m_rows, k = x.shape
-    q = np.zeros(m_rows * k, np.int8)
-    d = np.zeros(m_rows * (k // QK_K), np.float32)
-    sums = np.zeros(m_rows * (k // 32), np.int32)
-    sums16 = np.zeros(m_rows * (k // 16), np.int32)
-    for m in range(m_rows):
-        for b in range(k // QK_K):
-            big = np.float32(0.0)
-            amax = np.float32(0.0)
-            for i in range(b * QK_K, (b + 1) * QK_K):
-                if abs(x[m, i]) > amax:
-                    amax = abs(x[m, i])
-                    big = x[m, i]
-            if amax == 0:
-                continue
-            iscale = np.float32(-127.0) / big
-            for i in range(b * QK_K, (b + 1) * QK_K):
-                v = min(np.int32(np.rint(iscale * x[m, i])), np.int32(127))
-                q[m * k + i] = v
-                sums[(m * k + i) // 32] += v
-                sums16[(m * k + i) // 16] += v
-            d[m * (k // QK_K) + b] = np.float32(1.0) / iscale
-    return q, d, sums, sums16
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _k_q8_portable(w, at, kind, q8, q8at, sums, sat, codes, sc, mn):
-    """:data:`.simd_k.q4_k_q8`'s (and ``q5_k_q8``'s, ``q6_k_q8``'s) integers in plain numba."""
-    _codes_portable(w, at, kind, codes, np.int64(32))
-    if kind == 6:
-        isum = 0
-        for j in range(16):
-            part = 0
-            for l in range(16 * j, 16 * j + 16):
-                part += np.int32(codes[l]) * np.int32(q8[q8at + l])
-            code = np.int32(w[at + 192 + j])
-            isum += (code - np.int32(256) if code > 127 else code) * part
-        return isum, 0, _f16(w[at + 208], w[at + 209]), np.float32(0.0)
-    _scale_codes_q45_k(w, at, sc, mn)
-    isum = 0
-    imin = 0
-    for j in range(8):
-        part = 0
-        for l in range(32 * j, 32 * j + 32):
-            part += np.int32(codes[l]) * np.int32(q8[q8at + l])
-        isum += sc[j] * part
-        imin += mn[j] * sums[sat + j]
-    return isum, imin, _f16(w[at], w[at + 1]), _f16(w[at + 2], w[at + 3])
-
-
-@numba.njit(nogil=True, cache=True)
 def _x_sums(x, nsub):
     """Each 32-element sub-block's sum of each row of ``x``, in order (for the mins), flat."""
     m_rows, k = x.shape
@@ -195,6 +140,61 @@ def _block_portable(codes, ds, unit, dm, x, xoff, k, xsum, soff, nsub, acc, m_ro
 def _lanes_sum(acc, at):
     """The 8 lanes at ``acc[at]`` added in one fixed tree."""
     return ((acc[at] + acc[at + 4]) + (acc[at + 2] + acc[at + 6])) + ((acc[at + 1] + acc[at + 5]) + (acc[at + 3] + acc[at + 7]))
+
+
+@numba.njit(nogil=True, cache=True)
+def _quantize_q8_k(x):
+    """Each row of ``x`` as Q8_K (llama.cpp's ``quantize_row_q8_K_ref``): per 256 elements an f32
+    ``d`` and int8 codes ``rint(x * -127 / max)`` (``max`` the element of largest magnitude, with
+    its sign), flat; and the sums (int32) of each 32 and each 16 codes."""
+    m_rows, k = x.shape
+    q = np.zeros(m_rows * k, np.int8)
+    d = np.zeros(m_rows * (k // QK_K), np.float32)
+    sums = np.zeros(m_rows * (k // 32), np.int32)
+    sums16 = np.zeros(m_rows * (k // 16), np.int32)
+    for m in range(m_rows):
+        for b in range(k // QK_K):
+            big = np.float32(0.0)
+            amax = np.float32(0.0)
+            for i in range(b * QK_K, (b + 1) * QK_K):
+                if abs(x[m, i]) > amax:
+                    amax = abs(x[m, i])
+                    big = x[m, i]
+            if amax == 0:
+                continue
+            iscale = np.float32(-127.0) / big
+            for i in range(b * QK_K, (b + 1) * QK_K):
+                v = min(np.int32(np.rint(iscale * x[m, i])), np.int32(127))
+                q[m * k + i] = v
+                sums[(m * k + i) // 32] += v
+                sums16[(m * k + i) // 16] += v
+            d[m * (k // QK_K) + b] = np.float32(1.0) / iscale
+    return q, d, sums, sums16
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _k_q8_portable(w, at, kind, q8, q8at, sums, sat, codes, sc, mn):
+    """:data:`.simd_k.q4_k_q8`'s (and ``q5_k_q8``'s, ``q6_k_q8``'s) integers in plain numba."""
+    _codes_portable(w, at, kind, codes, np.int64(32))
+    if kind == 6:
+        isum = 0
+        for j in range(16):
+            part = 0
+            for l in range(16 * j, 16 * j + 16):
+                part += np.int32(codes[l]) * np.int32(q8[q8at + l])
+            code = np.int32(w[at + 192 + j])
+            isum += (code - np.int32(256) if code > 127 else code) * part
+        return isum, 0, _f16(w[at + 208], w[at + 209]), np.float32(0.0)
+    _scale_codes_q45_k(w, at, sc, mn)
+    isum = 0
+    imin = 0
+    for j in range(8):
+        part = 0
+        for l in range(32 * j, 32 * j + 32):
+            part += np.int32(codes[l]) * np.int32(q8[q8at + l])
+        isum += sc[j] * part
+        imin += mn[j] * sums[sat + j]
+    return isum, imin, _f16(w[at], w[at + 1]), _f16(w[at + 2], w[at + 3])
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)

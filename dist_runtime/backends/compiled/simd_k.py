@@ -12,6 +12,9 @@ their products with ``x`` are summed in 8 lanes (``fmul`` then ``fma`` in elemen
 to the lanes times the sub-block's scale (one ``fma``); for Q4_K/Q5_K the mins then come off as
 ``lanes -= dm * xsum`` (one ``fma``, lane ``j`` = sub-block ``j``).  Every row sees the same
 operations in the same order in a tile or alone: the result is batch-invariant.
+
+numba's on-disk cache keys :mod:`.kquants`'s drivers by their own file only: after editing this
+one, delete ``__pycache__/kquants.*.nb[ic]`` (or touch kquants.py) to recompile.
 """
 
 from __future__ import annotations
