@@ -2,16 +2,21 @@
 
 Written as ``numba.extending.intrinsic`` so that the vector shape is what we say, not what LLVM's
 vectorizer makes of a loop (it vectorizes differently for different trip counts, which would make
-results depend on ``M``).  Only generic LLVM operations and ``llvm.fma`` are used: the IR compiles
-on any CPU (the portable path is compiled beside it), though it is fast only with AVX2 and FMA.
+results depend on ``M``).  The IR compiles on any CPU (the portable path is compiled beside it in
+the same functions): generic LLVM operations and ``llvm.fma``, plus ``pmaddubsw``/``pmaddwd`` only
+when the CPU has AVX2 (the same sums in generic IR otherwise).
 
-One call takes one weight row to every row of ``x``, :data:`TILE` rows of ``x`` at a time (then
-one at a time), each row's 8 lanes held in a register over the whole row of ``W``.  Per
-super-block and sub-block, the codes are widened to ``<8 x float>`` once for the tile; for each row
-their products with ``x`` are summed in 8 lanes (``fmul`` then ``fma`` in element order) and added
-to the lanes times the sub-block's scale (one ``fma``); for Q4_K/Q5_K the mins then come off as
-``lanes -= dm * xsum`` (one ``fma``, lane ``j`` = sub-block ``j``).  Every row sees the same
+f32 activations (``q4_k_avx2``, ``q5_k_avx2``, ``q6_k_avx2``): one call takes one weight row to
+every row of ``x``, :data:`TILE` rows of ``x`` at a time (then one at a time), each row's 8 lanes
+held in a register over the whole row of ``W``.  Per super-block and sub-block, the codes are
+widened to ``<8 x float>`` once for the tile; for each row their products with ``x`` are summed in
+8 lanes (``fmul`` then ``fma`` in element order) and added to the lanes times the sub-block's
+scale (one ``fma``); for Q4_K/Q5_K the mins then come off as ``lanes -= dm * xsum`` (one ``fma``,
+lane ``j`` = sub-block ``j``).  Every row sees the same
 operations in the same order in a tile or alone: the result is batch-invariant.
+
+Q8_K activations (``q4_k_q8``, ``q5_k_q8``, ``q6_k_q8``): one call takes one super-block to one row
+of quantized activations and returns its exact integer sums (llama.cpp's ``vec_dot_q*_K_q8_K``).
 
 numba's on-disk cache keys :mod:`.kquants`'s drivers by their own file only: after editing this
 one, delete ``__pycache__/kquants.*.nb[ic]`` (or touch kquants.py) to recompile.
