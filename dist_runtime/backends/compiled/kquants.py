@@ -22,7 +22,8 @@ import numba
 import numpy as np
 
 from ...dtypes import DType
-from . import cpu, kernel
+from . import cpu
+from .registry import kernel
 from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2, q6_k_q8
 
 QK_K = 256
