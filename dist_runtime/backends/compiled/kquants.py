@@ -1,0 +1,281 @@
+"""Kernels for the K-quants (Q4_K, Q5_K, Q6_K): 256-element super-blocks read in place.
+
+f32 activations (the default): a weight row's sub-block scales are decoded once, then every row of
+``x`` takes, per sub-block, the sum of (integer code x element) in 8 fixed lanes, times the
+sub-block's scale, minus (Q4_K/Q5_K) the sub-block's min times the sum of its 32 elements of ``x``
+(computed once per call).  Lane ``l`` of row ``m`` is one fixed sequence of operations over the
+whole of ``K``; the 8 lanes are added in one fixed tree at the end.  So ``(m, n)`` does not depend
+on ``M``, the row's position or the thread count.  On AVX2 this is LLVM vector IR
+(:mod:`.simd_k`, ``fma`` on ``<8 x float>``, 4 rows of ``x`` sharing each decoded sub-block); the
+portable path does the same arithmetic in plain numba with multiplies and adds unfused.
+
+``q8=True``: llama.cpp's numerics (``vec_dot_q4_K_q8_K``): each row of ``x`` is
+quantized to Q8_K (``quantize_row_q8_K_ref``), each super-block's integer sums are exact
+(``pmaddubsw``/``pmaddwd`` on AVX2), and ``acc += (dx * d) * isum - (dx * dmin) * imin`` in f32,
+block after block: both paths give the same bits.  Q6_K likewise (``vec_dot_q6_K_q8_K``: codes
+0..63 times ``q8``, less 32 times the sums of 16 codes; no min term).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ...dtypes import DType
+from . import cpu
+from .registry import kernel
+from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2, q6_k_q8
+
+QK_K = 256
+#: Lanes per row of ``x``: one ``<8 x float>``.
+LANES = 8
+#: Output rows per work item: enough items to balance two threads, few enough to keep each one's
+#: scratch allocation negligible.
+ROWS = 16
+#: ``2 ** (e - 25)`` for an f16 exponent field ``e`` (1 for subnormals: ``mant * 2 ** -24``).
+_POW2 = np.ldexp(np.float32(1), np.maximum(np.arange(32), 1) - 25).astype(np.float32)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _f16(lo, hi):
+    """The little-endian f16 in bytes ``lo``, ``hi`` as f32 (exact: every f16 is an f32)."""
+    bits = np.int32(lo) | (np.int32(hi) << np.int32(8))
+    e = (bits >> np.int32(10)) & np.int32(0x1F)
+    mant = bits & np.int32(0x3FF)
+    if e == 0x1F:
+        value = np.float32(np.inf) if mant == 0 else np.float32(np.nan)
+    else:
+        value = np.float32(mant | (np.int32(0x400) if e else np.int32(0))) * _POW2[e]
+    return -value if bits & np.int32(0x8000) else value
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _scale_codes_q45_k(w, at, sc, mn):
+    """A Q4_K/Q5_K super-block's 8 six-bit scales and mins (``get_scale_min_k4``)."""
+    s = at + 4
+    for j in range(4):
+        sc[j] = w[s + j] & 63
+        mn[j] = w[s + 4 + j] & 63
+        sc[j + 4] = (w[s + 8 + j] & 15) | ((w[s + j] >> 6) << 4)
+        mn[j + 4] = (w[s + 8 + j] >> 4) | ((w[s + 4 + j] >> 6) << 4)
+
+
+@numba.njit(nogil=True, cache=True)
+def _row_scales(w, kind, size, ds, dm):
+    """Each super-block's ``d * scale`` (16 a block; 8 used by Q4_K/Q5_K) and ``dmin * min``
+    (8 a block) of one weight row, as f32."""
+    sc = np.empty(8, np.int32)
+    mn = np.empty(8, np.int32)
+    for b in range(w.shape[0] // size):
+        at = b * size
+        if kind == 6:
+            d = _f16(w[at + 208], w[at + 209])
+            for j in range(16):
+                code = np.int32(w[at + 192 + j])
+                ds[16 * b + j] = d * np.float32(code - np.int32(256) if code > 127 else code)
+            continue
+        d = _f16(w[at], w[at + 1])
+        dmin = _f16(w[at + 2], w[at + 3])
+        _scale_codes_q45_k(w, at, sc, mn)
+        for j in range(8):
+            ds[16 * b + j] = d * np.float32(sc[j])
+            dm[8 * b + j] = dmin * np.float32(mn[j])
+
+
+@numba.njit(nogil=True, cache=True)
+def _x_sums(x, nsub):
+    """Each 32-element sub-block's sum of each row of ``x``, in order (for the mins), flat."""
+    m_rows, k = x.shape
+    sums = np.empty(m_rows * nsub, np.float32)
+    for m in range(m_rows):
+        for j in range(nsub):
+            t = np.float32(0.0)
+            for i in range(32 * j, 32 * j + 32):
+                t += x[m, i]
+            sums[m * nsub + j] = t
+    return sums
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _codes_portable(w, at, kind, codes, n32):
+    """The 256 codes of a super-block as f32, in element order: Q4_K/Q5_K unsigned (0..15/31),
+    Q6_K centred (-32..31)."""
+    if kind == 6:
+        for h in range(2):
+            for g in range(4):
+                for l in range(n32):
+                    lo = (np.int32(w[at + 64 * h + 32 * (g % 2) + l]) >> np.int32(4 * (g // 2))) & np.int32(15)
+                    hi = (np.int32(w[at + 128 + 32 * h + l]) >> np.int32(2 * g)) & np.int32(3)
+                    codes[128 * h + 32 * g + l] = np.float32((lo | (hi << np.int32(4))) - np.int32(32))
+        return
+    qs = at + (48 if kind == 5 else 16)
+    for c in range(4):
+        for s in range(2):
+            j = 2 * c + s
+            for l in range(n32):
+                q = (np.int32(w[qs + 32 * c + l]) >> np.int32(4 * s)) & np.int32(15)
+                if kind == 5:
+                    q |= ((np.int32(w[at + 16 + l]) >> np.int32(j)) & np.int32(1)) << np.int32(4)
+                codes[32 * j + l] = np.float32(q)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _block_portable(codes, ds, unit, dm, x, xoff, k, xsum, soff, nsub, acc, m_rows, mins):
+    """Super-block ``soff // 8``: the AVX2 path's arithmetic (:mod:`.simd_k`), multiplies and adds
+    unfused."""
+    for j in range(QK_K // unit):
+        for m in range(m_rows):
+            xat = m * k + xoff + unit * j
+            for l in range(LANES):
+                part = codes[unit * j + l] * x[xat + l]
+                for g in range(1, unit // LANES):
+                    part += codes[unit * j + LANES * g + l] * x[xat + LANES * g + l]
+                acc[LANES * m + l] += ds[2 * soff + j] * part
+    if mins:
+        for m in range(m_rows):
+            for l in range(LANES):
+                acc[LANES * m + l] += -dm[soff + l] * xsum[m * nsub + soff + l]
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _lanes_sum(acc, at):
+    """The 8 lanes at ``acc[at]`` added in one fixed tree."""
+    return ((acc[at] + acc[at + 4]) + (acc[at + 2] + acc[at + 6])) + ((acc[at + 1] + acc[at + 5]) + (acc[at + 3] + acc[at + 7]))
+
+
+@numba.njit(nogil=True, cache=True)
+def _quantize_q8_k(x):
+    """Each row of ``x`` as Q8_K (llama.cpp's ``quantize_row_q8_K_ref``): per 256 elements an f32
+    ``d`` and int8 codes ``rint(x * -127 / max)`` (``max`` the element of largest magnitude, with
+    its sign), flat; and the sums (int32) of each 32 and each 16 codes."""
+    m_rows, k = x.shape
+    q = np.zeros(m_rows * k, np.int8)
+    d = np.zeros(m_rows * (k // QK_K), np.float32)
+    sums = np.zeros(m_rows * (k // 32), np.int32)
+    sums16 = np.zeros(m_rows * (k // 16), np.int32)
+    for m in range(m_rows):
+        for b in range(k // QK_K):
+            big = np.float32(0.0)
+            amax = np.float32(0.0)
+            for i in range(b * QK_K, (b + 1) * QK_K):
+                if abs(x[m, i]) > amax:
+                    amax = abs(x[m, i])
+                    big = x[m, i]
+            if amax == 0:
+                continue
+            iscale = np.float32(-127.0) / big
+            for i in range(b * QK_K, (b + 1) * QK_K):
+                v = min(np.int32(np.rint(iscale * x[m, i])), np.int32(127))
+                q[m * k + i] = v
+                sums[(m * k + i) // 32] += v
+                sums16[(m * k + i) // 16] += v
+            d[m * (k // QK_K) + b] = np.float32(1.0) / iscale
+    return q, d, sums, sums16
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _k_q8_portable(w, at, kind, q8, q8at, sums, sat, codes, sc, mn):
+    """:data:`.simd_k.q4_k_q8`'s (and ``q5_k_q8``'s, ``q6_k_q8``'s) integers in plain numba."""
+    _codes_portable(w, at, kind, codes, np.int64(32))
+    if kind == 6:
+        isum = 0
+        for j in range(16):
+            part = 0
+            for l in range(16 * j, 16 * j + 16):
+                part += np.int32(codes[l]) * np.int32(q8[q8at + l])
+            code = np.int32(w[at + 192 + j])
+            isum += (code - np.int32(256) if code > 127 else code) * part
+        return isum, 0, _f16(w[at + 208], w[at + 209]), np.float32(0.0)
+    _scale_codes_q45_k(w, at, sc, mn)
+    isum = 0
+    imin = 0
+    for j in range(8):
+        part = 0
+        for l in range(32 * j, 32 * j + 32):
+            part += np.int32(codes[l]) * np.int32(q8[q8at + l])
+        isum += sc[j] * part
+        imin += mn[j] * sums[sat + j]
+    return isum, imin, _f16(w[at], w[at + 1]), _f16(w[at + 2], w[at + 3])
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _linear_k(x, w, out, kind, vec):
+    """``out = x @ W^T`` for ``kind`` 4, 5 or 6 (Q4_K, Q5_K, Q6_K); ``vec``: the AVX2 path."""
+    m_rows, k = x.shape
+    n = w.shape[0]
+    blocks = k // QK_K
+    size = w.shape[1] // blocks
+    nsub = k // 32
+    xf = x.reshape(-1)
+    xsum = _x_sums(x, nsub)
+    n32 = np.int64(32) + np.int64(0) * n  # a run-time 32: a constant trip count is unrolled, not vectorised
+    for c in numba.prange((n + ROWS - 1) // ROWS):
+        ds = np.empty(16 * blocks, np.float32)
+        dm = np.empty(8 * blocks, np.float32)
+        codes = np.empty(QK_K, np.float32)
+        acc = np.empty(m_rows * LANES, np.float32)
+        for r in range(c * ROWS, min(n, (c + 1) * ROWS)):
+            row = w[r]
+            if not vec:
+                _row_scales(row, kind, size, ds, dm)
+                acc[:] = 0.0
+                for b in range(blocks):
+                    _codes_portable(row, b * size, kind, codes, n32)
+                    _block_portable(codes, ds, 16 if kind == 6 else 32, dm, xf, b * QK_K, k, xsum, b * 8, nsub,
+                                    acc, m_rows, kind != 6)
+            elif kind == 4:
+                q4_k_avx2(row, size, blocks, ds, dm, xf, k, xsum, nsub, acc, m_rows)
+            elif kind == 5:
+                q5_k_avx2(row, size, blocks, ds, dm, xf, k, xsum, nsub, acc, m_rows)
+            else:
+                q6_k_avx2(row, size, blocks, ds, dm, xf, k, xsum, nsub, acc, m_rows)
+            for m in range(m_rows):
+                out[m, r] = _lanes_sum(acc, LANES * m)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _linear_k_q8(x, w, out, kind, vec):
+    """``out = x @ W^T`` with ``x`` quantized to Q8_K: per super-block, integer dot products
+    (exact), then ``acc += (dx * d) * isum - (dx * dmin) * imin`` in f32, block after block."""
+    m_rows, k = x.shape
+    n = w.shape[0]
+    blocks = k // QK_K
+    size = w.shape[1] // blocks
+    q8, dx, sums32, sums16 = _quantize_q8_k(x)
+    sums = sums16 if kind == 6 else sums32
+    per_block = 16 if kind == 6 else 8
+    for c in numba.prange((n + ROWS - 1) // ROWS):
+        codes = np.empty(QK_K, np.float32)
+        sc = np.empty(8, np.int32)
+        mn = np.empty(8, np.int32)
+        for r in range(c * ROWS, min(n, (c + 1) * ROWS)):
+            row = w[r]
+            for m in range(m_rows):
+                acc = np.float32(0.0)
+                for b in range(blocks):
+                    at, q8at, sat = b * size, m * k + b * QK_K, (m * blocks + b) * per_block
+                    if not vec:
+                        isum, imin, d, dmin = _k_q8_portable(row, at, kind, q8, q8at, sums, sat, codes, sc, mn)
+                    elif kind == 4:
+                        isum, imin, d, dmin = q4_k_q8(row, at, q8, q8at, sums, sat)
+                    elif kind == 5:
+                        isum, imin, d, dmin = q5_k_q8(row, at, q8, q8at, sums, sat)
+                    else:
+                        isum, imin, d, dmin = q6_k_q8(row, at, q8, q8at, sums, sat)
+                    scale = dx[m * blocks + b]
+                    acc += (scale * d) * np.float32(isum) - (scale * dmin) * np.float32(imin)
+                out[m, r] = acc
+
+
+def _register(dtype: DType, kind: int) -> None:
+    @kernel(dtype)
+    def linear_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
+        """A K-quant kernel (see the module docstring)."""
+        if q8:
+            _linear_k_q8(x, w, out, kind, cpu.AVX2)
+        else:
+            _linear_k(x, w, out, kind, cpu.AVX2)
+
+
+for _dtype, _kind in ((DType.Q4_K, 4), (DType.Q5_K, 5), (DType.Q6_K, 6)):
+    _register(_dtype, _kind)

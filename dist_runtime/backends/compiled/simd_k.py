@@ -1,0 +1,367 @@
+"""LLVM vector IR for the K-quant kernels' AVX2 path (:mod:`.kquants`).
+
+Written as ``numba.extending.intrinsic`` so that the vector shape is what we say, not what LLVM's
+vectorizer makes of a loop (it vectorizes differently for different trip counts, which would make
+results depend on ``M``).  The IR compiles on any CPU (the portable path is compiled beside it in
+the same functions): generic LLVM operations and ``llvm.fma``, plus ``pmaddubsw``/``pmaddwd`` only
+when the CPU has AVX2 (the same sums in generic IR otherwise).
+
+f32 activations (``q4_k_avx2``, ``q5_k_avx2``, ``q6_k_avx2``): one call takes one weight row to
+every row of ``x``, :data:`TILE` rows of ``x`` at a time (then one at a time), each row's 8 lanes
+held in a register over the whole row of ``W``.  Per super-block and sub-block, the codes are
+widened to ``<8 x float>`` once for the tile; for each row their products with ``x`` are summed in
+8 lanes (``fmul`` then ``fma`` in element order) and added to the lanes times the sub-block's
+scale (one ``fma``); for Q4_K/Q5_K the mins then come off as ``lanes -= dm * xsum`` (one ``fma``,
+lane ``j`` = sub-block ``j``).  Every row sees the same
+operations in the same order in a tile or alone: the result is batch-invariant.
+
+Q8_K activations (``q4_k_q8``, ``q5_k_q8``, ``q6_k_q8``): one call takes one super-block to one row
+of quantized activations and returns its exact integer sums (llama.cpp's ``vec_dot_q*_K_q8_K``).
+
+numba's on-disk cache keys :mod:`.kquants`'s drivers by their own file only: after editing this
+one, delete ``__pycache__/kquants.*.nb[ic]`` (or touch kquants.py) to recompile.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import cpu
+
+#: Rows of ``x`` that share each decoded sub-block (4 rows x 2 vectors + 4 codes: 12 of 16 ymm).
+TILE = 4
+
+F32 = ir.FloatType()
+I8 = ir.IntType(8)
+I32 = ir.IntType(32)
+V8F = ir.VectorType(F32, 8)
+V8I8 = ir.VectorType(I8, 8)
+V8I = ir.VectorType(I32, 8)
+ARGS = ("row", "size", "blocks", "scales", "dm", "x", "k", "xsum", "nsub", "acc", "m_rows")
+
+
+def _i32s(value):
+    return ir.Constant(V8I, [value] * 8)
+
+
+def _halves(low, high):
+    """Four lanes of ``low`` then four of ``high``."""
+    return ir.Constant(V8I, [low] * 4 + [high] * 4)
+
+
+class _Row:
+    """One call's arguments (array data pointers, ``intp`` integers) and the IR helpers the
+    element types' emitters share."""
+
+    def __init__(self, context, builder, sig, args, names=ARGS):
+        self.builder = builder
+        self.intp = context.get_value_type(types.intp)
+        self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+        self.block_at = self.const(0)
+        for name, ty, value in zip(names, sig.args, args):
+            if isinstance(ty, types.Array):
+                value = context.make_array(ty)(context, builder, value).data
+            else:
+                value = context.cast(builder, value, ty, types.intp)
+            setattr(self, name, value)
+
+    def const(self, v):
+        return ir.Constant(self.intp, v)
+
+    def at(self, *terms):
+        """The sum of ``terms`` (ints or ``intp`` values)."""
+        total = self.const(0)
+        for t in terms:
+            total = self.builder.add(total, self.const(t) if isinstance(t, int) else t)
+        return total
+
+    def load(self, base, at, vt, align=4):
+        b = self.builder
+        return b.load(b.bitcast(b.gep(base, [at]), vt.as_pointer()), align=align)
+
+    def codes8(self, byte_at):
+        """8 bytes of the current super-block from ``byte_at``, widened to i32."""
+        return self.builder.zext(self.load(self.row, self.at(self.block_at, byte_at), V8I8, 1), V8I)
+
+    def splat(self, value, n=8):
+        b = self.builder
+        vt = ir.VectorType(value.type, n)
+        one = b.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(I32, 0))
+        return b.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, n), [0] * n))
+
+    def half(self, byte_at):
+        """The f16 at ``byte_at`` of the current super-block as f32, with integer operations and
+        one exact multiply (no F16C: this IR must compile on any CPU): the f16's exponent and
+        mantissa placed in an f32's low bits times ``2 ** 112`` is its value (subnormals too),
+        and 65536 or more means inf or NaN."""
+        b = self.builder
+        h = b.zext(b.load(b.bitcast(b.gep(self.row, [self.at(self.block_at, byte_at)]), ir.IntType(16).as_pointer()), align=1), I32)
+        f = b.fmul(b.bitcast(b.shl(b.and_(h, ir.Constant(I32, 0x7FFF)), ir.Constant(I32, 13)), F32), ir.Constant(F32, 2.0 ** 112))
+        bits = b.bitcast(f, I32)
+        bits = b.select(b.fcmp_ordered(">=", f, ir.Constant(F32, 65536.0)), b.or_(bits, ir.Constant(I32, 0x7F800000)), bits)
+        return b.bitcast(b.or_(bits, b.shl(b.and_(h, ir.Constant(I32, 0x8000)), ir.Constant(I32, 16))), F32)
+
+    def scale_codes_q45_k(self):
+        """The super-block's 6-bit scales and mins (``get_scale_min_k4``) as two ``<8 x i32>``:
+        bytes 0-3 hold scales 0-3 and the top bits of scales 4-7, bytes 4-7 the same for the
+        mins, bytes 8-11 the rest of scales and mins 4-7."""
+        b = self.builder
+        v = self.load(self.row, self.at(self.block_at, 4), ir.VectorType(I8, 16), 1)
+
+        def pick(*lanes):
+            return b.zext(b.shuffle_vector(v, ir.Constant(ir.VectorType(I8, 16), ir.Undefined), ir.Constant(V8I, list(lanes))), V8I)
+
+        def top(*lanes):  # the top 2 bits of bytes ``lanes``, as bits 4-5 of lanes 4-7
+            return b.and_(b.shl(b.lshr(pick(0, 0, 0, 0, *lanes), _i32s(6)), _i32s(4)), _halves(0, 48))
+
+        sc = b.or_(b.and_(pick(0, 1, 2, 3, 8, 9, 10, 11), _halves(63, 15)), top(0, 1, 2, 3))
+        mn = b.or_(b.and_(b.lshr(pick(4, 5, 6, 7, 8, 9, 10, 11), _halves(0, 4)), _halves(63, 15)), top(4, 5, 6, 7))
+        return sc, mn
+
+    def scales_q45_k(self):
+        """The super-block's ``d * scale`` and ``dmin * min`` into ``scales[16 block:]`` and
+        ``dm[8 block:]``."""
+        b = self.builder
+        sc, mn = self.scale_codes_q45_k()
+        for value, half, dest, width in ((sc, 0, self.scales, 16), (mn, 2, self.dm, 8)):
+            out = b.fmul(self.splat(self.half(half)), b.sitofp(value, V8F))
+            b.store(out, b.bitcast(b.gep(dest, [b.mul(self.block, self.const(width))]), V8F.as_pointer()), align=4)
+
+    def scales_q6_k(self):
+        """The super-block's ``d * scale`` (16 int8 scales) into ``scales[16 block:]``."""
+        b = self.builder
+        v16f = ir.VectorType(F32, 16)
+        codes = b.sitofp(self.load(self.row, self.at(self.block_at, 192), ir.VectorType(I8, 16), 1), v16f)
+        out = b.fmul(self.splat(self.half(208), 16), codes)
+        b.store(out, b.bitcast(b.gep(self.scales, [b.mul(self.block, self.const(16))]), v16f.as_pointer()), align=4)
+
+    def each_block(self, emit):
+        """``emit(self)`` for each super-block of the row (``block``, ``block_at``, ``scale_at`` set)."""
+        b = self.builder
+        with cgutils.for_range(b, self.blocks, intp=self.intp) as loop:
+            self.block = loop.index
+            self.block_at = b.mul(loop.index, self.size)
+            self.scale_at = b.mul(loop.index, self.const(16))
+            emit(self)
+
+    def scale(self, j):
+        """Sub-block ``j``'s scale of the current super-block on all 8 lanes."""
+        b = self.builder
+        return self.splat(b.load(b.gep(self.scales, [self.at(self.scale_at, j)])))
+
+    def subblock(self, codes, first, scale):
+        """Each row's lanes += ``scale * sum_g(codes[g] * x[row, first + 8 g:])``."""
+        b = self.builder
+        codes = [b.sitofp(c, V8F) for c in codes]
+        for r, slot in enumerate(self.slots):
+            xat = self.at(self.x_at[r], first)
+            part = b.fmul(codes[0], self.load(self.x, xat, V8F))
+            for g in range(1, len(codes)):
+                part = b.call(self.fma, [codes[g], self.load(self.x, self.at(xat, 8 * g), V8F), part])
+            b.store(b.call(self.fma, [scale, part, b.load(slot)]), slot)
+
+    def mins(self):
+        """Each row's lanes -= ``dm * xsum`` (the current super-block's 8 mins and sub-block sums)."""
+        b = self.builder
+        dm = b.fneg(self.load(self.dm, b.mul(self.block, self.const(8)), V8F))
+        for r, slot in enumerate(self.slots):
+            xs = self.load(self.xsum, self.at(self.xsum_at[r], b.mul(self.block, self.const(8))), V8F)
+            b.store(b.call(self.fma, [dm, xs, b.load(slot)]), slot)
+
+    def rows(self, first, count, emit):
+        """The lanes of rows ``first .. first + count`` over the whole weight row, into ``acc``."""
+        b = self.builder
+        self.slots = [cgutils.alloca_once(b, V8F) for _ in range(count)]
+        for slot in self.slots:
+            b.store(ir.Constant(V8F, [0.0] * 8), slot)
+        ms = [self.at(first, r) for r in range(count)]
+        x_rows = [b.mul(m, self.k) for m in ms]
+        self.xsum_at = [b.mul(m, self.nsub) for m in ms]
+
+        def block(blk):
+            self.x_at = [self.at(xr, b.mul(self.block, self.const(256))) for xr in x_rows]
+            emit(blk)
+        self.each_block(block)
+        for m, slot in zip(ms, self.slots):
+            b.store(b.load(slot), b.bitcast(b.gep(self.acc, [b.mul(m, self.const(8))]), V8F.as_pointer()), align=4)
+
+
+def _emit_q45_k(blk, high):
+    """Q4_K (``high`` False) or Q5_K: sub-block ``j = 2c + s``, elements ``32 j + l``: nibble
+    ``s`` of ``qs[32 c + l]`` (and bit ``j`` of ``qh[l]`` as the fifth bit)."""
+    b = blk.builder
+    qs, qh = (48, 16) if high else (16, None)
+    highs = [blk.codes8(qh + 8 * g) for g in range(4)] if high else None
+    for c in range(4):
+        packed = [blk.codes8(qs + 32 * c + 8 * g) for g in range(4)]
+        for s in range(2):
+            j = 2 * c + s
+            codes = [b.and_(b.lshr(p, _i32s(4)) if s else p, _i32s(15)) for p in packed]
+            if high:
+                codes = [b.or_(q, b.shl(b.and_(b.lshr(h, _i32s(j)), _i32s(1)), _i32s(4))) for q, h in zip(codes, highs)]
+            blk.subblock(codes, 32 * j, blk.scale(j))
+    blk.mins()
+
+
+def _emit_q6_k(blk):
+    """Q6_K: elements ``128 h + 32 g + l``: nibble ``g // 2`` of ``ql[64 h + 32 (g % 2) + l]``,
+    bits ``2g`` of ``qh[32 h + l]``, minus 32; sub-blocks of 16 (scale ``8 h + 2 g + l // 16``)."""
+    b = blk.builder
+    for h in range(2):
+        highs = [blk.codes8(128 + 32 * h + 8 * v) for v in range(4)]
+        for g in range(4):
+            codes = []
+            for v in range(4):
+                low = blk.codes8(64 * h + 32 * (g % 2) + 8 * v)
+                low = b.and_(b.lshr(low, _i32s(4)) if g // 2 else low, _i32s(15))
+                hi = b.and_(b.lshr(highs[v], _i32s(2 * g)), _i32s(3))
+                codes.append(b.sub(b.or_(low, b.shl(hi, _i32s(4))), _i32s(32)))
+            for half in range(2):
+                blk.subblock(codes[2 * half:2 * half + 2], 128 * h + 32 * g + 16 * half, blk.scale(8 * h + 2 * g + half))
+
+
+def _row_kernel(emit_scales, emit):
+    @intrinsic
+    def row_kernel(typingctx, row, size, blocks, scales, dm, x, k, xsum, nsub, acc, m_rows):
+        def codegen(context, builder, sig, args):
+            blk = _Row(context, builder, sig, args)
+            blk.each_block(emit_scales)
+            tiled = builder.mul(builder.sdiv(blk.m_rows, blk.const(TILE)), blk.const(TILE))
+            with cgutils.for_range_slice(builder, blk.const(0), tiled, blk.const(TILE), blk.intp) as (m, _):
+                blk.rows(m, TILE, emit)
+            with cgutils.for_range_slice(builder, tiled, blk.m_rows, blk.const(1), blk.intp) as (m, _):
+                blk.rows(m, 1, emit)
+            return context.get_dummy_value()
+
+        return types.void(row, size, blocks, scales, dm, x, k, xsum, nsub, acc, m_rows), codegen
+
+    return row_kernel
+
+
+#: ``f(row, size, blocks, scales, dm, x, k, xsum, nsub, acc, m_rows)``: the weight row ``row``
+#: (``blocks`` super-blocks of ``size`` bytes) against every row of ``x`` (flat, ``k`` per row);
+#: row ``m``'s 8 lanes go to ``acc[8 m:]``.  ``scales``: each super-block's 16 sub-block scales
+#: (f32, d * scale; Q4_K/Q5_K use the first 8); ``dm``: its 8 mins (d_min * min) and ``xsum``
+#: (flat, ``nsub`` per row): each 32-element sub-block's sum of ``x`` (both unused by Q6_K).
+q4_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, False))
+q5_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, True))
+q6_k_avx2 = _row_kernel(_Row.scales_q6_k, _emit_q6_k)
+
+
+# -- Q8_K activations: integer dot products (llama.cpp's vec_dot_q*_K_q8_K) -----------------------
+V32I8 = ir.VectorType(I8, 32)
+V16I16 = ir.VectorType(ir.IntType(16), 16)
+#: ``pmaddubsw``/``pmaddwd`` where the hardware has them (decided by the CPU itself, not by
+#: DIST_RUNTIME_PORTABLE, because numba's cache is keyed by the CPU); elsewhere the same sums in
+#: generic IR (equal here: the products never saturate 16 bits).
+_X86_AVX2 = "avx2" in cpu.FEATURES
+
+
+def _pairs(builder, wide, vt):
+    """Adjacent lanes of ``wide`` added: ``[w0 + w1, w2 + w3, ...]``."""
+    n = vt.count
+    even = builder.shuffle_vector(wide, ir.Constant(wide.type, ir.Undefined), ir.Constant(ir.VectorType(I32, n), list(range(0, 2 * n, 2))))
+    odd = builder.shuffle_vector(wide, ir.Constant(wide.type, ir.Undefined), ir.Constant(ir.VectorType(I32, n), list(range(1, 2 * n, 2))))
+    return builder.add(even, odd)
+
+
+def _maddubs(builder, codes, q8):
+    """Unsigned ``codes`` times signed ``q8`` (``<32 x i8>``), adjacent pairs added: ``<16 x i16>``."""
+    if _X86_AVX2:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16I16, [V32I8, V32I8]), "llvm.x86.avx2.pmadd.ub.sw")
+        return builder.call(fn, [codes, q8])
+    v32i16 = ir.VectorType(ir.IntType(16), 32)
+    return _pairs(builder, builder.mul(builder.zext(codes, v32i16), builder.sext(q8, v32i16)), V16I16)
+
+
+def _maddwd(builder, a, b):
+    """``<16 x i16>`` times ``<16 x i16>``, adjacent pairs added: ``<8 x i32>``."""
+    if _X86_AVX2:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8I, [V16I16, V16I16]), "llvm.x86.avx2.pmadd.wd")
+        return builder.call(fn, [a, b])
+    v16i32 = ir.VectorType(I32, 16)
+    return _pairs(builder, builder.mul(builder.sext(a, v16i32), builder.sext(b, v16i32)), V8I)
+
+
+def _reduce_add(builder, v):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [v.type]), f"llvm.vector.reduce.add.v{v.type.count}i32")
+    return builder.call(fn, [v])
+
+
+Q8_ARGS = ("row", "block_at", "q8", "q8at", "bsums", "bsat")
+
+
+def _emit_q45_k_q8(blk, high):
+    """``(sum_j scale_j * sum_l q_l * q8_l, sum_j min_j * bsum_j, d, dmin)`` of one Q4_K/Q5_K
+    super-block against 256 Q8_K codes (``bsums``: sums of 32 codes)."""
+    b = blk.builder
+    sc, mn = blk.scale_codes_q45_k()
+    q8 = b.gep(blk.q8, [blk.q8at])
+    qs = 48 if high else 16
+    low4 = ir.Constant(V32I8, [15] * 32)
+    highs = blk.load(blk.row, blk.at(blk.block_at, 16), V32I8, 1) if high else None
+    total = ir.Constant(V8I, [0] * 8)
+    for c in range(4):
+        packed = blk.load(blk.row, blk.at(blk.block_at, qs + 32 * c), V32I8, 1)
+        for s in range(2):
+            j = 2 * c + s
+            codes = b.and_(b.lshr(packed, ir.Constant(V32I8, [4] * 32)) if s else packed, low4)
+            if high:
+                bit = b.and_(b.lshr(highs, ir.Constant(V32I8, [j] * 32)), ir.Constant(V32I8, [1] * 32))
+                codes = b.or_(codes, b.shl(bit, ir.Constant(V32I8, [4] * 32)))
+            y = blk.load(q8, blk.const(32 * j), V32I8, 1)
+            scale = blk.splat(b.trunc(b.extract_element(sc, ir.Constant(I32, j)), ir.IntType(16)), 16)
+            total = b.add(total, _maddwd(b, _maddubs(b, codes, y), scale))
+    bsums = blk.load(blk.bsums, blk.bsat, V8I)
+    return _reduce_add(b, total), _reduce_add(b, b.mul(mn, bsums)), blk.half(0), blk.half(2)
+
+
+def _emit_q6_k_q8(blk):
+    """``(sum_i scale_i * sum_l (q_l - 32) * q8_l, 0, d, 0)`` of one Q6_K super-block (16
+    sub-blocks of 16; ``bsums``: sums of 16 codes, for the ``- 32``)."""
+    b = blk.builder
+    scales = b.sext(blk.load(blk.row, blk.at(blk.block_at, 192), ir.VectorType(I8, 16), 1), V16I16)
+    q8 = b.gep(blk.q8, [blk.q8at])
+    total = ir.Constant(V8I, [0] * 8)
+    for h in range(2):
+        highs = blk.load(blk.row, blk.at(blk.block_at, 128 + 32 * h), V32I8, 1)
+        for g in range(4):
+            low = blk.load(blk.row, blk.at(blk.block_at, 64 * h + 32 * (g % 2)), V32I8, 1)
+            low = b.and_(b.lshr(low, ir.Constant(V32I8, [4] * 32)) if g // 2 else low, ir.Constant(V32I8, [15] * 32))
+            high = b.and_(b.lshr(highs, ir.Constant(V32I8, [2 * g] * 32)), ir.Constant(V32I8, [3] * 32))
+            codes = b.or_(low, b.shl(high, ir.Constant(V32I8, [4] * 32)))
+            y = blk.load(q8, blk.const(128 * h + 32 * g), V32I8, 1)
+            i = 8 * h + 2 * g
+            scale = b.shuffle_vector(scales, ir.Constant(V16I16, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), [i] * 8 + [i + 1] * 8))
+            total = b.add(total, _maddwd(b, _maddubs(b, codes, y), scale))
+    v16i32 = ir.VectorType(I32, 16)
+    offset = b.mul(b.sext(scales, v16i32), blk.load(blk.bsums, blk.bsat, v16i32))
+    isum = b.sub(_reduce_add(b, total), b.shl(_reduce_add(b, offset), ir.Constant(I32, 5)))
+    return isum, ir.Constant(I32, 0), blk.half(208), ir.Constant(F32, 0.0)
+
+
+def _q8_kernel(emit):
+    @intrinsic
+    def q8_dot(typingctx, row, at, q8, q8at, bsums, bsat):
+        ret = types.Tuple((types.int32, types.int32, types.float32, types.float32))
+
+        def codegen(context, builder, sig, args):
+            blk = _Row(context, builder, sig, args, Q8_ARGS)
+            return context.make_tuple(builder, ret, emit(blk))
+
+        return ret(row, at, q8, q8at, bsums, bsat), codegen
+
+    return q8_dot
+
+
+#: ``f(row, at, q8, q8at, bsums, bsat) -> (isum, imin, d, dmin)``: the super-block at byte ``at``
+#: of ``row`` against the Q8_K codes ``q8[q8at:q8at + 256]`` (int8), whose sums (int32) of 32
+#: (Q4_K/Q5_K: 8) or 16 (Q6_K: 16) codes are at ``bsums[bsat:]``: the exact integers
+#: ``isum = sum_j scale_j * sum_l q_l * q8_l`` and ``imin = sum_j min_j * bsum_j`` (0 for Q6_K,
+#: whose codes are centred), and the block's f16 scales ``d``, ``dmin`` (0 for Q6_K).
+q4_k_q8 = _q8_kernel(lambda blk: _emit_q45_k_q8(blk, False))
+q5_k_q8 = _q8_kernel(lambda blk: _emit_q45_k_q8(blk, True))
+q6_k_q8 = _q8_kernel(_emit_q6_k_q8)
