@@ -1,0 +1,195 @@
+"""Kernels of the GGML legacy block types Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (layouts: kernels/quant.py).
+
+Threads take output rows ``n`` (``prange``); each weight row is read once, block by block, for all
+rows of ``x``.  On the vector path (``cpu.AVX2``) one call of a :mod:`.simd_int8` intrinsic runs
+a whole weight row against a tile of rows of ``x`` (2 in f32, 4 in q8_0: what the registers
+hold), each block decoded once per tile; the portable path decodes each block once for all rows
+into a small scratch and runs plain loops (block length passed at run time, integer arithmetic
+cast to int32, see docs/ops.md).  Both keep, for every ``(m, n)``, one fixed sequence of
+operations whatever ``M``: bitwise batch-invariant.
+
+Activations (``q8``):
+
+- f32 (default): each block's codes become their dequantized values (``d * q`` / ``d * q + m``,
+  exactly ``dequantize``'s), multiplied with ``x`` and summed in 8 fixed lanes.
+- q8_0: each 32-block of each row of ``x`` is quantized once per call as llama.cpp's
+  ``quantize_row_q8_0`` (``kernels.quant.quantize``: ``d = max|x| / 127``, codes ``round(x / d)``,
+  ``d`` stored as f16); Q4_1 and Q5_1 also take Q8_1's block sum ``s = f16(d * sum(codes))``.
+  Per block an exact integer dot ``sumi`` then, in f32 and block order,
+  ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for the affine formats): ggml's
+  ``vec_dot_*_q8_0`` / ``_q8_1`` formulas.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ...dtypes import DType
+from ...kernels.quant import QK, _LEGACY, quantize
+from . import cpu, kernel
+from .simd_int8 import FORMATS, centre
+
+#: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
+_SPEC = np.array([[_LEGACY[d].bits, centre(_LEGACY[d]), _LEGACY[d].scales + _LEGACY[d].high_bits,
+                   _LEGACY[d].affine, d.block_bytes] for d in FORMATS.values()], np.int64)
+#: f16 exponent e (1..30) -> 2^(e - 25): a normal half is (1024 + mantissa) * that, exactly.
+_POW2 = np.array([2.0 ** (e - 25) for e in range(32)], np.float32)
+
+
+@numba.njit(nogil=True, cache=True)
+def _f16(lo, hi):
+    h = np.int32(lo) | np.int32(hi) << np.int32(8)
+    e, f = h >> np.int32(10) & np.int32(31), h & np.int32(1023)
+    if e == 0:
+        v = np.float32(f) * np.float32(2.0 ** -24)
+    elif e == 31:
+        v = np.float32(np.inf) if f == 0 else np.float32(np.nan)
+    else:
+        v = np.float32(f + np.int32(1024)) * _POW2[e]
+    return -v if h & np.int32(0x8000) else v
+
+
+@numba.njit(nogil=True, cache=True)
+def _codes(row, at, fmt, qk, q):
+    """Block ``row[at:]``'s codes into int32 ``q``: signed for Q8_0, unsigned otherwise."""
+    bits, head = _SPEC[fmt, 0], _SPEC[fmt, 2]
+    if bits == 8:
+        for j in range(qk):
+            q[j] = np.int32(np.int8(row[at + head + j]))
+        return
+    half = qk // 2
+    for j in range(half):
+        byte = np.int32(row[at + head + j])
+        q[j], q[j + half] = byte & np.int32(15), byte >> np.int32(4)
+    if bits == 5:  # the little-endian u32 qh just before the nibbles: bit j = fifth bit of element j
+        qh = np.int64(0)
+        for i in range(4):
+            qh |= np.int64(row[at + head - 4 + i]) << np.int64(8 * i)
+        for j in range(qk):
+            q[j] |= np.int32(qh >> np.int64(j) & np.int64(1)) << np.int32(4)
+
+
+@numba.njit(nogil=True, cache=True)
+def _lanes_sum(a):
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _f32_portable(x, w, out, fmt, qk):
+    m_rows, nb, n_rows = x.shape[0], x.shape[1] // qk, w.shape[0]
+    step, shift, affine = _SPEC[fmt, 4], np.float32(_SPEC[fmt, 1]), _SPEC[fmt, 3]
+    chunks = min(n_rows, 64)
+    for c in numba.prange(chunks):
+        q, v, acc = np.empty(qk, np.int32), np.empty(qk, np.float32), np.empty((m_rows, 8), np.float32)
+        for n in range(c * n_rows // chunks, (c + 1) * n_rows // chunks):
+            row = w[n]
+            acc[:] = 0
+            for b in range(nb):
+                at = b * step
+                _codes(row, at, fmt, qk, q)
+                d = _f16(row[at], row[at + 1])
+                low = _f16(row[at + 2], row[at + 3]) if affine else np.float32(0)
+                for j in range(qk):
+                    v[j] = (np.float32(q[j]) - shift) * d
+                    if affine:
+                        v[j] += low
+                for m in range(m_rows):
+                    for j in range(0, qk, 8):
+                        for lane in range(8):
+                            acc[m, lane] += v[j + lane] * x[m, b * qk + j + lane]
+            for m in range(m_rows):
+                out[m, n] = _lanes_sum(acc[m])
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk):
+    m_rows, nb, n_rows = xq.shape[0], xq.shape[1] // qk, w.shape[0]
+    step, shift, affine = _SPEC[fmt, 4], np.int32(_SPEC[fmt, 1]), _SPEC[fmt, 3]
+    chunks = min(n_rows, 64)
+    for c in numba.prange(chunks):
+        q, acc = np.empty(qk, np.int32), np.empty(m_rows, np.float32)
+        for n in range(c * n_rows // chunks, (c + 1) * n_rows // chunks):
+            row = w[n]
+            acc[:] = 0
+            for b in range(nb):
+                at = b * step
+                _codes(row, at, fmt, qk, q)
+                dw = _f16(row[at], row[at + 1])
+                mw = _f16(row[at + 2], row[at + 3]) if affine else np.float32(0)
+                for m in range(m_rows):
+                    sumi = np.int32(0)
+                    for j in range(qk):
+                        sumi += q[j] * np.int32(xq[m, b * qk + j])
+                    sumi -= shift * xsum[m, b]
+                    t = np.float32(sumi) * (dw * xd[m, b])
+                    if affine:
+                        t += mw * xs[m, b]
+                    acc[m] += t
+            for m in range(m_rows):
+                out[m, n] = acc[m]
+
+
+if cpu.AVX2:
+    from .simd_int8 import f32_rows, q8_rows
+
+    _F32_PAIR, _F32_ONE, _Q8_FOUR, _Q8_ONE = f32_rows(2), f32_rows(1), q8_rows(4), q8_rows(1)
+
+    @numba.njit(nogil=True, cache=True, parallel=True)
+    def _f32_avx2(x, w, out, fmt, qk):
+        m_rows, nb = x.shape[0], x.shape[1] // qk
+        for n in numba.prange(w.shape[0]):
+            m = 0
+            while m + 2 <= m_rows:
+                _F32_PAIR(w, x, out, n, m, nb, fmt)
+                m += 2
+            if m < m_rows:
+                _F32_ONE(w, x, out, n, m, nb, fmt)
+
+    @numba.njit(nogil=True, cache=True, parallel=True)
+    def _q8_avx2(xq, xd, xs, xsum, w, out, fmt, qk):
+        m_rows = xq.shape[0]
+        for n in numba.prange(w.shape[0]):
+            m = 0
+            while m + 4 <= m_rows:
+                _Q8_FOUR(w, xq, xd, xs, xsum, out, n, m, fmt)
+                m += 4
+            while m < m_rows:
+                _Q8_ONE(w, xq, xd, xs, xsum, out, n, m, fmt)
+                m += 1
+
+    _F32, _Q8 = _f32_avx2, _q8_avx2
+else:
+    _F32, _Q8 = _f32_portable, _q8_portable
+
+
+def quantize_activations(x: np.ndarray, q8_1: bool):
+    """``x`` f32 [M, K] as llama.cpp's Q8_0 (Q8_1 if ``q8_1``) blocks, split for the kernels:
+    codes int8 [M, K], ``d`` (f16-rounded) f32 [M, K/32], ``s = f16(d * sum(codes))`` f32
+    (``d`` again for Q8_0, which has no ``s``), code sums int32 [M, K/32]."""
+    m, k = x.shape
+    blocks = quantize(x, DType.Q8_0).data.reshape(m, k // QK, DType.Q8_0.block_bytes)
+    xq = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(m, k)
+    xd = blocks[..., :2].view("<f2")[..., 0].astype(np.float32)
+    xsum = xq.reshape(m, k // QK, QK).sum(axis=-1, dtype=np.int32)
+    if not q8_1:
+        return xq, xd, xd, xsum
+    with np.errstate(invalid="ignore"):  # s as quantize_row_q8_1_ref: the f32 d, not the f16 one
+        d = np.abs(x.reshape(m, k // QK, QK)).max(axis=-1) / 127.0
+        xs = (xsum.astype(np.float32) * d).astype(np.float16).astype(np.float32)
+    return xq, xd, xs, xsum
+
+
+def _register(code: int, dtype: DType) -> None:
+    q8_1 = _LEGACY[dtype].affine  # llama.cpp pairs the affine formats with Q8_1 activations
+
+    @kernel(dtype)
+    def product(x, w, out, q8):
+        if q8:
+            _Q8(*quantize_activations(x, q8_1), w, out, code, QK)
+        else:
+            _F32(x, w, out, code, QK)
+
+
+for _code, _dtype in FORMATS.items():
+    _register(_code, _dtype)

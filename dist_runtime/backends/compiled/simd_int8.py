@@ -1,0 +1,214 @@
+"""LLVM vector IR (AVX2, FMA, F16C) for the legacy block products: one call runs a whole weight
+row against a tile of rows of ``x``, each block decoded once for the tile.
+
+Two intrinsics, each built for a tile height ``rows`` and every legacy format (the format is a
+run-time code; the block loop of each format is emitted once, behind a switch outside the loop):
+
+- :func:`f32_rows`: each block's 32 codes become their exact dequantized f32 values
+  (``d * q`` or ``d * q + m``, one rounding each, as ``dequantize``) in four 8-lane vectors,
+  and every row of the tile keeps four 8-lane accumulators, ``acc_j = fma(w_j, x_j, acc_j)``;
+  at the end of the row they are summed in one fixed tree.
+- :func:`q8_rows`: llama.cpp's integer products on Q8_0/Q8_1-quantized activations.  Per block,
+  ``pmaddubsw`` (unsigned x signed bytes -> i16 pairs) then ``pmaddwd`` by ones (-> 8 x i32)
+  and an exact integer sum: the block's ``sumi``.  Q8_0's signed codes go through the
+  ``|w|, sign(x, w)`` trick as in ``ggml_vec_dot_q8_0_q8_0``; the nibble formats use their
+  unsigned codes and subtract ``offset * sum(x codes)``, which gives the same integer.  Then in
+  f32, block after block: ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for Q4_1/Q5_1).
+
+Every row of ``x`` goes through the same instructions whatever the tile and its place in it,
+so results are batch-invariant; nothing here carries fast-math flags, so LLVM may not reorder.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ...dtypes import DType
+from ...kernels.quant import QK, _LEGACY
+
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+V8F, V8I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I8, 32)
+V16B, V16S = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
+
+#: format code (the run-time argument of the intrinsics) -> element type.
+FORMATS = {0: DType.Q8_0, 1: DType.Q4_0, 2: DType.Q4_1, 3: DType.Q5_0, 4: DType.Q5_1}
+
+
+def centre(fmt) -> int:
+    """What a symmetric format subtracts from its unsigned codes (Q8_0's are signed; the affine
+    formats' stay unsigned, their min ``m`` does the shifting)."""
+    return 0 if fmt.affine or fmt.bits == 8 else fmt.offset
+
+
+def _i(v, ty=I64):
+    return ir.Constant(ty, v)
+
+
+def _vec(ty, values):
+    return ir.Constant(ty, [ir.Constant(ty.element, v) for v in values])
+
+
+def _splat(builder, value, ty):
+    one = builder.insert_element(ir.Constant(ir.VectorType(value.type, 1), ir.Undefined), value, _i(0, I32))
+    return builder.shuffle_vector(one, one, _vec(ir.VectorType(I32, ty.count), [0] * ty.count))
+
+
+def _load(builder, base, offset, ty, align=1):
+    """The ``ty`` at byte ``offset`` of ``base`` (an i8*)."""
+    return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=align)
+
+
+def _half(builder, blk, at):
+    return builder.fpext(_load(builder, blk, _i(at), ir.HalfType(), 2), F32)
+
+
+def _call(builder, name, ret, *args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _codes(builder, blk, fmt) -> ir.Value:
+    """The block's 32 codes as bytes: signed for Q8_0, unsigned (with the fifth bit) otherwise."""
+    body = fmt.scales + fmt.high_bits
+    if fmt.bits == 8:
+        return _load(builder, blk, _i(body), V32B)
+    packed = _load(builder, blk, _i(body), V16B)
+    low = builder.and_(packed, _vec(V16B, [15] * 16))
+    high = builder.lshr(packed, _vec(V16B, [4] * 16))
+    q = builder.shuffle_vector(low, high, _vec(ir.VectorType(I32, 32), range(32)))
+    if fmt.bits == 5:  # bit j of qh is the fifth bit of element j
+        qh = _splat(builder, _load(builder, blk, _i(fmt.scales), I32), ir.VectorType(I32, 32))
+        bit = builder.and_(builder.lshr(qh, _vec(qh.type, range(32))), _vec(qh.type, [1] * 32))
+        q = builder.or_(q, builder.shl(builder.trunc(bit, V32B), _vec(V32B, [4] * 32)))
+    return q
+
+
+def _values(builder, blk, fmt) -> list[ir.Value]:
+    """The block's 32 dequantized values as four <8 x float>, rounded as ``dequantize`` rounds."""
+    q = _codes(builder, blk, fmt)
+    d = _splat(builder, _half(builder, blk, 0), V8F)
+    m = _splat(builder, _half(builder, blk, 2), V8F) if fmt.affine else None
+    out = []
+    for j in range(4):
+        part = builder.shuffle_vector(q, q, _vec(ir.VectorType(I32, 8), range(8 * j, 8 * j + 8)))
+        if fmt.bits == 8:
+            code = builder.sext(part, V8I)
+        else:
+            code = builder.sub(builder.zext(part, V8I), _vec(V8I, [centre(fmt)] * 8))
+        v = builder.fmul(builder.sitofp(code, V8F), d)
+        out.append(builder.fadd(v, m) if fmt.affine else v)
+    return out
+
+
+def _array(context, builder, ty, value):
+    a = context.make_array(ty)(context, builder, value)
+    return a, cgutils.unpack_tuple(builder, a.shape, ty.ndim), cgutils.unpack_tuple(builder, a.strides, ty.ndim)
+
+
+def _by_format(builder, code, body):
+    """Emit ``body(fmt)`` once per format, each behind ``code == its number``."""
+    for number, dtype in FORMATS.items():
+        with builder.if_then(builder.icmp_signed("==", code, _i(number))):
+            body(_LEGACY[dtype], dtype.block_bytes)
+
+
+def _hsum(builder, accs):
+    """Four <8 x float> summed in one fixed order: vectors pairwise, then lanes pairwise."""
+    v = builder.fadd(builder.fadd(accs[0], accs[1]), builder.fadd(accs[2], accs[3]))
+    lanes = [builder.extract_element(v, _i(i, I32)) for i in range(8)]
+    while len(lanes) > 1:
+        lanes = [builder.fadd(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
+    return lanes[0]
+
+
+def f32_rows(rows: int):
+    """``f32_rows(w, x, out, n, m, nb, fmt)``: ``out[m + r, n] = x[m + r] . W[n]`` for r < rows."""
+
+    @intrinsic
+    def run(typingctx, w, x, out, n, m, nb, fmt):
+        def codegen(context, builder, sig, args):
+            (wa, _, wst), (xa, (_, k), _), (oa, (_, ncols), _) = (
+                _array(context, builder, t, v) for t, v in zip(sig.args[:3], args[:3]))
+            n_, m_, nb_, code = args[3:]
+            row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
+            xs = [builder.bitcast(builder.gep(xa.data, [builder.mul(builder.add(m_, _i(r)), k)]), I8.as_pointer())
+                  for r in range(rows)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(4)]
+                    for _ in range(rows)]
+
+            def loop(fmt, bb):
+                with cgutils.for_range(builder, nb_) as blocks:
+                    b = blocks.index
+                    w = _values(builder, builder.gep(row, [builder.mul(b, _i(bb))]), fmt)
+                    at = builder.mul(b, _i(4 * QK))
+                    for r in range(rows):
+                        for j in range(4):
+                            xv = _load(builder, xs[r], builder.add(at, _i(32 * j)), V8F, 4)
+                            builder.store(_call(builder, "llvm.fma.v8f32", V8F, w[j], xv, builder.load(accs[r][j])), accs[r][j])
+
+            _by_format(builder, code, loop)
+            for r in range(rows):
+                where = builder.add(builder.mul(builder.add(m_, _i(r)), ncols), n_)
+                builder.store(_hsum(builder, [builder.load(a) for a in accs[r]]), builder.gep(oa.data, [where]))
+            return context.get_dummy_value()
+
+        return types.void(w, x, out, n, m, nb, fmt), codegen
+
+    return run
+
+
+def q8_rows(rows: int):
+    """``q8_rows(w, xq, xd, xs, xsum, out, n, m, fmt)``: as :func:`f32_rows` on activations
+    quantized per block: codes ``xq`` int8 [M, K], scales ``xd`` and sums ``xs`` (Q8_1's
+    ``s``) f32 [M, nb], code sums ``xsum`` int32 [M, nb]."""
+
+    @intrinsic
+    def run(typingctx, w, xq, xd, xs, xsum, out, n, m, fmt):
+        def codegen(context, builder, sig, args):
+            arrays = [_array(context, builder, t, v) for t, v in zip(sig.args[:6], args[:6])]
+            (wa, _, wst), (qa, (_, k), _), (da, (_, nb), _), (sa, _, _), (ca, _, _), (oa, (_, ncols), _) = arrays
+            n_, m_, code = args[6:]
+            row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
+            firsts = [builder.add(m_, _i(r)) for r in range(rows)]
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(rows)]
+
+            def loop(fmt, bb):
+                with cgutils.for_range(builder, nb) as blocks:
+                    b = blocks.index
+                    blk = builder.gep(row, [builder.mul(b, _i(bb))])
+                    q = _codes(builder, blk, fmt)
+                    dw = _half(builder, blk, 0)
+                    if fmt.bits == 8:  # |w| unsigned, x carrying w's sign: pmaddubsw's operands
+                        negative = builder.icmp_signed("<", q, ir.Constant(V32B, None))
+                        q = builder.select(negative, builder.neg(q), q)
+                    for r in range(rows):
+                        xv = builder.load(builder.bitcast(
+                            builder.gep(qa.data, [builder.add(builder.mul(firsts[r], k), builder.mul(b, _i(QK)))]),
+                            V32B.as_pointer()), align=1)
+                        if fmt.bits == 8:
+                            xv = builder.select(negative, builder.neg(xv), xv)
+                        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, q, xv)
+                        quads = _call(builder, "llvm.x86.avx2.pmadd.wd", V8I, pairs, _vec(V16S, [1] * 16))
+                        sumi = _call(builder, "llvm.vector.reduce.add.v8i32", I32, quads)
+                        at = builder.add(builder.mul(firsts[r], nb), b)
+                        if centre(fmt):
+                            xsum = builder.load(builder.gep(ca.data, [at]))
+                            sumi = builder.sub(sumi, builder.mul(xsum, _i(centre(fmt), I32)))
+                        scale = builder.fmul(dw, builder.load(builder.gep(da.data, [at])))
+                        t = builder.fmul(builder.sitofp(sumi, F32), scale)
+                        if fmt.affine:
+                            t = builder.fadd(t, builder.fmul(_half(builder, blk, 2), builder.load(builder.gep(sa.data, [at]))))
+                        builder.store(builder.fadd(builder.load(accs[r]), t), accs[r])
+
+            _by_format(builder, code, loop)
+            for r in range(rows):
+                where = builder.add(builder.mul(firsts[r], ncols), n_)
+                builder.store(builder.load(accs[r]), builder.gep(oa.data, [where]))
+            return context.get_dummy_value()
+
+        return types.void(w, xq, xd, xs, xsum, out, n, m, fmt), codegen
+
+    return run
