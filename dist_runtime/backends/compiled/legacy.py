@@ -12,21 +12,23 @@ Activations (``q8``):
 
 - f32 (default): each block's codes become their dequantized values (``d * q`` / ``d * q + m``,
   exactly ``dequantize``'s), multiplied with ``x`` and summed in 8 fixed lanes.
-- q8_0: each 32-block of each row of ``x`` is quantized once per call as llama.cpp's
-  ``quantize_row_q8_0`` (``kernels.quant.quantize``: ``d = max|x| / 127``, codes ``round(x / d)``,
-  ``d`` stored as f16); Q4_1 and Q5_1 also take Q8_1's block sum ``s = f16(d * sum(codes))``.
-  Per block an exact integer dot ``sumi`` then, in f32 and block order,
-  ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for the affine formats): ggml's
-  ``vec_dot_*_q8_0`` / ``_q8_1`` formulas.
+- q8_0: each 32-block of each row of ``x`` is quantized once per call, in compiled code, as
+  llama.cpp's ``quantize_row_q8_0`` (and ``kernels.quant.quantize``): ``d = max|x| / 127``,
+  codes ``roundf(x * (1 / d))``, ``d`` kept as f16; Q4_1 and Q5_1 also take Q8_1's block sum
+  ``s = f16(d * sum(codes))``.  Per block an exact integer dot ``sumi`` then, in f32 and block
+  order, ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for the affine formats): ggml's
+  ``vec_dot_*_q8_0`` / ``_q8_1`` formulas (tests/test_compiled_legacy.py holds them bit for bit).
 """
 
 from __future__ import annotations
+
+import math
 
 import numba
 import numpy as np
 
 from ...dtypes import DType
-from ...kernels.quant import QK, _LEGACY, quantize
+from ...kernels.quant import QK, _LEGACY
 from . import cpu, kernel
 from .simd_int8 import FORMATS, centre
 
@@ -121,10 +123,10 @@ def _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk):
                     sumi = np.int32(0)
                     for j in range(qk):
                         sumi += q[j] * np.int32(xq[m, b * qk + j])
-                    sumi -= shift * xsum[m, b]
-                    t = np.float32(sumi) * (dw * xd[m, b])
+                    sumi -= shift * xsum[b, m]
+                    t = np.float32(sumi) * (dw * xd[b, m])
                     if affine:
-                        t += mw * xs[m, b]
+                        t += mw * xs[b, m]
                     acc[m] += t
             for m in range(m_rows):
                 out[m, n] = acc[m]
@@ -133,7 +135,8 @@ def _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk):
 if cpu.AVX2:
     from .simd_int8 import f32_rows, q8_rows
 
-    _F32_PAIR, _F32_ONE, _Q8_FOUR, _Q8_ONE = f32_rows(2), f32_rows(1), q8_rows(4), q8_rows(1)
+    _F32_PAIR, _F32_ONE = f32_rows(2), f32_rows(1)
+    _Q8_EIGHT, _Q8_FOUR, _Q8_ONE = q8_rows(8), q8_rows(4), q8_rows(1)
 
     @numba.njit(nogil=True, cache=True, parallel=True)
     def _f32_avx2(x, w, out, fmt, qk):
@@ -151,7 +154,10 @@ if cpu.AVX2:
         m_rows = xq.shape[0]
         for n in numba.prange(w.shape[0]):
             m = 0
-            while m + 4 <= m_rows:
+            while m + 8 <= m_rows:
+                _Q8_EIGHT(w, xq, xd, xs, xsum, out, n, m, fmt)
+                m += 8
+            if m + 4 <= m_rows:
                 _Q8_FOUR(w, xq, xd, xs, xsum, out, n, m, fmt)
                 m += 4
             while m < m_rows:
@@ -163,30 +169,57 @@ else:
     _F32, _Q8 = _f32_portable, _q8_portable
 
 
-def quantize_activations(x: np.ndarray, q8_1: bool):
-    """``x`` f32 [M, K] as llama.cpp's Q8_0 (Q8_1 if ``q8_1``) blocks, split for the kernels:
-    codes int8 [M, K], ``d`` (f16-rounded) f32 [M, K/32], ``s = f16(d * sum(codes))`` f32
-    (``d`` again for Q8_0, which has no ``s``), code sums int32 [M, K/32]."""
+@numba.njit(nogil=True, cache=True)
+def _to_f16(v):
+    """``v`` (f32) rounded to the nearest f16, ties to even, as ``GGML_FP32_TO_FP16`` (f64 holds
+    every step exactly)."""
+    a = abs(np.float64(v))
+    if not a < np.inf or a == 0.0:
+        return v
+    if a < 2.0 ** -14:  # subnormal halves: multiples of 2^-24
+        r = np.rint(a * 2.0 ** 24) * 2.0 ** -24
+    else:
+        mant, e = math.frexp(a)
+        r = math.ldexp(np.rint(math.ldexp(mant, 11)), e - 11)
+    r = np.inf if r > 65504.0 else r
+    return np.float32(r if v > 0 else -r)
+
+
+@numba.njit(nogil=True, cache=True)  # ~2 ns an element: one thread; a parallel launch costs more
+def _quantize_rows(x, qk, xq, xd, xs, xsum):
+    for m in range(x.shape[0]):
+        for b in range(x.shape[1] // qk):
+            amax = np.float32(0)
+            for j in range(b * qk, (b + 1) * qk):
+                amax = max(amax, abs(x[m, j]))
+            d = amax / np.float32(127)
+            inv = np.float32(1) / d if d != 0 else np.float32(0)
+            total = np.int32(0)
+            for j in range(b * qk, (b + 1) * qk):
+                v = np.float64(x[m, j] * inv)  # roundf: half away from zero, exact in f64
+                q = np.int32(np.trunc(v + np.copysign(0.5, v)))
+                xq[m, j] = q
+                total += q
+            xd[b, m], xs[b, m], xsum[b, m] = _to_f16(d), _to_f16(np.float32(total) * d), total
+
+
+def quantize_activations(x: np.ndarray):
+    """``x`` f32 [M, K] as llama.cpp's ``quantize_row_q8_1_ref`` makes it (Q8_0 is the same
+    without ``s``): ``d = max|x| / 127``, codes ``roundf(x * (1 / d))`` int8 [M, K], ``d`` as f16
+    and ``s = f16(d * sum(codes))`` with the f32 ``d``, both f32, and the code sums int32, these
+    three [K/32, M] (a tile's rows side by side)."""
     m, k = x.shape
-    blocks = quantize(x, DType.Q8_0).data.reshape(m, k // QK, DType.Q8_0.block_bytes)
-    xq = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(m, k)
-    xd = blocks[..., :2].view("<f2")[..., 0].astype(np.float32)
-    xsum = xq.reshape(m, k // QK, QK).sum(axis=-1, dtype=np.int32)
-    if not q8_1:
-        return xq, xd, xd, xsum
-    with np.errstate(invalid="ignore"):  # s as quantize_row_q8_1_ref: the f32 d, not the f16 one
-        d = np.abs(x.reshape(m, k // QK, QK)).max(axis=-1) / 127.0
-        xs = (xsum.astype(np.float32) * d).astype(np.float16).astype(np.float32)
+    xq = np.empty((m, k), np.int8)
+    xd, xs, xsum = np.empty((k // QK, m), np.float32), np.empty((k // QK, m), np.float32), np.empty((k // QK, m), np.int32)
+    _quantize_rows(x, QK, xq, xd, xs, xsum)
     return xq, xd, xs, xsum
 
 
 def _register(code: int, dtype: DType) -> None:
-    q8_1 = _LEGACY[dtype].affine  # llama.cpp pairs the affine formats with Q8_1 activations
-
     @kernel(dtype)
     def product(x, w, out, q8):
         if q8:
-            _Q8(*quantize_activations(x, q8_1), w, out, code, QK)
+            _Q8(*quantize_activations(x), w, out, code, QK)
         else:
             _F32(x, w, out, code, QK)
 

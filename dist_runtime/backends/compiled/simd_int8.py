@@ -160,53 +160,77 @@ def f32_rows(rows: int):
     return run
 
 
+def _pair_sums(builder, a, b):
+    """<8 x i32> whose lanes 0-3 are the sums of a's lane pairs and 4-7 of b's."""
+    mask = ir.VectorType(I32, 8)
+    even = builder.shuffle_vector(a, b, _vec(mask, range(0, 16, 2)))
+    return builder.add(even, builder.shuffle_vector(a, b, _vec(mask, range(1, 16, 2))))
+
+
+def _row_sums(builder, quads):
+    """The lane sums of each <8 x i32> in ``quads`` (1, 2, 4 or 8 of them) as one <rows x i32>,
+    in order: pairwise folds that keep every row's partial sums together (exact: integers)."""
+    rows = len(quads)
+    while len(quads) > 1:
+        quads = [_pair_sums(builder, quads[i], quads[i + 1]) for i in range(0, len(quads), 2)]
+    v = quads[0]
+    for _ in range(3 - rows.bit_length() + 1):  # until one lane per row: log2(8 / rows) folds
+        v = _pair_sums(builder, v, v)
+    return builder.shuffle_vector(v, v, _vec(ir.VectorType(I32, rows), range(rows)))
+
+
 def q8_rows(rows: int):
     """``q8_rows(w, xq, xd, xs, xsum, out, n, m, fmt)``: as :func:`f32_rows` on activations
-    quantized per block: codes ``xq`` int8 [M, K], scales ``xd`` and sums ``xs`` (Q8_1's
-    ``s``) f32 [M, nb], code sums ``xsum`` int32 [M, nb]."""
+    quantized per block: codes ``xq`` int8 [M, K]; per block and row (transposed, so a tile's rows
+    are adjacent), scales ``xd`` and sums ``xs`` (Q8_1's ``s``) f32 [nb, M], code sums ``xsum``
+    int32 [nb, M].  The tile's integer sums are folded together and its f32 steps run as one
+    <rows x float> vector: each lane does exactly what a lone row does."""
+    vec_f, vec_i = ir.VectorType(F32, rows), ir.VectorType(I32, rows)
 
     @intrinsic
     def run(typingctx, w, xq, xd, xs, xsum, out, n, m, fmt):
         def codegen(context, builder, sig, args):
             arrays = [_array(context, builder, t, v) for t, v in zip(sig.args[:6], args[:6])]
-            (wa, _, wst), (qa, (_, k), _), (da, (_, nb), _), (sa, _, _), (ca, _, _), (oa, (_, ncols), _) = arrays
+            (wa, _, wst), (qa, (_, k), _), (da, (nb, mt), _), (sa, _, _), (ca, _, _), (oa, (_, ncols), _) = arrays
             n_, m_, code = args[6:]
             row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
-            firsts = [builder.add(m_, _i(r)) for r in range(rows)]
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(rows)]
+            xrows = [builder.gep(qa.data, [builder.mul(builder.add(m_, _i(r)), k)]) for r in range(rows)]
+            acc = cgutils.alloca_once_value(builder, ir.Constant(vec_f, None))
+
+            def tile(ptr, at, ty):
+                return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=4)
 
             def loop(fmt, bb):
                 with cgutils.for_range(builder, nb) as blocks:
                     b = blocks.index
                     blk = builder.gep(row, [builder.mul(b, _i(bb))])
                     q = _codes(builder, blk, fmt)
-                    dw = _half(builder, blk, 0)
                     if fmt.bits == 8:  # |w| unsigned, x carrying w's sign: pmaddubsw's operands
                         negative = builder.icmp_signed("<", q, ir.Constant(V32B, None))
                         q = builder.select(negative, builder.neg(q), q)
+                    quads = []
                     for r in range(rows):
-                        xv = builder.load(builder.bitcast(
-                            builder.gep(qa.data, [builder.add(builder.mul(firsts[r], k), builder.mul(b, _i(QK)))]),
-                            V32B.as_pointer()), align=1)
+                        xv = _load(builder, xrows[r], builder.mul(b, _i(QK)), V32B)
                         if fmt.bits == 8:
                             xv = builder.select(negative, builder.neg(xv), xv)
                         pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, q, xv)
-                        quads = _call(builder, "llvm.x86.avx2.pmadd.wd", V8I, pairs, _vec(V16S, [1] * 16))
-                        sumi = _call(builder, "llvm.vector.reduce.add.v8i32", I32, quads)
-                        at = builder.add(builder.mul(firsts[r], nb), b)
-                        if centre(fmt):
-                            xsum = builder.load(builder.gep(ca.data, [at]))
-                            sumi = builder.sub(sumi, builder.mul(xsum, _i(centre(fmt), I32)))
-                        scale = builder.fmul(dw, builder.load(builder.gep(da.data, [at])))
-                        t = builder.fmul(builder.sitofp(sumi, F32), scale)
-                        if fmt.affine:
-                            t = builder.fadd(t, builder.fmul(_half(builder, blk, 2), builder.load(builder.gep(sa.data, [at]))))
-                        builder.store(builder.fadd(builder.load(accs[r]), t), accs[r])
+                        quads.append(_call(builder, "llvm.x86.avx2.pmadd.wd", V8I, pairs, _vec(V16S, [1] * 16)))
+                    sumi = _row_sums(builder, quads)
+                    at = builder.add(builder.mul(b, mt), m_)
+                    if centre(fmt):
+                        sumi = builder.sub(sumi, builder.mul(tile(ca.data, at, vec_i), _vec(vec_i, [centre(fmt)] * rows)))
+                    scale = builder.fmul(_splat(builder, _half(builder, blk, 0), vec_f), tile(da.data, at, vec_f))
+                    t = builder.fmul(builder.sitofp(sumi, vec_f), scale)
+                    if fmt.affine:
+                        low = _splat(builder, _half(builder, blk, 2), vec_f)
+                        t = builder.fadd(t, builder.fmul(low, tile(sa.data, at, vec_f)))
+                    builder.store(builder.fadd(builder.load(acc), t), acc)
 
             _by_format(builder, code, loop)
+            total = builder.load(acc)
             for r in range(rows):
-                where = builder.add(builder.mul(firsts[r], ncols), n_)
-                builder.store(builder.load(accs[r]), builder.gep(oa.data, [where]))
+                where = builder.add(builder.mul(builder.add(m_, _i(r)), ncols), n_)
+                builder.store(builder.extract_element(total, _i(r, I32)), builder.gep(oa.data, [where]))
             return context.get_dummy_value()
 
         return types.void(w, xq, xd, xs, xsum, out, n, m, fmt), codegen
