@@ -2,10 +2,10 @@
 
 Threads take output rows ``n`` (``prange``); each weight row is read once, block by block, for all
 rows of ``x``.  On the vector path (``cpu.AVX2``) one call of a :mod:`.simd_int8` intrinsic runs
-a whole weight row against a tile of rows of ``x`` (2 in f32, 4 in q8_0: what the registers
-hold), each block decoded once per tile; the portable path decodes each block once for all rows
-into a small scratch and runs plain loops (block length passed at run time, integer arithmetic
-cast to int32, see docs/ops.md).  Both keep, for every ``(m, n)``, one fixed sequence of
+a whole weight row against a tile of rows of ``x`` (4 in f32, 8 or 4 in q8_0; then rows one
+by one), each block decoded once per tile; the portable path decodes each block once for all rows
+into a small scratch and runs plain loops (block length passed at run time so that numba does
+not unroll them, integers cast to int32).  Both keep, for every ``(m, n)``, one fixed sequence of
 operations whatever ``M``: bitwise batch-invariant.
 
 Activations (``q8``):
@@ -135,7 +135,7 @@ def _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk):
 if cpu.AVX2:
     from .simd_int8 import f32_rows, q8_rows
 
-    _F32_PAIR, _F32_ONE = f32_rows(2), f32_rows(1)
+    _F32_FOUR, _F32_ONE = f32_rows(4), f32_rows(1)
     _Q8_EIGHT, _Q8_FOUR, _Q8_ONE = q8_rows(8), q8_rows(4), q8_rows(1)
 
     @numba.njit(nogil=True, cache=True, parallel=True)
@@ -143,11 +143,12 @@ if cpu.AVX2:
         m_rows, nb = x.shape[0], x.shape[1] // qk
         for n in numba.prange(w.shape[0]):
             m = 0
-            while m + 2 <= m_rows:
-                _F32_PAIR(w, x, out, n, m, nb, fmt)
-                m += 2
-            if m < m_rows:
+            while m + 4 <= m_rows:
+                _F32_FOUR(w, x, out, n, m, nb, fmt)
+                m += 4
+            while m < m_rows:
                 _F32_ONE(w, x, out, n, m, nb, fmt)
+                m += 1
 
     @numba.njit(nogil=True, cache=True, parallel=True)
     def _q8_avx2(xq, xd, xs, xsum, w, out, fmt, qk):

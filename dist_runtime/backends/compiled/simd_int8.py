@@ -4,8 +4,8 @@ row against a tile of rows of ``x``, each block decoded once for the tile.
 Two intrinsics, each built for a tile height ``rows`` and every legacy format (the format is a
 run-time code; the block loop of each format is emitted once, behind a switch outside the loop):
 
-- :func:`f32_rows`: each block's 32 codes become their exact dequantized f32 values
-  (``d * q`` or ``d * q + m``, one rounding each, as ``dequantize``) in four 8-lane vectors,
+- :func:`f32_rows`: each block's 32 codes become their dequantized f32 values, rounded as
+  ``dequantize`` rounds them (``d * (q - c)``, ``d * q + m``), in four 8-lane vectors,
   and every row of the tile keeps four 8-lane accumulators, ``acc_j = fma(w_j, x_j, acc_j)``;
   at the end of the row they are summed in one fixed tree.
 - :func:`q8_rows`: llama.cpp's integer products on Q8_0/Q8_1-quantized activations.  Per block,
@@ -90,16 +90,21 @@ def _values(builder, blk, fmt) -> list[ir.Value]:
     """The block's 32 dequantized values as four <8 x float>, rounded as ``dequantize`` rounds."""
     q = _codes(builder, blk, fmt)
     d = _splat(builder, _half(builder, blk, 0), V8F)
-    m = _splat(builder, _half(builder, blk, 2), V8F) if fmt.affine else None
+    if fmt.affine:
+        m = _splat(builder, _half(builder, blk, 2), V8F)
+    elif centre(fmt):  # d * (q - c) as fma(q, d, -c * d): -c * d is exact (c = 8 or 16), so is
+        # q * d - c * d before fma's one rounding: dequantize's rounding, one op fewer
+        shift = _splat(builder, builder.fmul(_half(builder, blk, 0), ir.Constant(F32, -centre(fmt))), V8F)
     out = []
     for j in range(4):
         part = builder.shuffle_vector(q, q, _vec(ir.VectorType(I32, 8), range(8 * j, 8 * j + 8)))
-        if fmt.bits == 8:
-            code = builder.sext(part, V8I)
+        code = builder.sitofp(builder.sext(part, V8I) if fmt.bits == 8 else builder.zext(part, V8I), V8F)
+        if fmt.affine:  # two roundings, as dequantize's d * q + m
+            out.append(builder.fadd(builder.fmul(code, d), m))
+        elif centre(fmt):
+            out.append(_call(builder, "llvm.fma.v8f32", V8F, code, d, shift))
         else:
-            code = builder.sub(builder.zext(part, V8I), _vec(V8I, [centre(fmt)] * 8))
-        v = builder.fmul(builder.sitofp(code, V8F), d)
-        out.append(builder.fadd(v, m) if fmt.affine else v)
+            out.append(builder.fmul(code, d))
     return out
 
 
