@@ -29,7 +29,8 @@ import numpy as np
 
 from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
-from . import cpu, kernel
+from . import cpu
+from .registry import kernel
 from .simd_int8 import FORMATS, centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
@@ -211,7 +212,7 @@ def quantize_activations(x: np.ndarray):
     three [K/32, M] (a tile's rows side by side)."""
     m, k = x.shape
     xq = np.empty((m, k), np.int8)
-    xd, xs, xsum = np.empty((k // QK, m), np.float32), np.empty((k // QK, m), np.float32), np.empty((k // QK, m), np.int32)
+    xd, xs, xsum = (np.empty((k // QK, m), t) for t in (np.float32, np.float32, np.int32))
     _quantize_rows(x, QK, xq, xd, xs, xsum)
     return xq, xd, xs, xsum
 

@@ -12,7 +12,7 @@ run-time code; the block loop of each format is emitted once, behind a switch ou
   ``pmaddubsw`` (unsigned x signed bytes -> i16 pairs) then ``pmaddwd`` by ones (-> 8 x i32)
   and an exact integer sum: the block's ``sumi``.  Q8_0's signed codes go through the
   ``|w|, sign(x, w)`` trick as in ``ggml_vec_dot_q8_0_q8_0``; the nibble formats use their
-  unsigned codes and subtract ``offset * sum(x codes)``, which gives the same integer.  Then in
+  unsigned codes and subtract ``c * sum(x codes)`` (Q4_0's c = 8, Q5_0's 16): the same integer.  Then in
   f32, block after block: ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for Q4_1/Q5_1).
 
 Every row of ``x`` goes through the same instructions whatever the tile and its place in it,
@@ -62,7 +62,7 @@ def _load(builder, base, offset, ty, align=1):
 
 
 def _half(builder, blk, at):
-    return builder.fpext(_load(builder, blk, _i(at), ir.HalfType(), 2), F32)
+    return builder.fpext(_load(builder, blk, _i(at), ir.HalfType()), F32)
 
 
 def _call(builder, name, ret, *args):
@@ -152,7 +152,8 @@ def f32_rows(rows: int):
                     for r in range(rows):
                         for j in range(4):
                             xv = _load(builder, xs[r], builder.add(at, _i(32 * j)), V8F, 4)
-                            builder.store(_call(builder, "llvm.fma.v8f32", V8F, w[j], xv, builder.load(accs[r][j])), accs[r][j])
+                            acc = builder.load(accs[r][j])
+                            builder.store(_call(builder, "llvm.fma.v8f32", V8F, w[j], xv, acc), accs[r][j])
 
             _by_format(builder, code, loop)
             for r in range(rows):
@@ -223,7 +224,8 @@ def q8_rows(rows: int):
                     sumi = _row_sums(builder, quads)
                     at = builder.add(builder.mul(b, mt), m_)
                     if centre(fmt):
-                        sumi = builder.sub(sumi, builder.mul(tile(ca.data, at, vec_i), _vec(vec_i, [centre(fmt)] * rows)))
+                        shift = builder.mul(tile(ca.data, at, vec_i), _vec(vec_i, [centre(fmt)] * rows))
+                        sumi = builder.sub(sumi, shift)
                     scale = builder.fmul(_splat(builder, _half(builder, blk, 0), vec_f), tile(da.data, at, vec_f))
                     t = builder.fmul(builder.sitofp(sumi, vec_f), scale)
                     if fmt.affine:
