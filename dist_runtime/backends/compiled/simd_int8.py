@@ -79,10 +79,12 @@ def _codes(builder, blk, fmt) -> ir.Value:
     low = builder.and_(packed, _vec(V16B, [15] * 16))
     high = builder.lshr(packed, _vec(V16B, [4] * 16))
     q = builder.shuffle_vector(low, high, _vec(ir.VectorType(I32, 32), range(32)))
-    if fmt.bits == 5:  # bit j of qh is the fifth bit of element j
-        qh = _splat(builder, _load(builder, blk, _i(fmt.scales), I32), ir.VectorType(I32, 32))
-        bit = builder.and_(builder.lshr(qh, _vec(qh.type, range(32))), _vec(qh.type, [1] * 32))
-        q = builder.or_(q, builder.shl(builder.trunc(bit, V32B), _vec(V32B, [4] * 32)))
+    if fmt.bits == 5:  # bit j of the little-endian qh (bit j % 8 of its byte j // 8): element j's 16
+        qh = _load(builder, blk, _i(fmt.scales), ir.VectorType(I8, 4))
+        spread = builder.shuffle_vector(qh, qh, _vec(ir.VectorType(I32, 32), [j // 8 for j in range(32)]))
+        bit = builder.and_(spread, _vec(V32B, [((1 << j % 8) ^ 0x80) - 0x80 for j in range(32)]))
+        none = ir.Constant(V32B, None)
+        q = builder.or_(q, builder.select(builder.icmp_unsigned("!=", bit, none), _vec(V32B, [16] * 32), none))
     return q
 
 
