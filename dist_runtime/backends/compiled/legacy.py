@@ -5,8 +5,8 @@ rows of ``x``.  On the vector path (``cpu.AVX2``) one call of a :mod:`.simd_int8
 a whole weight row against a tile of rows of ``x`` (4 in f32, 8 or 4 in q8_0; then rows one
 by one), each block decoded once per tile; the portable path decodes each block once for all rows
 into a small scratch and runs plain loops (block length passed at run time so that numba does
-not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep, for every ``(m, n)``, one fixed sequence of
-operations whatever ``M``: bitwise batch-invariant.
+not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep,
+for every ``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
 
 Activations (``q8``):
 
