@@ -18,8 +18,7 @@ dequantize-then-matmul within 1e-5 of the output's scale.  ``activations="q8_0"`
 integer dot products): faster, and what the GGUF tests compare with llama.cpp.
 
 Each element type's kernel lives in its family's module (``floats``, ``legacy``, ``kquants``) and
-registers itself in :data:`KERNELS` with :func:`kernel` (both in :mod:`.registry`, which the family
-modules import, so that this package importing them is not an import cycle).
+registers itself in :data:`KERNELS` with :func:`kernel` (both in :mod:`.registry`).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import numba  # noqa: E402
 
 from ...dtypes import DType  # noqa: E402
 from ...tensor import Array, QuantizedArray  # noqa: E402
-from .registry import KERNELS, kernel  # noqa: E402,F401  (family modules import it from there: no cycle)
+from .registry import KERNELS, kernel  # noqa: E402,F401  (the family modules register there)
 
 #: The activation modes of :func:`linear`.
 ACTIVATIONS = ("f32", "q8_0")
@@ -78,4 +77,6 @@ def linear(x: np.ndarray, w: Array, *, activations: str = "f32") -> np.ndarray:
     if x.shape[0] and n:
         KERNELS[dtype](x, data, out, activations == "q8_0")
     return out
-from . import kquants  # noqa: E402,F401  (registers its kernels)
+
+
+from . import kquants, legacy  # noqa: E402,F401  (each registers its kernels)

@@ -1,4 +1,5 @@
-"""The kernel of each element type: filled by the family modules as they are imported."""
+"""The kernel registry, apart from the package so that the family modules the package imports can
+register into it without importing the package back (tests/test_imports.py: no import cycle)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,231 @@
+"""Kernels of the GGML legacy block types Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (layouts: kernels/quant.py).
+
+Threads take output rows ``n`` (``prange``); each weight row is read once, block by block, for all
+rows of ``x``.  On the vector path (``cpu.AVX2``) one call of a :mod:`.simd_int8` intrinsic runs
+a whole weight row against a tile of rows of ``x`` (4 in f32, 8 or 4 in q8_0; then rows one
+by one), each block decoded once per tile; the portable path decodes each block once for all rows
+into a small scratch and runs plain loops (block length passed at run time so that numba does
+not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep,
+for every ``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
+
+Activations (``q8``):
+
+- f32 (default): each block's codes become their dequantized values (``d * q`` / ``d * q + m``,
+  exactly ``dequantize``'s), multiplied with ``x`` and summed in 8 fixed lanes.
+- q8_0: each 32-block of each row of ``x`` is quantized once per call, in compiled code, as
+  llama.cpp's ``quantize_row_q8_0`` (and ``kernels.quant.quantize``): ``d = max|x| / 127``,
+  codes ``roundf(x * (1 / d))``, ``d`` kept as f16; Q4_1 and Q5_1 also take Q8_1's block sum
+  ``s = f16(d * sum(codes))``.  Per block an exact integer dot ``sumi`` then, in f32 and block
+  order, ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for the affine formats): ggml's
+  ``vec_dot_*_q8_0`` / ``_q8_1`` formulas (tests/test_compiled_legacy.py holds them bit for bit).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from ...dtypes import DType
+from ...kernels.quant import QK, _LEGACY
+from . import cpu
+from .registry import kernel
+from .simd_int8 import FORMATS, centre
+
+#: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
+_SPEC = np.array([[_LEGACY[d].bits, centre(_LEGACY[d]), _LEGACY[d].scales + _LEGACY[d].high_bits,
+                   _LEGACY[d].affine, d.block_bytes] for d in FORMATS.values()], np.int64)
+#: f16 exponent e (1..30) -> 2^(e - 25): a normal half is (1024 + mantissa) * that, exactly.
+_POW2 = np.array([2.0 ** (e - 25) for e in range(32)], np.float32)
+
+
+@numba.njit(nogil=True, cache=True)
+def _f16(lo, hi):
+    h = np.int32(lo) | np.int32(hi) << np.int32(8)
+    e, f = h >> np.int32(10) & np.int32(31), h & np.int32(1023)
+    if e == 0:
+        v = np.float32(f) * np.float32(2.0 ** -24)
+    elif e == 31:
+        v = np.float32(np.inf) if f == 0 else np.float32(np.nan)
+    else:
+        v = np.float32(f + np.int32(1024)) * _POW2[e]
+    return -v if h & np.int32(0x8000) else v
+
+
+@numba.njit(nogil=True, cache=True)
+def _codes(row, at, fmt, qk, q):
+    """Block ``row[at:]``'s codes into int32 ``q``: signed for Q8_0, unsigned otherwise."""
+    bits, head = _SPEC[fmt, 0], _SPEC[fmt, 2]
+    if bits == 8:
+        for j in range(qk):
+            q[j] = np.int32(np.int8(row[at + head + j]))
+        return
+    half = qk // 2
+    for j in range(half):
+        byte = np.int32(row[at + head + j])
+        q[j], q[j + half] = byte & np.int32(15), byte >> np.int32(4)
+    if bits == 5:  # the little-endian u32 qh just before the nibbles: bit j = fifth bit of element j
+        qh = np.int64(0)
+        for i in range(4):
+            qh |= np.int64(row[at + head - 4 + i]) << np.int64(8 * i)
+        for j in range(qk):
+            q[j] |= np.int32(qh >> np.int64(j) & np.int64(1)) << np.int32(4)
+
+
+@numba.njit(nogil=True, cache=True)
+def _lanes_sum(a):
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _f32_portable(x, w, out, fmt, qk):
+    m_rows, nb, n_rows = x.shape[0], x.shape[1] // qk, w.shape[0]
+    step, shift, affine = _SPEC[fmt, 4], np.float32(_SPEC[fmt, 1]), _SPEC[fmt, 3]
+    chunks = min(n_rows, 64)
+    for c in numba.prange(chunks):
+        q, v, acc = np.empty(qk, np.int32), np.empty(qk, np.float32), np.empty((m_rows, 8), np.float32)
+        for n in range(c * n_rows // chunks, (c + 1) * n_rows // chunks):
+            row = w[n]
+            acc[:] = 0
+            for b in range(nb):
+                at = b * step
+                _codes(row, at, fmt, qk, q)
+                d = _f16(row[at], row[at + 1])
+                low = _f16(row[at + 2], row[at + 3]) if affine else np.float32(0)
+                for j in range(qk):
+                    v[j] = (np.float32(q[j]) - shift) * d
+                    if affine:
+                        v[j] += low
+                for m in range(m_rows):
+                    lanes, xb = acc[m], x[m, b * qk:(b + 1) * qk]
+                    for j in range(0, qk, 8):
+                        for lane in range(8):
+                            lanes[lane] += v[j + lane] * xb[j + lane]
+            for m in range(m_rows):
+                out[m, n] = _lanes_sum(acc[m])
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk):
+    m_rows, nb, n_rows = xq.shape[0], xq.shape[1] // qk, w.shape[0]
+    step, shift, affine = _SPEC[fmt, 4], np.int32(_SPEC[fmt, 1]), _SPEC[fmt, 3]
+    chunks = min(n_rows, 64)
+    for c in numba.prange(chunks):
+        q, acc = np.empty(qk, np.int32), np.empty(m_rows, np.float32)
+        for n in range(c * n_rows // chunks, (c + 1) * n_rows // chunks):
+            row = w[n]
+            acc[:] = 0
+            for b in range(nb):
+                at = b * step
+                _codes(row, at, fmt, qk, q)
+                dw = _f16(row[at], row[at + 1])
+                mw = _f16(row[at + 2], row[at + 3]) if affine else np.float32(0)
+                for m in range(m_rows):
+                    sumi, xb = np.int32(0), xq[m, b * qk:(b + 1) * qk]
+                    for j in range(qk):
+                        sumi += q[j] * np.int32(xb[j])
+                    sumi -= shift * xsum[b, m]
+                    t = np.float32(sumi) * (dw * xd[b, m])
+                    if affine:
+                        t += mw * xs[b, m]
+                    acc[m] += t
+            for m in range(m_rows):
+                out[m, n] = acc[m]
+
+
+if cpu.AVX2:
+    from .simd_int8 import f32_rows, q8_rows
+
+    _F32_FOUR, _F32_ONE = f32_rows(4), f32_rows(1)
+    _Q8_EIGHT, _Q8_FOUR, _Q8_ONE = q8_rows(8), q8_rows(4), q8_rows(1)
+
+    @numba.njit(nogil=True, cache=True, parallel=True)
+    def _f32_avx2(x, w, out, fmt, qk):
+        m_rows, nb = x.shape[0], x.shape[1] // qk
+        for n in numba.prange(w.shape[0]):
+            m = 0
+            while m + 4 <= m_rows:
+                _F32_FOUR(w, x, out, n, m, nb, fmt)
+                m += 4
+            while m < m_rows:
+                _F32_ONE(w, x, out, n, m, nb, fmt)
+                m += 1
+
+    @numba.njit(nogil=True, cache=True, parallel=True)
+    def _q8_avx2(xq, xd, xs, xsum, w, out, fmt, _qk):  # _qk: the portable signature
+        m_rows = xq.shape[0]
+        for n in numba.prange(w.shape[0]):
+            m = 0
+            while m + 8 <= m_rows:
+                _Q8_EIGHT(w, xq, xd, xs, xsum, out, n, m, fmt)
+                m += 8
+            if m + 4 <= m_rows:
+                _Q8_FOUR(w, xq, xd, xs, xsum, out, n, m, fmt)
+                m += 4
+            while m < m_rows:
+                _Q8_ONE(w, xq, xd, xs, xsum, out, n, m, fmt)
+                m += 1
+
+    _F32, _Q8 = _f32_avx2, _q8_avx2
+else:
+    _F32, _Q8 = _f32_portable, _q8_portable
+
+
+@numba.njit(nogil=True, cache=True)
+def _to_f16(v):
+    """``v`` (f32) rounded to the nearest f16, ties to even, as ``GGML_FP32_TO_FP16`` (f64 holds
+    every step exactly)."""
+    a = abs(np.float64(v))
+    if not a < np.inf or a == 0.0:
+        return v
+    if a < 2.0 ** -14:  # subnormal halves: multiples of 2^-24
+        r = np.rint(a * 2.0 ** 24) * 2.0 ** -24
+    else:
+        mant, e = math.frexp(a)
+        r = math.ldexp(np.rint(math.ldexp(mant, 11)), e - 11)
+    r = np.inf if r > 65504.0 else r
+    return np.float32(r if v > 0 else -r)
+
+
+@numba.njit(nogil=True, cache=True)  # ~2 ns an element: one thread; a parallel launch costs more
+def _quantize_rows(x, qk, xq, xd, xs, xsum):
+    for m in range(x.shape[0]):
+        for b in range(x.shape[1] // qk):
+            amax = np.float32(0)
+            for j in range(b * qk, (b + 1) * qk):
+                amax = max(amax, abs(x[m, j]))
+            d = amax / np.float32(127)
+            inv = np.float32(1) / d if d != 0 else np.float32(0)
+            total = np.int32(0)
+            for j in range(b * qk, (b + 1) * qk):
+                v = np.float64(x[m, j] * inv)  # roundf: half away from zero, exact in f64
+                q = np.int32(np.trunc(v + np.copysign(0.5, v)))
+                xq[m, j] = q
+                total += q
+            xd[b, m], xs[b, m], xsum[b, m] = _to_f16(d), _to_f16(np.float32(total) * d), total
+
+
+def quantize_activations(x: np.ndarray):
+    """``x`` f32 [M, K] as llama.cpp's ``quantize_row_q8_1_ref`` makes it (Q8_0 is the same
+    without ``s``): ``d = max|x| / 127``, codes ``roundf(x * (1 / d))`` int8 [M, K], ``d`` as f16
+    and ``s = f16(d * sum(codes))`` with the f32 ``d``, both f32, and the code sums int32, these
+    three [K/32, M] (a tile's rows side by side)."""
+    m, k = x.shape
+    xq = np.empty((m, k), np.int8)
+    xd, xs, xsum = (np.empty((k // QK, m), t) for t in (np.float32, np.float32, np.int32))
+    _quantize_rows(x, QK, xq, xd, xs, xsum)
+    return xq, xd, xs, xsum
+
+
+def _register(code: int, dtype: DType) -> None:
+    @kernel(dtype)
+    def product(x, w, out, q8):
+        if q8:
+            _Q8(*quantize_activations(x), w, out, code, QK)
+        else:
+            _F32(x, w, out, code, QK)
+
+
+for _code, _dtype in FORMATS.items():
+    _register(_code, _dtype)

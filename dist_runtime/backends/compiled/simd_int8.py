@@ -1,0 +1,247 @@
+"""LLVM vector IR (AVX2, FMA, F16C) for the legacy block products: one call runs a whole weight
+row against a tile of rows of ``x``, each block decoded once for the tile.
+
+Two intrinsics, each built for a tile height ``rows`` and every legacy format (the format is a
+run-time code; the block loop of each format is emitted once, behind a switch outside the loop):
+
+- :func:`f32_rows`: each block's 32 codes become their dequantized f32 values, rounded as
+  ``dequantize`` rounds them (``d * (q - c)``, ``d * q + m``), in four 8-lane vectors,
+  and every row of the tile keeps four 8-lane accumulators, ``acc_j = fma(w_j, x_j, acc_j)``;
+  at the end of the row they are summed in one fixed tree.
+- :func:`q8_rows`: llama.cpp's integer products on Q8_0/Q8_1-quantized activations.  Per block,
+  ``pmaddubsw`` (unsigned x signed bytes -> i16 pairs) then ``pmaddwd`` by ones (-> 8 x i32)
+  and an exact integer sum: the block's ``sumi``.  Q8_0's signed codes go through the
+  ``|w|, sign(x, w)`` trick as in ``ggml_vec_dot_q8_0_q8_0``; the nibble formats use their
+  unsigned codes and subtract ``c * sum(x codes)`` (Q4_0's c = 8, Q5_0's 16): the same integer.  Then in
+  f32, block after block: ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for Q4_1/Q5_1).
+
+Every row of ``x`` goes through the same instructions whatever the tile and its place in it,
+so results are batch-invariant; nothing here carries fast-math flags, so LLVM may not reorder.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ...dtypes import DType
+from ...kernels.quant import QK, _LEGACY
+
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+V8F, V8I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I8, 32)
+V16B, V16S = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
+
+#: format code (the run-time argument of the intrinsics) -> element type.
+FORMATS = {0: DType.Q8_0, 1: DType.Q4_0, 2: DType.Q4_1, 3: DType.Q5_0, 4: DType.Q5_1}
+
+
+def centre(fmt) -> int:
+    """What a symmetric format subtracts from its unsigned codes (Q8_0's are signed; the affine
+    formats' stay unsigned, their min ``m`` does the shifting)."""
+    return 0 if fmt.affine or fmt.bits == 8 else fmt.offset
+
+
+def _i(v, ty=I64):
+    return ir.Constant(ty, v)
+
+
+def _vec(ty, values):
+    return ir.Constant(ty, [ir.Constant(ty.element, v) for v in values])
+
+
+def _splat(builder, value, ty):
+    one = builder.insert_element(ir.Constant(ir.VectorType(value.type, 1), ir.Undefined), value, _i(0, I32))
+    return builder.shuffle_vector(one, one, _vec(ir.VectorType(I32, ty.count), [0] * ty.count))
+
+
+def _load(builder, base, offset, ty, align=1):
+    """The ``ty`` at byte ``offset`` of ``base`` (an i8*)."""
+    return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=align)
+
+
+def _half(builder, blk, at):
+    return builder.fpext(_load(builder, blk, _i(at), ir.HalfType()), F32)
+
+
+def _call(builder, name, ret, *args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _codes(builder, blk, fmt) -> ir.Value:
+    """The block's 32 codes as bytes: signed for Q8_0, unsigned (with the fifth bit) otherwise."""
+    body = fmt.scales + fmt.high_bits
+    if fmt.bits == 8:
+        return _load(builder, blk, _i(body), V32B)
+    packed = _load(builder, blk, _i(body), V16B)
+    low = builder.and_(packed, _vec(V16B, [15] * 16))
+    high = builder.lshr(packed, _vec(V16B, [4] * 16))
+    q = builder.shuffle_vector(low, high, _vec(ir.VectorType(I32, 32), range(32)))
+    if fmt.bits == 5:  # bit j of the little-endian qh (bit j % 8 of its byte j // 8): element j's 16
+        qh = _load(builder, blk, _i(fmt.scales), ir.VectorType(I8, 4))
+        spread = builder.shuffle_vector(qh, qh, _vec(ir.VectorType(I32, 32), [j // 8 for j in range(32)]))
+        bit = builder.and_(spread, _vec(V32B, [((1 << j % 8) ^ 0x80) - 0x80 for j in range(32)]))
+        none = ir.Constant(V32B, None)
+        q = builder.or_(q, builder.select(builder.icmp_unsigned("!=", bit, none), _vec(V32B, [16] * 32), none))
+    return q
+
+
+def _values(builder, blk, fmt) -> list[ir.Value]:
+    """The block's 32 dequantized values as four <8 x float>, rounded as ``dequantize`` rounds."""
+    q = _codes(builder, blk, fmt)
+    d = _splat(builder, _half(builder, blk, 0), V8F)
+    if fmt.affine:
+        m = _splat(builder, _half(builder, blk, 2), V8F)
+    elif centre(fmt):  # d * (q - c) as fma(q, d, -c * d): -c * d is exact (c = 8 or 16), so is
+        # q * d - c * d before fma's one rounding: dequantize's rounding, one op fewer
+        shift = _splat(builder, builder.fmul(_half(builder, blk, 0), ir.Constant(F32, -centre(fmt))), V8F)
+    out = []
+    for j in range(4):
+        part = builder.shuffle_vector(q, q, _vec(ir.VectorType(I32, 8), range(8 * j, 8 * j + 8)))
+        code = builder.sitofp(builder.sext(part, V8I) if fmt.bits == 8 else builder.zext(part, V8I), V8F)
+        if fmt.affine:  # two roundings, as dequantize's d * q + m
+            out.append(builder.fadd(builder.fmul(code, d), m))
+        elif centre(fmt):
+            out.append(_call(builder, "llvm.fma.v8f32", V8F, code, d, shift))
+        else:
+            out.append(builder.fmul(code, d))
+    return out
+
+
+def _array(context, builder, ty, value):
+    a = context.make_array(ty)(context, builder, value)
+    return a, cgutils.unpack_tuple(builder, a.shape, ty.ndim), cgutils.unpack_tuple(builder, a.strides, ty.ndim)
+
+
+def _by_format(builder, code, body):
+    """Emit ``body(fmt)`` once per format, each behind ``code == its number``."""
+    for number, dtype in FORMATS.items():
+        with builder.if_then(builder.icmp_signed("==", code, _i(number))):
+            body(_LEGACY[dtype], dtype.block_bytes)
+
+
+def _hsum(builder, accs):
+    """Four <8 x float> summed in one fixed order: vectors pairwise, then lanes pairwise."""
+    v = builder.fadd(builder.fadd(accs[0], accs[1]), builder.fadd(accs[2], accs[3]))
+    lanes = [builder.extract_element(v, _i(i, I32)) for i in range(8)]
+    while len(lanes) > 1:
+        lanes = [builder.fadd(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
+    return lanes[0]
+
+
+def f32_rows(rows: int):
+    """``f32_rows(w, x, out, n, m, nb, fmt)``: ``out[m + r, n] = x[m + r] . W[n]`` for r < rows."""
+
+    @intrinsic
+    def run(typingctx, w, x, out, n, m, nb, fmt):
+        def codegen(context, builder, sig, args):
+            (wa, _, wst), (xa, (_, k), _), (oa, (_, ncols), _) = (
+                _array(context, builder, t, v) for t, v in zip(sig.args[:3], args[:3]))
+            n_, m_, nb_, code = args[3:]
+            row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
+            xs = [builder.bitcast(builder.gep(xa.data, [builder.mul(builder.add(m_, _i(r)), k)]), I8.as_pointer())
+                  for r in range(rows)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(4)]
+                    for _ in range(rows)]
+
+            def loop(fmt, bb):
+                with cgutils.for_range(builder, nb_) as blocks:
+                    b = blocks.index
+                    w = _values(builder, builder.gep(row, [builder.mul(b, _i(bb))]), fmt)
+                    at = builder.mul(b, _i(4 * QK))
+                    for r in range(rows):
+                        for j in range(4):
+                            xv = _load(builder, xs[r], builder.add(at, _i(32 * j)), V8F, 4)
+                            acc = builder.load(accs[r][j])
+                            builder.store(_call(builder, "llvm.fma.v8f32", V8F, w[j], xv, acc), accs[r][j])
+
+            _by_format(builder, code, loop)
+            for r in range(rows):
+                where = builder.add(builder.mul(builder.add(m_, _i(r)), ncols), n_)
+                builder.store(_hsum(builder, [builder.load(a) for a in accs[r]]), builder.gep(oa.data, [where]))
+            return context.get_dummy_value()
+
+        return types.void(w, x, out, n, m, nb, fmt), codegen
+
+    return run
+
+
+def _pair_sums(builder, a, b):
+    """<8 x i32> whose lanes 0-3 are the sums of a's lane pairs and 4-7 of b's."""
+    mask = ir.VectorType(I32, 8)
+    even = builder.shuffle_vector(a, b, _vec(mask, range(0, 16, 2)))
+    return builder.add(even, builder.shuffle_vector(a, b, _vec(mask, range(1, 16, 2))))
+
+
+def _row_sums(builder, quads):
+    """The lane sums of each <8 x i32> in ``quads`` (1, 2, 4 or 8 of them) as one <rows x i32>,
+    in order: pairwise folds that keep every row's partial sums together (exact: integers)."""
+    rows = len(quads)
+    while len(quads) > 1:
+        quads = [_pair_sums(builder, quads[i], quads[i + 1]) for i in range(0, len(quads), 2)]
+    v = quads[0]
+    for _ in range(3 - rows.bit_length() + 1):  # until one lane per row: log2(8 / rows) folds
+        v = _pair_sums(builder, v, v)
+    return builder.shuffle_vector(v, v, _vec(ir.VectorType(I32, rows), range(rows)))
+
+
+def q8_rows(rows: int):
+    """``q8_rows(w, xq, xd, xs, xsum, out, n, m, fmt)``: as :func:`f32_rows` on activations
+    quantized per block: codes ``xq`` int8 [M, K]; per block and row (transposed, so a tile's rows
+    are adjacent), scales ``xd`` and sums ``xs`` (Q8_1's ``s``) f32 [nb, M], code sums ``xsum``
+    int32 [nb, M].  The tile's integer sums are folded together and its f32 steps run as one
+    <rows x float> vector: each lane does exactly what a lone row does."""
+    vec_f, vec_i = ir.VectorType(F32, rows), ir.VectorType(I32, rows)
+
+    @intrinsic
+    def run(typingctx, w, xq, xd, xs, xsum, out, n, m, fmt):
+        def codegen(context, builder, sig, args):
+            arrays = [_array(context, builder, t, v) for t, v in zip(sig.args[:6], args[:6])]
+            (wa, _, wst), (qa, (_, k), _), (da, (nb, mt), _), (sa, _, _), (ca, _, _), (oa, (_, ncols), _) = arrays
+            n_, m_, code = args[6:]
+            row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
+            xrows = [builder.gep(qa.data, [builder.mul(builder.add(m_, _i(r)), k)]) for r in range(rows)]
+            acc = cgutils.alloca_once_value(builder, ir.Constant(vec_f, None))
+
+            def tile(ptr, at, ty):
+                return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=4)
+
+            def loop(fmt, bb):
+                with cgutils.for_range(builder, nb) as blocks:
+                    b = blocks.index
+                    blk = builder.gep(row, [builder.mul(b, _i(bb))])
+                    q = _codes(builder, blk, fmt)
+                    if fmt.bits == 8:  # |w| unsigned, x carrying w's sign: pmaddubsw's operands
+                        negative = builder.icmp_signed("<", q, ir.Constant(V32B, None))
+                        q = builder.select(negative, builder.neg(q), q)
+                    quads = []
+                    for r in range(rows):
+                        xv = _load(builder, xrows[r], builder.mul(b, _i(QK)), V32B)
+                        if fmt.bits == 8:
+                            xv = builder.select(negative, builder.neg(xv), xv)
+                        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, q, xv)
+                        quads.append(_call(builder, "llvm.x86.avx2.pmadd.wd", V8I, pairs, _vec(V16S, [1] * 16)))
+                    sumi = _row_sums(builder, quads)
+                    at = builder.add(builder.mul(b, mt), m_)
+                    if centre(fmt):
+                        shift = builder.mul(tile(ca.data, at, vec_i), _vec(vec_i, [centre(fmt)] * rows))
+                        sumi = builder.sub(sumi, shift)
+                    scale = builder.fmul(_splat(builder, _half(builder, blk, 0), vec_f), tile(da.data, at, vec_f))
+                    t = builder.fmul(builder.sitofp(sumi, vec_f), scale)
+                    if fmt.affine:
+                        low = _splat(builder, _half(builder, blk, 2), vec_f)
+                        t = builder.fadd(t, builder.fmul(low, tile(sa.data, at, vec_f)))
+                    builder.store(builder.fadd(builder.load(acc), t), acc)
+
+            _by_format(builder, code, loop)
+            total = builder.load(acc)
+            for r in range(rows):
+                where = builder.add(builder.mul(builder.add(m_, _i(r)), ncols), n_)
+                builder.store(builder.extract_element(total, _i(r, I32)), builder.gep(oa.data, [where]))
+            return context.get_dummy_value()
+
+        return types.void(w, xq, xd, xs, xsum, out, n, m, fmt), codegen
+
+    return run

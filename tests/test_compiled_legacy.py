@@ -1,0 +1,120 @@
+"""The legacy block kernels (``compiled/legacy.py``) beyond the shared harness: the q8_0 activation
+path against an independent numpy model of llama.cpp's formulas (bit for bit), its error against
+the f32 path within a bound derived from the quantization, batch invariance of that path, and Q5_1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+
+from dist_runtime.backends.compiled import linear, set_threads  # noqa: E402
+from dist_runtime.dtypes import DType  # noqa: E402
+from dist_runtime.kernels.quant import dequantize, quantize  # noqa: E402
+
+LEGACY = [DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1]
+F16_EPS = 2.0**-11  # relative rounding of an f16
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float32)
+
+
+def ggml_codes(w) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per block: integer codes as ggml's vec_dot sees them (q - 8 / q - 16 for Q4_0 / Q5_0, q for
+    Q4_1 / Q5_1, signed bytes for Q8_0) [N, nb, 32], d and m (0 without) [N, nb]."""
+    n, k = w.shape
+    blocks = w.data.reshape(n, k // 32, w.dtype.block_bytes)
+    affine = w.dtype in (DType.Q4_1, DType.Q5_1)
+    d, m = _f16(blocks[..., 0:2]), (_f16(blocks[..., 2:4]) if affine else np.zeros(blocks.shape[:2], np.float32))
+    head = 4 if affine else 2
+    if w.dtype == DType.Q8_0:
+        return blocks[..., 2:].view(np.int8).astype(np.int64), d, m
+    five = w.dtype in (DType.Q5_0, DType.Q5_1)
+    nib = blocks[..., head + 4 * five:].astype(np.int64)
+    q = np.concatenate([nib & 15, nib >> 4], axis=-1)
+    if five:
+        qh = blocks[..., head:head + 4].astype(np.int64) << np.array([0, 8, 16, 24])
+        q |= (qh.sum(axis=-1, keepdims=True) >> np.arange(32) & 1) << 4
+    return (q if affine else q - (16 if five else 8)), d, m
+
+
+def ggml_quantize_row_q8(x: np.ndarray):
+    """quantize_row_q8_1_ref (q8_0 is its codes and d): d = amax / 127 (f32), q = roundf(x / d)
+    through id = 1 / d, d stored as f16, s = f16(d * sum(q)) with the f32 d."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(axis=-1) / np.float32(127)
+    inv = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, 1, d)).astype(np.float32)
+    v = (blocks * inv[..., None]).astype(np.float64)  # the f32 product x * id, exact in f64
+    q = np.trunc(v + np.copysign(0.5, v)).astype(np.int64)  # C roundf: half away from zero
+    s = (q.sum(axis=-1).astype(np.float32) * d).astype(np.float16).astype(np.float32)
+    return q, d.astype(np.float16).astype(np.float32), s, d
+
+
+def ggml_vec_dot(x: np.ndarray, w) -> np.ndarray:
+    """ggml's ggml_vec_dot_*_q8_0 / _q8_1 (generic C): per block an integer sumi, then in f32, block
+    after block, sumf += sumi * (d_w * d_x) (+ m_w * s_x for Q4_1 / Q5_1)."""
+    qw, dw, mw = ggml_codes(w)
+    qx, dx, sx, _ = ggml_quantize_row_q8(x)
+    sumi = np.einsum("nbj,mbj->mnb", qw, qx)
+    acc = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    for b in range(qw.shape[1]):
+        t = sumi[:, :, b].astype(np.float32) * (dw[None, :, b] * dx[:, None, b])
+        if w.dtype in (DType.Q4_1, DType.Q5_1):
+            t = t + mw[None, :, b] * sx[:, None, b]
+        acc = acc + t
+    return acc
+
+
+def data(dtype: DType, m: int, n: int, k: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    w = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1 + 0.02, dtype)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block: d = 0
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
+def test_q8_activations_are_llama_cpp_bit_for_bit(dtype):
+    x, w = data(dtype, 7, 45, 512)
+    got = linear(x, w, activations="q8_0")
+    assert np.array_equal(got.view(np.uint32), ggml_vec_dot(x, w).view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
+def test_q8_activations_err_within_the_quantization_bound(dtype):
+    """|x - d16 * q| <= d / 2 + |d16 - d| * 127 <= (1/2 + 127 * 2^-11) d per element; Q8_1's s adds
+    one f16 rounding.  So |y_q8 - y_f32| <= sum over blocks of that times sum |w| (+ |m| |s| 2^-11),
+    plus the f32 sums' rounding."""
+    x, w = data(dtype, 5, 64, 1024, seed=1)
+    exact = linear(x, w)
+    err = np.abs(linear(x, w, activations="q8_0") - exact)
+    qw, dw, mw = ggml_codes(w)
+    _, _, sx, d = ggml_quantize_row_q8(x)
+    mag = np.abs(qw * dw[..., None]).sum(axis=-1) + 32 * np.abs(mw)  # [N, nb]: sum_j |d q_j| + 32 |m|
+    bound = (0.5 + 127 * F16_EPS) * d @ mag.T + F16_EPS * np.abs(sx) @ np.abs(mw).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(dequantize(w).astype(np.float64)).T
+    assert np.all(err <= bound + 1e-5 * scale.max())
+    assert 0 < np.median(err / scale) < 0.01  # really quantized, and close: ~0.02 % of sum |x w| here
+
+
+@pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
+def test_q8_activations_are_batch_invariant(dtype):
+    x, w = data(dtype, 70, 40, 256, seed=2)
+    alone = np.concatenate([linear(x[i:i + 1], w, activations="q8_0") for i in range(len(x))])
+    try:
+        for threads, start, m in [(1, 0, 70), (2, 0, 70), (2, 3, 5), (1, 9, 4), (2, 1, 33)]:
+            set_threads(threads)
+            got = linear(x[start:start + m], w, activations="q8_0")
+            assert np.array_equal(got.view(np.uint32), alone[start:start + m].view(np.uint32)), (threads, m)
+    finally:
+        set_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 3, 64), (6, 29, 320)])
+def test_q5_1_matches_dequantize_then_matmul(m, n, k):
+    x, w = data(DType.Q5_1, m, n, k, seed=3)
+    want = x.astype(np.float64) @ dequantize(w).astype(np.float64).T
+    assert np.max(np.abs(linear(x, w) - want)) <= 1e-5 * max(np.max(np.abs(want)), 1.0)
