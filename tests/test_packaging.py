@@ -7,6 +7,7 @@ top-level ``kernels`` would be overwritten by (or overwrite) another distributio
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -32,8 +33,13 @@ def _source_packages() -> set[str]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
+    # A copy of what the wheel is built from: setuptools builds in the source folder, and two test
+    # workers building in the same checkout at once would share its build/ folder.
+    src = out / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "tests", "benchmarks",
+                                                             "*.egg-info", "__pycache__", "out"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--no-index", "-w", str(out), str(ROOT)], check=True, capture_output=True, timeout=300)
+                    "--no-index", "-w", str(out), str(src)], check=True, capture_output=True, timeout=300)
     (path,) = out.glob("dist_runtime-*.whl")
     return zipfile.ZipFile(path)
 
