@@ -92,3 +92,4 @@ def linear(x: np.ndarray, w: Array, *, activations: str = "f32") -> np.ndarray:
     if x.shape[0] and n:
         KERNELS[dtype](x, data, out, activations == "q8_0")
     return out
+from . import floats  # noqa: E402,F401  (registers its kernels)

@@ -1,0 +1,121 @@
+"""The F32, F16 and BF16 kernels: ``x [M, K] @ W[N, K]^T`` read from the stored weight in place.
+
+The work is cut into tiles of ``rows`` rows of ``x`` by ``cols`` rows of ``W``: a tile loads each
+8-element piece of its weight rows once, widens it to f32 in registers (F16, BF16) and multiplies
+it into the ``rows x cols`` accumulators.  Threads take chunks of :data:`CHUNK` weight rows, and a
+chunk runs its rows of ``x`` :data:`ROWS` at a time while the weight rows stay in cache, so the
+weight comes from memory once per call whatever ``M``.
+
+Batch invariance: every output ``(m, n)`` is the same sequence of operations in every tile shape,
+thread and position: 8 lanes, lane ``j`` a chain of multiply-adds over ``k = j, j + 8, ...`` in
+order, the lanes summed pairwise (:func:`simd.hsum`), then the last ``K mod 8`` products in order.
+Tiles differ only in how many independent chains run side by side.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils, errors
+from numba.extending import intrinsic
+
+from ...dtypes import DType
+from . import cpu, kernel, simd
+
+#: Lanes of one multiply-add (8 f32 = one AVX2 register).
+LANES = 8
+#: Rows of ``x`` and of ``W`` per tile: 4 x 2 accumulators keep 8 chains in flight, enough to
+#: hide the multiply-add latency, and leave registers for the loaded pieces.
+ROWS, COLS = 4, 2
+#: Weight rows per thread task: enough for a few tiles, small enough to stay in L2 for all of ``x``.
+CHUNK = 16
+
+
+def _literal(ty, kind):
+    if not isinstance(ty, kind):
+        raise errors.RequireLiteralValue(ty)
+    return ty.literal_value
+
+
+@intrinsic
+def _tile(typingctx, fmt, path, x, w, out, m0, n0, n, k, rows, cols):
+    """``out[m0 + r, n0 + c] = x[m0 + r] . W[n0 + c]`` for ``r < rows``, ``c < cols`` (arrays flat)."""
+    spec = (_literal(fmt, types.StringLiteral), _literal(path, types.StringLiteral),
+            _literal(rows, types.IntegerLiteral), _literal(cols, types.IntegerLiteral))
+
+    def codegen(context, builder, sig, args):
+        fmt, path, rows, cols = spec
+        x, w, out = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args[2:5], args[2:5]))
+        m0, n0, n, k = args[5:9]
+        i64 = ir.IntType(64)
+
+        def at(ptr, row, col):
+            return builder.gep(ptr, [builder.add(builder.mul(row, k), col)])
+
+        xrows = [builder.add(m0, i64(r)) for r in range(rows)]
+        wrows = [builder.add(n0, i64(c)) for c in range(cols)]
+        zero = simd.splat(simd.F32, 0.0, LANES)
+        acc = [[cgutils.alloca_once_value(builder, zero) for _ in wrows] for _ in xrows]
+        whole = builder.and_(k, i64(-LANES))
+        with cgutils.for_range_slice(builder, i64(0), whole, i64(LANES)) as (i, _):
+            ws = [simd.load(builder, at(w, row, i), fmt, LANES, path) for row in wrows]
+            for r, row in enumerate(xrows):
+                xs = simd.load(builder, at(x, row, i), "f32", LANES, path)
+                for c, wv in enumerate(ws):
+                    builder.store(simd.fma(builder, wv, xs, builder.load(acc[r][c]), path), acc[r][c])
+        sums = [[cgutils.alloca_once_value(builder, simd.hsum(builder, builder.load(a))) for a in line]
+                for line in acc]
+        with cgutils.for_range_slice(builder, whole, k, i64(1)) as (i, _):
+            ws = [builder.extract_element(simd.load(builder, at(w, row, i), fmt, 1, path), i64(0))
+                  for row in wrows]
+            for r, row in enumerate(xrows):
+                xv = builder.load(at(x, row, i))
+                for c, wv in enumerate(ws):
+                    builder.store(simd.fma(builder, wv, xv, builder.load(sums[r][c]), path), sums[r][c])
+        for r, row in enumerate(xrows):
+            for c, col in enumerate(wrows):
+                builder.store(builder.load(sums[r][c]), builder.gep(out, [builder.add(builder.mul(row, n), col)]))
+        return context.get_dummy_value()
+
+    return types.void(fmt, path, x, w, out, m0, n0, n, k, rows, cols), codegen
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _linear(fmt, path, x, w, out, m, n, k):
+    numba.literally(fmt)
+    numba.literally(path)
+    for task in prange((n + CHUNK - 1) // CHUNK):
+        end = min(n, (task + 1) * CHUNK)
+        j = task * CHUNK
+        while j < end:
+            if j + COLS <= end:
+                i = 0
+                while i + ROWS <= m:
+                    _tile(fmt, path, x, w, out, i, j, n, k, ROWS, COLS)
+                    i += ROWS
+                while i < m:
+                    _tile(fmt, path, x, w, out, i, j, n, k, 1, COLS)
+                    i += 1
+                j += COLS
+            else:
+                i = 0
+                while i + ROWS <= m:
+                    _tile(fmt, path, x, w, out, i, j, n, k, ROWS, 1)
+                    i += ROWS
+                while i < m:
+                    _tile(fmt, path, x, w, out, i, j, n, k, 1, 1)
+                    i += 1
+                j += 1
+
+
+def _run(fmt: str, x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
+    m, n = out.shape
+    _linear(fmt, cpu.PATH, x.reshape(-1), w.reshape(-1), out.reshape(-1), m, n, x.shape[1])
+
+
+for _dtype, _fmt in ((DType.F32, "f32"), (DType.F16, "f16"), (DType.BF16, "bf16")):
+    kernel(_dtype)(functools.partial(_run, _fmt))
