@@ -20,7 +20,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
-from numba.core import cgutils, errors
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...dtypes import DType
@@ -35,59 +35,59 @@ ROWS, COLS = 4, 2
 CHUNK = 16
 
 
-def _literal(ty, kind):
-    if not isinstance(ty, kind):
-        raise errors.RequireLiteralValue(ty)
-    return ty.literal_value
+def _tile(rows: int, cols: int):
+    """The intrinsic ``tile(spec, x, w, out, m0, n0, n, k)``: ``out[m0 + r, n0 + c] = x[m0 + r] .
+    W[n0 + c]`` for ``r < rows``, ``c < cols`` (arrays flat, ``spec`` a :class:`simd.Static` of
+    (weight format, :data:`cpu.PATH`)).  One intrinsic per shape: numba keys an intrinsic's code
+    by its argument types, which a shape passed as an argument would not change."""
+    @intrinsic
+    def tile(typingctx, spec, x, w, out, m0, n0, n, k):
+        return types.void(spec, x, w, out, *[types.intp] * 4), functools.partial(_codegen, *spec.value, rows, cols)
+    return tile
 
 
-@intrinsic
-def _tile(typingctx, fmt, path, x, w, out, m0, n0, n, k, rows, cols):
-    """``out[m0 + r, n0 + c] = x[m0 + r] . W[n0 + c]`` for ``r < rows``, ``c < cols`` (arrays flat)."""
-    spec = (_literal(fmt, types.StringLiteral), _literal(path, types.StringLiteral),
-            _literal(rows, types.IntegerLiteral), _literal(cols, types.IntegerLiteral))
+def _codegen(fmt, path, rows, cols, context, builder, sig, args):
+    """The IR of one tile (see :func:`_tile`)."""
+    x, w, out = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args[1:4], args[1:4]))
+    m0, n0, n, k = args[4:8]
+    i64 = ir.IntType(64)
 
-    def codegen(context, builder, sig, args):
-        fmt, path, rows, cols = spec
-        x, w, out = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args[2:5], args[2:5]))
-        m0, n0, n, k = args[5:9]
-        i64 = ir.IntType(64)
+    def at(ptr, row, col):
+        return builder.gep(ptr, [builder.add(builder.mul(row, k), col)])
 
-        def at(ptr, row, col):
-            return builder.gep(ptr, [builder.add(builder.mul(row, k), col)])
-
-        xrows = [builder.add(m0, i64(r)) for r in range(rows)]
-        wrows = [builder.add(n0, i64(c)) for c in range(cols)]
-        zero = simd.splat(simd.F32, 0.0, LANES)
-        acc = [[cgutils.alloca_once_value(builder, zero) for _ in wrows] for _ in xrows]
-        whole = builder.and_(k, i64(-LANES))
-        with cgutils.for_range_slice(builder, i64(0), whole, i64(LANES)) as (i, _):
-            ws = [simd.load(builder, at(w, row, i), fmt, LANES, path) for row in wrows]
-            for r, row in enumerate(xrows):
-                xs = simd.load(builder, at(x, row, i), "f32", LANES, path)
-                for c, wv in enumerate(ws):
-                    builder.store(simd.fma(builder, wv, xs, builder.load(acc[r][c]), path), acc[r][c])
-        sums = [[cgutils.alloca_once_value(builder, simd.hsum(builder, builder.load(a))) for a in line]
-                for line in acc]
-        with cgutils.for_range_slice(builder, whole, k, i64(1)) as (i, _):
-            ws = [builder.extract_element(simd.load(builder, at(w, row, i), fmt, 1, path), i64(0))
-                  for row in wrows]
-            for r, row in enumerate(xrows):
-                xv = builder.load(at(x, row, i))
-                for c, wv in enumerate(ws):
-                    builder.store(simd.fma(builder, wv, xv, builder.load(sums[r][c]), path), sums[r][c])
+    xrows = [builder.add(m0, i64(r)) for r in range(rows)]
+    wrows = [builder.add(n0, i64(c)) for c in range(cols)]
+    zero = simd.splat(simd.F32, 0.0, LANES)
+    acc = [[cgutils.alloca_once_value(builder, zero) for _ in wrows] for _ in xrows]
+    whole = builder.and_(k, i64(-LANES))
+    with cgutils.for_range_slice(builder, i64(0), whole, i64(LANES)) as (i, _):
+        ws = [simd.load(builder, at(w, row, i), fmt, LANES, path) for row in wrows]
         for r, row in enumerate(xrows):
-            for c, col in enumerate(wrows):
-                builder.store(builder.load(sums[r][c]), builder.gep(out, [builder.add(builder.mul(row, n), col)]))
-        return context.get_dummy_value()
+            xs = simd.load(builder, at(x, row, i), "f32", LANES, path)
+            for c, wv in enumerate(ws):
+                builder.store(simd.fma(builder, wv, xs, builder.load(acc[r][c]), path), acc[r][c])
+    sums = [[cgutils.alloca_once_value(builder, simd.hsum(builder, builder.load(a))) for a in line]
+            for line in acc]
+    with cgutils.for_range_slice(builder, whole, k, i64(1)) as (i, _):
+        ws = [builder.extract_element(simd.load(builder, at(w, row, i), fmt, 1, path), i64(0))
+              for row in wrows]
+        for r, row in enumerate(xrows):
+            xv = builder.load(at(x, row, i))
+            for c, wv in enumerate(ws):
+                builder.store(simd.fma(builder, wv, xv, builder.load(sums[r][c]), path), sums[r][c])
+    for r, row in enumerate(xrows):
+        for c, col in enumerate(wrows):
+            builder.store(builder.load(sums[r][c]), builder.gep(out, [builder.add(builder.mul(row, n), col)]))
+    return context.get_dummy_value()
 
-    return types.void(fmt, path, x, w, out, m0, n0, n, k, rows, cols), codegen
+
+#: A full tile, one row of ``x`` (the last ``M mod ROWS``), one weight row (the last of a chunk),
+#: one of each.
+_TILE, _ROW, _COLUMN, _ONE = _tile(ROWS, COLS), _tile(1, COLS), _tile(ROWS, 1), _tile(1, 1)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
-def _linear(fmt, path, x, w, out, m, n, k):
-    numba.literally(fmt)
-    numba.literally(path)
+def _linear(spec, x, w, out, m, n, k):
     for task in prange((n + CHUNK - 1) // CHUNK):
         end = min(n, (task + 1) * CHUNK)
         j = task * CHUNK
@@ -95,27 +95,27 @@ def _linear(fmt, path, x, w, out, m, n, k):
             if j + COLS <= end:
                 i = 0
                 while i + ROWS <= m:
-                    _tile(fmt, path, x, w, out, i, j, n, k, ROWS, COLS)
+                    _TILE(spec, x, w, out, i, j, n, k)
                     i += ROWS
                 while i < m:
-                    _tile(fmt, path, x, w, out, i, j, n, k, 1, COLS)
+                    _ROW(spec, x, w, out, i, j, n, k)
                     i += 1
                 j += COLS
             else:
                 i = 0
                 while i + ROWS <= m:
-                    _tile(fmt, path, x, w, out, i, j, n, k, ROWS, 1)
+                    _COLUMN(spec, x, w, out, i, j, n, k)
                     i += ROWS
                 while i < m:
-                    _tile(fmt, path, x, w, out, i, j, n, k, 1, 1)
+                    _ONE(spec, x, w, out, i, j, n, k)
                     i += 1
                 j += 1
 
 
-def _run(fmt: str, x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
+def _run(spec: simd.Static, x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
     m, n = out.shape
-    _linear(fmt, cpu.PATH, x.reshape(-1), w.reshape(-1), out.reshape(-1), m, n, x.shape[1])
+    _linear(spec, x.reshape(-1), w.reshape(-1), out.reshape(-1), m, n, x.shape[1])
 
 
 for _dtype, _fmt in ((DType.F32, "f32"), (DType.F16, "f16"), (DType.BF16, "bf16")):
-    kernel(_dtype)(functools.partial(_run, _fmt))
+    kernel(_dtype)(functools.partial(_run, simd.Static((_fmt, cpu.PATH))))

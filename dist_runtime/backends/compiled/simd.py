@@ -11,7 +11,9 @@ what keeps every kernel batch-invariant.
 from __future__ import annotations
 
 from llvmlite import ir
+from numba import types
 from numba.core import cgutils
+from numba.extending import NativeValue, models, register_model, typeof_impl, unbox
 
 F32 = ir.FloatType()
 I16 = ir.IntType(16)
@@ -80,3 +82,37 @@ def hsum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
         high = builder.shuffle_vector(v, v, ir.Constant(vector(I32, n), list(range(n, 2 * n))))
         v = builder.fadd(low, high)
     return builder.extract_element(v, ir.Constant(I32, 0))
+
+
+class Static:
+    """A compile-time constant passed as a kernel argument: its numba type carries ``value``, so a
+    jitted driver compiles (and caches) once per value, and an ``@intrinsic`` reads it as
+    ``ty.value`` while generating code.  Cheaper per call than ``numba.literally`` (measured here:
+    ~20 ms a call with two literal strings, the dispatcher resolving them again each time)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class StaticType(types.Type):
+    def __init__(self, value):
+        self.value = value
+        super().__init__(name=f"Static({value!r})")
+
+
+@register_model(StaticType)
+class _StaticModel(models.PrimitiveModel):
+    """One byte that nothing reads: the value lives in the type."""
+
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, ir.IntType(8))
+
+
+@typeof_impl.register(Static)
+def _typeof_static(val, c):
+    return StaticType(val.value)
+
+
+@unbox(StaticType)
+def _unbox_static(typ, obj, c):
+    return NativeValue(ir.Constant(ir.IntType(8), 0))
