@@ -8,21 +8,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("numba")
+numba = pytest.importorskip("numba")
 
-from dist_runtime.backends.compiled import cpu, floats, linear, simd  # noqa: E402
+from dist_runtime.backends.compiled import cpu, floats, linear, set_threads, simd  # noqa: E402
 from dist_runtime.dtypes import DType  # noqa: E402
 
 PATHS = ["portable", pytest.param("avx2", marks=pytest.mark.skipif(not cpu.AVX2, reason=cpu.REASON))]
 FORMATS = {"f32": np.float32, "f16": np.float16, "bf16": DType.BF16.numpy}
 
 
-def product(x: np.ndarray, w: np.ndarray, fmt: str, path: str) -> np.ndarray:
+def product(x: np.ndarray, w: np.ndarray, fmt: str, path: str, driver=floats._serial) -> np.ndarray:
     """``x @ w.T`` through the kernel of ``fmt`` on ``path`` (not only the one this CPU chose)."""
     x = np.ascontiguousarray(x, np.float32)
     stored = w if fmt == "f32" else w.view(np.uint16)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    floats._linear(simd.Static((fmt, path)), x.reshape(-1), np.ascontiguousarray(stored).reshape(-1),
+    driver(simd.Static((fmt, path)), x.reshape(-1), np.ascontiguousarray(stored).reshape(-1),
                    out.reshape(-1), x.shape[0], w.shape[0], x.shape[1])
     return out
 
@@ -66,6 +66,23 @@ def test_every_tile_shape_gives_a_row_the_same_bits(path):
     alone = np.concatenate([product(x[i:i + 1], w, "f32", path) for i in range(len(x))])
     for m in range(1, len(x) + 1):
         assert np.array_equal(product(x[:m], w, "f32", path).view(np.uint32), alone[:m].view(np.uint32)), m
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_threaded_driver_gives_the_serial_bits(threads):
+    """Small products run on the calling thread alone (``SERIAL_BYTES``), so the shared harness's
+    thread counts never reach the pool: compare the two drivers directly."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((5 * floats.CHUNK + 3, 100)).astype(np.float16)
+    try:
+        set_threads(threads)
+        for m in (1, 3, 8, 13):
+            x = rng.standard_normal((m, 100)).astype(np.float32)
+            serial = product(x, w, "f16", cpu.PATH)
+            assert np.array_equal(product(x, w, "f16", cpu.PATH, floats._threaded).view(np.uint32),
+                                  serial.view(np.uint32)), m
+    finally:
+        set_threads(numba.config.NUMBA_NUM_THREADS)
 
 
 def test_the_registered_kernels_take_the_cpus_path():

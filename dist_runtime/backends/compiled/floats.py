@@ -33,6 +33,10 @@ LANES = 8
 ROWS, COLS = 4, 2
 #: Weight rows per thread task: enough for a few tiles, small enough to stay in L2 for all of ``x``.
 CHUNK = 16
+#: Below this many weight bytes times rows, the calling thread works alone: waking the pool's
+#: workers cost 40-50 us a call here on a busy machine, more than a 125M model's 768 x 2048 f32
+#: product takes alone (same bits either way: threads never split a row's sum).
+SERIAL_BYTES = 8 << 20
 
 
 def _tile(rows: int, cols: int):
@@ -86,35 +90,48 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
 _TILE, _ROW, _COLUMN, _ONE = _tile(ROWS, COLS), _tile(1, COLS), _tile(ROWS, 1), _tile(1, 1)
 
 
+@numba.njit(nogil=True, cache=True)
+def _chunk(spec, x, w, out, m, n, k, task):
+    """Weight rows ``task * CHUNK`` up to the next chunk: whole tiles, then the odd row."""
+    end = min(n, (task + 1) * CHUNK)
+    j = task * CHUNK
+    while j < end:
+        if j + COLS <= end:
+            i = 0
+            while i + ROWS <= m:
+                _TILE(spec, x, w, out, i, j, n, k)
+                i += ROWS
+            while i < m:
+                _ROW(spec, x, w, out, i, j, n, k)
+                i += 1
+            j += COLS
+        else:
+            i = 0
+            while i + ROWS <= m:
+                _COLUMN(spec, x, w, out, i, j, n, k)
+                i += ROWS
+            while i < m:
+                _ONE(spec, x, w, out, i, j, n, k)
+                i += 1
+            j += 1
+
+
 @numba.njit(nogil=True, cache=True, parallel=True)
-def _linear(spec, x, w, out, m, n, k):
+def _threaded(spec, x, w, out, m, n, k):
     for task in prange((n + CHUNK - 1) // CHUNK):
-        end = min(n, (task + 1) * CHUNK)
-        j = task * CHUNK
-        while j < end:
-            if j + COLS <= end:
-                i = 0
-                while i + ROWS <= m:
-                    _TILE(spec, x, w, out, i, j, n, k)
-                    i += ROWS
-                while i < m:
-                    _ROW(spec, x, w, out, i, j, n, k)
-                    i += 1
-                j += COLS
-            else:
-                i = 0
-                while i + ROWS <= m:
-                    _COLUMN(spec, x, w, out, i, j, n, k)
-                    i += ROWS
-                while i < m:
-                    _ONE(spec, x, w, out, i, j, n, k)
-                    i += 1
-                j += 1
+        _chunk(spec, x, w, out, m, n, k, task)
+
+
+@numba.njit(nogil=True, cache=True)
+def _serial(spec, x, w, out, m, n, k):
+    for task in range((n + CHUNK - 1) // CHUNK):
+        _chunk(spec, x, w, out, m, n, k, task)
 
 
 def _run(spec: simd.Static, x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
     m, n = out.shape
-    _linear(spec, x.reshape(-1), w.reshape(-1), out.reshape(-1), m, n, x.shape[1])
+    run = _serial if w.nbytes * m < SERIAL_BYTES or numba.get_num_threads() == 1 else _threaded
+    run(spec, x.reshape(-1), w.reshape(-1), out.reshape(-1), m, n, x.shape[1])
 
 
 for _dtype, _fmt in ((DType.F32, "f32"), (DType.F16, "f16"), (DType.BF16, "bf16")):
