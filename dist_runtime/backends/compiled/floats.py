@@ -34,6 +34,8 @@ LANES = 8
 #: Rows of ``x`` and of ``W`` per tile: 4 x 2 accumulators keep 8 chains in flight, enough to
 #: hide the multiply-add latency, and leave registers for the loaded pieces.
 ROWS, COLS = 4, 2
+#: Weight rows per tile for a lone row of ``x`` (``M`` = 1, and the last ``M mod ROWS``): 4 chains.
+ROW_COLS = 4
 #: Weight rows per thread task.
 CHUNK = 16
 #: Elements of ``K`` per span when ``M`` > 2: the span of a chunk's weight rows (16 KB in f32)
@@ -105,7 +107,7 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
 
 #: A full tile, one row of ``x`` (the last ``M mod ROWS``), one weight row (the last of a chunk),
 #: one of each.
-_TILE, _ROW, _COLUMN, _ONE = _tile(ROWS, COLS), _tile(1, COLS), _tile(ROWS, 1), _tile(1, 1)
+_TILE, _ROW, _COLUMN, _ONE = _tile(ROWS, COLS), _tile(1, ROW_COLS), _tile(ROWS, 1), _tile(1, 1)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -133,9 +135,9 @@ def _chunk(spec, x, w, out, m, n, k, task):
             i += ROWS
         while i < m:
             j = lo
-            while j + COLS <= end:
+            while j + ROW_COLS <= end:
                 _ROW(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
-                j += COLS
+                j += ROW_COLS
             while j < end:
                 _ONE(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
                 j += 1
