@@ -18,13 +18,13 @@ dequantize-then-matmul within 1e-5 of the output's scale.  ``activations="q8_0"`
 integer dot products): faster, and what the GGUF tests compare with llama.cpp.
 
 Each element type's kernel lives in its family's module (``floats``, ``legacy``, ``kquants``) and
-registers itself in :data:`KERNELS` with :func:`kernel`.
+registers itself in :data:`KERNELS` with :func:`kernel` (both in ``registry``, which the family
+modules import: importing them from this package would make an import cycle).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 import numpy as np
 
@@ -37,23 +37,10 @@ import numba  # noqa: E402
 
 from ...dtypes import DType  # noqa: E402
 from ...tensor import Array, QuantizedArray  # noqa: E402
+from .registry import KERNELS, kernel  # noqa: E402,F401  (the kernel modules register through it)
 
 #: The activation modes of :func:`linear`.
 ACTIVATIONS = ("f32", "q8_0")
-
-#: element type -> ``kernel(x, w, out, q8)``: ``x`` f32 [M, K] C-contiguous, ``w`` the stored
-#: weight as a 2-D array (f32/u16 [N, K] for floats, u8 [N, K / block * block_bytes] for blocks),
-#: ``out`` f32 [M, N] to fill, ``q8`` True for Q8_0-quantized activations (ignored by floats).
-KERNELS: dict[DType, Callable] = {}
-
-
-def kernel(*dtypes: DType):
-    """Register the decorated function as the kernel of ``dtypes``."""
-    def register(fn):
-        for d in dtypes:
-            KERNELS[d] = fn
-        return fn
-    return register
 
 
 def set_threads(n: int) -> None:

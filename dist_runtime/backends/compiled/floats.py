@@ -27,7 +27,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...dtypes import DType
-from . import cpu, kernel, simd
+from . import cpu, simd
+from .registry import kernel
 
 #: Lanes of one multiply-add (8 f32 = one AVX2 register).
 LANES = 8
