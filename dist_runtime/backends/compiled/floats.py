@@ -35,8 +35,10 @@ LANES = 8
 #: Rows of ``x`` and of ``W`` per tile: 4 x 3 accumulators, the 3 loaded weight pieces and one
 #: piece of ``x`` fill AVX2's 16 registers (measured 12-15% faster than 4 x 2 at M = 4..64).
 ROWS, COLS = 4, 3
-#: Weight rows per tile for a lone row of ``x`` (``M`` = 1, and the last ``M mod ROWS``): 4 chains.
-ROW_COLS = 4
+#: Weight rows per tile for a lone row of ``x`` (``M`` = 1, and the last ``M mod ROWS``): 6 chains
+#: keep the F16 and BF16 conversions and the multiply-adds busy (8 was no faster at M = 1 and needs
+#: chunks of 24, which made M = 4 40% slower).
+ROW_COLS = 6
 #: Weight rows per thread task: a multiple of ``COLS`` and ``ROW_COLS``.
 CHUNK = 12
 #: Elements of ``K`` per span when ``M`` > 2: the span of a chunk's weight rows (12 KB in f32)
