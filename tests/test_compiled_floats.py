@@ -5,6 +5,10 @@ F16 and BF16 bit pattern, ``K`` not a multiple of the 8 lanes, and every tile sh
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -89,3 +93,16 @@ def test_the_registered_kernels_take_the_cpus_path():
     w = np.random.default_rng(6).standard_normal((3, 20)).astype(np.float16)
     x = np.ones((2, 20), np.float32)
     assert np.array_equal(linear(x, w), product(x, w, "f16", cpu.PATH))
+
+
+def test_the_workqueue_layer_holds_when_numba_was_imported_first():
+    """numba reads NUMBA_THREADING_LAYER once, at its own import: the package must still choose
+    workqueue when another module imported numba before it (and the threaded driver must run)."""
+    code = ("import numba, numpy as np\n"
+            "from dist_runtime.backends.compiled import cpu, floats, simd\n"
+            "x, w, out = np.ones(64, np.float32), np.ones(6400, np.float32), np.empty(100, np.float32)\n"
+            "floats._threaded(simd.Static(('f32', cpu.PATH)), x, w, out, 1, 100, 64)\n"
+            "print(numba.threading_layer(), out[0])\n")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.stdout.split() == ["workqueue", "64.0"], done.stderr

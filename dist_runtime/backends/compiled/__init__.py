@@ -35,6 +35,12 @@ os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
 import numba  # noqa: E402
 
+# numba reads the variable when first imported, which another module (backends/numba.py, a
+# script) may have done without it: then set the layer itself, which counts until the first
+# parallel launch.
+if numba.config.THREADING_LAYER == "default":
+    numba.config.THREADING_LAYER = "workqueue"
+
 from ...dtypes import DType  # noqa: E402
 from ...tensor import Array, QuantizedArray  # noqa: E402
 from .registry import KERNELS, kernel  # noqa: E402,F401  (the kernel modules register through it)
