@@ -34,12 +34,19 @@ os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
 import numba  # noqa: E402
 
+# numba reads the variable when first imported, which another module (backends/numba.py, a
+# script) may have done without it: then set the layer itself, which counts until the first
+# parallel launch.
+if numba.config.THREADING_LAYER == "default":
+    numba.config.THREADING_LAYER = "workqueue"
+
 from ...dtypes import DType  # noqa: E402
 from ...tensor import Array, QuantizedArray  # noqa: E402
 from .registry import KERNELS, kernel  # noqa: E402,F401  (the family modules register there)
 
 #: The activation modes of :func:`linear`.
 ACTIVATIONS = ("f32", "q8_0")
+
 
 def set_threads(n: int) -> None:
     """Threads the kernels split ``N`` over (the stage's CPU share; at most the cores numba saw)."""
@@ -79,4 +86,4 @@ def linear(x: np.ndarray, w: Array, *, activations: str = "f32") -> np.ndarray:
     return out
 
 
-from . import kquants, legacy  # noqa: E402,F401  (each registers its kernels)
+from . import floats, kquants, legacy  # noqa: E402,F401  (each registers its kernels)

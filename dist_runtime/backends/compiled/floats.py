@@ -1,0 +1,172 @@
+"""The F32, F16 and BF16 kernels: ``x [M, K] @ W[N, K]^T`` read from the stored weight in place.
+
+The work is cut into tiles of ``rows`` rows of ``x`` by ``cols`` rows of ``W``: a tile loads each
+8-element piece of its weight rows once, widens it to f32 in registers (F16, BF16) and multiplies
+it into the ``rows x cols`` vector accumulators.  Threads take chunks of :data:`CHUNK` weight rows;
+a chunk walks ``K`` in spans of :data:`SPAN` and, within a span, takes :data:`ROWS` rows of ``x``
+at a time against all its weight rows, so the span of its weight rows stays in L1 while every row of
+``x`` uses it: the weight comes from memory once per call whatever ``M``, and each row of ``x`` from
+L2 once per chunk.  Between spans the accumulators wait in a scratch array.
+
+Batch invariance: every output ``(m, n)`` is the same sequence of operations in every tile shape,
+span, thread and position: 8 lanes, lane ``j`` a chain of multiply-adds over ``k = j, j + 8, ...``
+in order (stored and reloaded exactly between spans), the lanes summed pairwise
+(:func:`simd.hsum`), then the last ``K mod 8`` products in order.  Tiles differ only in how many
+independent chains run side by side.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ...dtypes import DType
+from . import cpu, simd
+from .registry import kernel
+
+#: Lanes of one multiply-add (8 f32 = one AVX2 register).
+LANES = 8
+#: Rows of ``x`` and of ``W`` per tile: 4 x 3 accumulators, the 3 loaded weight pieces and one
+#: piece of ``x`` fill AVX2's 16 registers (measured 12-15% faster than 4 x 2 at M = 4..64).
+ROWS, COLS = 4, 3
+#: Weight rows per tile for a lone row of ``x`` (``M`` = 1, and the last ``M mod ROWS``): 6 chains
+#: keep the F16 and BF16 conversions and the multiply-adds busy (8 was no faster at M = 1 and needs
+#: chunks of 24, which made M = 4 40% slower).
+ROW_COLS = 6
+#: Weight rows per thread task: a multiple of ``COLS`` and ``ROW_COLS``.
+CHUNK = 12
+#: Elements of ``K`` per span when ``M`` > 2: the span of a chunk's weight rows (12 KB in f32)
+#: and of a tile's rows of ``x`` (4 KB) stay in L1 while every row of ``x`` passes.
+SPAN = 256
+#: Below this many weight bytes times rows, the calling thread works alone: waking the pool's
+#: workers cost 40-50 us a call here on a busy machine, more than a 125M model's 768 x 2048 f32
+#: product takes alone (same bits either way: threads never split a row's sum).
+SERIAL_BYTES = 8 << 20
+
+
+def _tile(rows: int, cols: int):
+    """The intrinsic ``tile(spec, x, w, out, acc, m0, n0, lo, n, k, k0, k1)`` for the products of
+    rows ``m0 + r`` of ``x`` and ``n0 + c`` of ``W`` (``r < rows``, ``c < cols``; arrays flat,
+    ``spec`` a :class:`simd.Static` of (weight format, :data:`cpu.PATH`)): their lanes, kept in
+    ``acc[m, n - lo]`` (``[M, CHUNK, LANES]``), take ``k0 <= k < k1``; once ``k1`` is the last
+    multiple of 8, the lanes are summed, the ``K mod 8`` last products added and ``out`` written.
+    One intrinsic per shape: numba keys an intrinsic's code by its argument types, which a shape
+    passed as an argument would not change."""
+    @intrinsic
+    def tile(typingctx, spec, x, w, out, acc, m0, n0, lo, n, k, k0, k1):
+        return (types.void(spec, x, w, out, acc, *[types.intp] * 7),
+                functools.partial(_codegen, *spec.value, rows, cols))
+    return tile
+
+
+def _codegen(fmt, path, rows, cols, context, builder, sig, args):
+    """The IR of one tile (see :func:`_tile`)."""
+    x, w, out, acc = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args[1:5], args[1:5]))
+    m0, n0, lo, n, k, k0, k1 = args[5:12]
+    i64 = ir.IntType(64)
+
+    def at(ptr, row, col, stride=k):
+        return builder.gep(ptr, [builder.add(builder.mul(row, stride), col)])
+
+    xrows = [builder.add(m0, i64(r)) for r in range(rows)]
+    wrows = [builder.add(n0, i64(c)) for c in range(cols)]
+    vec = simd.vector(simd.F32, LANES).as_pointer()
+    slots = [[builder.bitcast(at(acc, row, builder.mul(builder.sub(col, lo), i64(LANES)), i64(CHUNK * LANES)), vec)
+              for col in wrows] for row in xrows]
+    lanes = [[cgutils.alloca_once_value(builder, builder.load(slot, align=4)) for slot in line] for line in slots]
+    with cgutils.for_range_slice(builder, k0, k1, i64(LANES)) as (i, _):
+        ws = [simd.load(builder, at(w, row, i), fmt, LANES, path) for row in wrows]
+        for r, row in enumerate(xrows):
+            xs = simd.load(builder, at(x, row, i), "f32", LANES, path)
+            for c, wv in enumerate(ws):
+                builder.store(simd.fma(builder, wv, xs, builder.load(lanes[r][c]), path), lanes[r][c])
+    whole = builder.and_(k, i64(-LANES))
+    with builder.if_else(builder.icmp_signed("==", k1, whole)) as (last, more):
+        with last:
+            sums = [[cgutils.alloca_once_value(builder, simd.hsum(builder, builder.load(a))) for a in line]
+                    for line in lanes]
+            with cgutils.for_range_slice(builder, whole, k, i64(1)) as (i, _):
+                ws = [builder.extract_element(simd.load(builder, at(w, row, i), fmt, 1, path), i64(0))
+                      for row in wrows]
+                for r, row in enumerate(xrows):
+                    xv = builder.load(at(x, row, i))
+                    for c, wv in enumerate(ws):
+                        builder.store(simd.fma(builder, wv, xv, builder.load(sums[r][c]), path), sums[r][c])
+            for r, row in enumerate(xrows):
+                for c, col in enumerate(wrows):
+                    builder.store(builder.load(sums[r][c]), at(out, row, col, n))
+        with more:
+            for r in range(rows):
+                for c in range(cols):
+                    builder.store(builder.load(lanes[r][c]), slots[r][c], align=4)
+    return context.get_dummy_value()
+
+
+#: A full tile, one row of ``x`` (the last ``M mod ROWS``), one weight row (the last of a chunk),
+#: one of each.
+_TILE, _ROW, _COLUMN, _ONE = _tile(ROWS, COLS), _tile(1, ROW_COLS), _tile(ROWS, 1), _tile(1, 1)
+
+
+@numba.njit(nogil=True, cache=True)
+def _chunk(spec, x, w, out, m, n, k, task):
+    """Weight rows ``task * CHUNK`` up to the next chunk, span by span (all of ``K`` at once for
+    one or two rows of ``x``, which have nothing to reuse); within a span, ``ROWS`` rows of ``x``
+    at a time against every weight row of the chunk."""
+    lo = task * CHUNK
+    end = min(n, lo + CHUNK)
+    whole = k // LANES * LANES
+    span = max(whole, LANES) if m <= 2 else SPAN
+    acc = np.zeros(m * CHUNK * LANES, np.float32)
+    k0 = 0
+    while True:  # at least once: K < 8 still has its products to finish
+        k1 = min(whole, k0 + span)
+        i = 0
+        while i + ROWS <= m:
+            j = lo
+            while j + COLS <= end:
+                _TILE(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                j += COLS
+            while j < end:
+                _COLUMN(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                j += 1
+            i += ROWS
+        while i < m:
+            j = lo
+            while j + ROW_COLS <= end:
+                _ROW(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                j += ROW_COLS
+            while j < end:
+                _ONE(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                j += 1
+            i += 1
+        if k1 == whole:
+            break
+        k0 = k1
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _threaded(spec, x, w, out, m, n, k):
+    for task in prange((n + CHUNK - 1) // CHUNK):
+        _chunk(spec, x, w, out, m, n, k, task)
+
+
+@numba.njit(nogil=True, cache=True)
+def _serial(spec, x, w, out, m, n, k):
+    for task in range((n + CHUNK - 1) // CHUNK):
+        _chunk(spec, x, w, out, m, n, k, task)
+
+
+def _run(spec: simd.Static, x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
+    m, n = out.shape
+    run = _serial if w.nbytes * m < SERIAL_BYTES or numba.get_num_threads() == 1 else _threaded
+    run(spec, x.reshape(-1), w.reshape(-1), out.reshape(-1), m, n, x.shape[1])
+
+
+for _dtype, _fmt in ((DType.F32, "f32"), (DType.F16, "f16"), (DType.BF16, "bf16")):
+    kernel(_dtype)(functools.partial(_run, simd.Static((_fmt, cpu.PATH))))

@@ -1,0 +1,121 @@
+"""LLVM vector IR for the kernels' ``@intrinsic`` code generators: loads that widen stored floats to
+``<lanes x float>``, multiply-add, and a horizontal sum in one fixed order.
+
+``path`` is :data:`cpu.PATH`.  On ``"avx2"`` a multiply-add is one ``llvm.fma`` (one rounding) and
+F16 widens with ``fpext`` (F16C's ``vcvtph2ps``); on ``"portable"`` a multiply-add is ``fmul`` then
+``fadd`` and F16 widens with integer operations, so the IR needs no FMA, no F16C and no runtime
+library call on any CPU.  Neither path sets fast-math flags: LLVM may not reorder a sum, which is
+what keeps every kernel batch-invariant.
+
+numba's on-disk cache checks only the file of the jitted function, not this one: after editing
+this module, delete the kernels' ``__pycache__/*.nbi`` / ``*.nbc`` or they keep the old IR.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import NativeValue, models, register_model, typeof_impl, unbox
+
+F32 = ir.FloatType()
+I16 = ir.IntType(16)
+I32 = ir.IntType(32)
+
+
+def vector(ty: ir.Type, lanes: int) -> ir.VectorType:
+    return ir.VectorType(ty, lanes)
+
+
+def splat(ty: ir.Type, value, lanes: int) -> ir.Constant:
+    return ir.Constant(vector(ty, lanes), [value] * lanes)
+
+
+def load(builder: ir.IRBuilder, ptr: ir.Value, fmt: str, lanes: int, path: str) -> ir.Value:
+    """``lanes`` consecutive stored elements at ``ptr`` (f32 or u16 pointer) as ``<lanes x float>``."""
+    if fmt == "f32":
+        return builder.load(builder.bitcast(ptr, vector(F32, lanes).as_pointer()), align=4)
+    bits = builder.load(builder.bitcast(ptr, vector(I16, lanes).as_pointer()), align=2)
+    if fmt == "bf16":  # a bf16 is the high half of the f32 with the same bits
+        wide = builder.shl(builder.zext(bits, vector(I32, lanes)), splat(I32, 16, lanes))
+        return builder.bitcast(wide, vector(F32, lanes))
+    if path == "avx2":
+        return builder.fpext(builder.bitcast(bits, vector(ir.HalfType(), lanes)), vector(F32, lanes))
+    return _widen_f16(builder, bits, lanes)
+
+
+def _widen_f16(builder: ir.IRBuilder, bits: ir.Value, lanes: int) -> ir.Value:
+    """IEEE half -> float with integer operations, exact for every input (zeros, subnormals, inf,
+    NaN payloads): move exponent and mantissa into place, rebias the exponent, and renormalise
+    subnormals by one exact float subtraction."""
+    def c(v):
+        return splat(I32, v, lanes)
+
+    h = builder.zext(bits, vector(I32, lanes))
+    shifted = builder.shl(builder.and_(h, c(0x7FFF)), c(13))
+    exponent = builder.and_(shifted, c(0x7C00 << 13))
+    rebiased = builder.add(shifted, c((127 - 15) << 23))
+    special = builder.icmp_unsigned("==", exponent, c(0x7C00 << 13))  # inf / NaN: exponent all ones
+    rebiased = builder.select(special, builder.add(rebiased, c((128 - 16) << 23)), rebiased)
+    floats = vector(F32, lanes)
+    subnormal = builder.fsub(builder.bitcast(builder.add(rebiased, c(1 << 23)), floats),
+                             builder.bitcast(c(113 << 23), floats))
+    tiny = builder.icmp_unsigned("==", exponent, c(0))
+    magnitude = builder.select(tiny, builder.bitcast(subnormal, vector(I32, lanes)), rebiased)
+    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+    return builder.bitcast(builder.or_(magnitude, sign), floats)
+
+
+def fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value, path: str) -> ir.Value:
+    """``a * b + c`` on floats or float vectors (fused on ``"avx2"``)."""
+    if path != "avx2":
+        return builder.fadd(builder.fmul(a, b), c)
+    suffix = f"v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "f32"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3),
+                                        f"llvm.fma.{suffix}")
+    return builder.call(fn, [a, b, c])
+
+
+def hsum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """The lanes' sum, halves added pairwise (lane i + lane i + n/2) down to one: a fixed order."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        low = builder.shuffle_vector(v, v, ir.Constant(vector(I32, n), list(range(n))))
+        high = builder.shuffle_vector(v, v, ir.Constant(vector(I32, n), list(range(n, 2 * n))))
+        v = builder.fadd(low, high)
+    return builder.extract_element(v, ir.Constant(I32, 0))
+
+
+class Static:
+    """A compile-time constant passed as a kernel argument: its numba type carries ``value``, so a
+    jitted driver compiles (and caches) once per value, and an ``@intrinsic`` reads it as
+    ``ty.value`` while generating code.  Cheaper per call than ``numba.literally`` (measured here:
+    ~20 ms a call with two literal strings, the dispatcher resolving them again each time)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class StaticType(types.Type):
+    def __init__(self, value):
+        self.value = value
+        super().__init__(name=f"Static({value!r})")
+
+
+@register_model(StaticType)
+class _StaticModel(models.PrimitiveModel):
+    """One byte that nothing reads: the value lives in the type."""
+
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, ir.IntType(8))
+
+
+@typeof_impl.register(Static)
+def _typeof_static(val, c):
+    return StaticType(val.value)
+
+
+@unbox(StaticType)
+def _unbox_static(typ, obj, c):
+    return NativeValue(ir.Constant(ir.IntType(8), 0))

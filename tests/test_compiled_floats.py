@@ -1,0 +1,108 @@
+"""The F32 / F16 / BF16 compiled products (``backends/compiled/floats.py``) beyond the shared harness
+(tests/test_compiled_linear.py): both code paths in one run whatever the CPU, the widening of every
+F16 and BF16 bit pattern, ``K`` not a multiple of the 8 lanes, and every tile shape's rows equal.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+
+from dist_runtime.backends.compiled import cpu, floats, linear, set_threads, simd  # noqa: E402
+from dist_runtime.dtypes import DType  # noqa: E402
+
+PATHS = ["portable", pytest.param("avx2", marks=pytest.mark.skipif(not cpu.AVX2, reason=cpu.REASON))]
+FORMATS = {"f32": np.float32, "f16": np.float16, "bf16": DType.BF16.numpy}
+
+
+def product(x: np.ndarray, w: np.ndarray, fmt: str, path: str, driver=floats._serial) -> np.ndarray:
+    """``x @ w.T`` through the kernel of ``fmt`` on ``path`` (not only the one this CPU chose)."""
+    x = np.ascontiguousarray(x, np.float32)
+    stored = w if fmt == "f32" else w.view(np.uint16)
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    driver(simd.Static((fmt, path)), x.reshape(-1), np.ascontiguousarray(stored).reshape(-1),
+                   out.reshape(-1), x.shape[0], w.shape[0], x.shape[1])
+    return out
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+@pytest.mark.parametrize("k", [8, 1])  # the 8-lane loop, and the one-element tail
+def test_every_stored_bit_pattern_widens_exactly(fmt, path, k):
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = bits.view(FORMATS[fmt]).astype(np.float32)
+    w = np.zeros((bits.size, k), np.uint16)
+    w[:, 0] = bits
+    x = np.zeros((1, k), np.float32)
+    x[0, 0] = 1.0
+    got = product(x, w.view(FORMATS[fmt]), fmt, path)[0]
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan], want[~nan])  # -0 may come out +0: the lane sum adds zeros
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (2, 3, 7), (5, 17, 37), (9, 35, 263), (4, 2, 16)])
+def test_both_paths_match_float64_for_any_k(fmt, path, m, n, k):
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(FORMATS[fmt])
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    got = product(x, w, fmt, path)
+    assert np.max(np.abs(got - want)) <= 1e-5 * max(np.max(np.abs(want)), 1.0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_tile_shape_gives_a_row_the_same_bits(path):
+    """M = 1..9 and N across a chunk's edge run a row through all four tile shapes (rows of x by
+    weight rows: ROWS x COLS, 1 x ROW_COLS, ROWS x 1, 1 x 1): each must equal the row alone."""
+    rng = np.random.default_rng(5)
+    n = floats.CHUNK + floats.COLS + 1
+    x = rng.standard_normal((2 * floats.ROWS + 1, 45)).astype(np.float32)
+    w = rng.standard_normal((n, 45)).astype(np.float32)
+    alone = np.concatenate([product(x[i:i + 1], w, "f32", path) for i in range(len(x))])
+    for m in range(1, len(x) + 1):
+        assert np.array_equal(product(x[:m], w, "f32", path).view(np.uint32), alone[:m].view(np.uint32)), m
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_threaded_driver_gives_the_serial_bits(threads):
+    """Small products run on the calling thread alone (``SERIAL_BYTES``), so the shared harness's
+    thread counts never reach the pool: compare the two drivers directly."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((5 * floats.CHUNK + 3, 100)).astype(np.float16)
+    try:
+        set_threads(threads)
+        for m in (1, 3, 8, 13):
+            x = rng.standard_normal((m, 100)).astype(np.float32)
+            serial = product(x, w, "f16", cpu.PATH)
+            assert np.array_equal(product(x, w, "f16", cpu.PATH, floats._threaded).view(np.uint32),
+                                  serial.view(np.uint32)), m
+    finally:
+        set_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_the_registered_kernels_take_the_cpus_path():
+    w = np.random.default_rng(6).standard_normal((3, 20)).astype(np.float16)
+    x = np.ones((2, 20), np.float32)
+    assert np.array_equal(linear(x, w), product(x, w, "f16", cpu.PATH))
+
+
+def test_the_workqueue_layer_holds_when_numba_was_imported_first():
+    """numba reads NUMBA_THREADING_LAYER once, at its own import: the package must still choose
+    workqueue when another module imported numba before it (and the threaded driver must run)."""
+    code = ("import numba, numpy as np\n"
+            "from dist_runtime.backends.compiled import cpu, floats, simd\n"
+            "x, w, out = np.ones(64, np.float32), np.ones(6400, np.float32), np.empty(100, np.float32)\n"
+            "floats._threaded(simd.Static(('f32', cpu.PATH)), x, w, out, 1, 100, 64)\n"
+            "print(numba.threading_layer(), out[0])\n")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.stdout.split() == ["workqueue", "64.0"], done.stderr
