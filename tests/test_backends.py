@@ -283,7 +283,7 @@ def test_optional_backends_by_name_and_a_missing_package_is_named(monkeypatch, n
 
 def test_one_registry_every_name_is_made_or_names_what_is_missing():
     assert available_backends() == sorted(backends_module._REGISTRY)
-    assert available_backends() == ["cpu", "numba", "numpy-blas"]
+    assert available_backends() == ["cpu", "numba", "numba-q8", "numpy-blas"]
     for name in available_backends():
         try:
             made = make_backends([name])

@@ -64,8 +64,11 @@ def assert_agree(got, want, rtol=2e-6) -> None:
     (SdpaWindow(num_heads=2, kv_heads=1, head_dim=8, window=4), [spec(-1, 16), spec(-1, 8), spec(-1, 8)], True),
     (SdpaWindow(num_heads=2, kv_heads=1, head_dim=8, window=0), [spec(-1, 16), spec(-1, 8), spec(-1, 8)], False),
     (Matmul(), [spec(-1, 8), spec(4, 8)], True),
-    (Matmul(), [spec(-1, 8), spec(4, 8, dtype=DType.F16)], False),  # F16 weights: numpy-blas/CPU
-    (Matmul(), [spec(-1, 32), spec(4, 32, dtype=DType.Q8_0)], False),
+    (Matmul(), [spec(-1, 8), spec(4, 8, dtype=DType.F16)], True),  # any stored type: compiled products
+    (Matmul(), [spec(-1, 32), spec(4, 32, dtype=DType.Q8_0)], True),
+    (Matmul(), [spec(-1, 256), spec(4, 256, dtype=DType.Q4_K)], True),
+    (Matmul(), [spec(-1, 32, dtype=DType.F16), spec(4, 32, dtype=DType.Q8_0)], False),  # f16 activations
+    (Matmul(), [spec(-1, 256), spec(4, 256, dtype=DType.Q2_K)], False),  # no compiled Q2_K product
     (FusedSwiGlu(), [spec(-1, 8), spec(6, 8), spec(6, 8)], True),
     (FusedNormMatmul(), [spec(-1, 8), spec(8), spec(4, 8)], True),
 ])

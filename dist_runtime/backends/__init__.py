@@ -88,6 +88,7 @@ _REGISTRY: dict[str, Callable[[], Backend] | str] = {
     "cpu": "dist_runtime.backends.cpu",
     "numpy-blas": "dist_runtime.backends.blas",
     "numba": "dist_runtime.backends.numba",
+    "numba-q8": "dist_runtime.backends.numba",  # the same, activations quantized as llama.cpp does
 }
 
 
