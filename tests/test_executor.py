@@ -202,8 +202,11 @@ def test_plan_names_backend_and_reason():
     by_op: dict[str, set] = {}
     for p in plan:
         by_op.setdefault(p["op"], set()).add((p["backend"], p["reason"]))
-    for op in ("RmsNorm", "Matmul", "Rope", "Sdpa"):  # by default, numba first (when installed)
+    for op in ("RmsNorm", "Rope", "Sdpa"):  # by default, numba first (when installed)
         assert by_op[op] == {("numba", "default")}, op
+    (matmul,) = by_op["Matmul"]  # a product also says how it runs: the compiled path and its numerics
+    assert matmul[0] == "numba" and matmul[1].startswith("default; compiled F32 product (")
+    assert "f32 activations" in matmul[1] and "32 rows" in matmul[1]
     for op in ("TokenEmbed", "KvCache", "Sample"):
         assert by_op[op] == {("cpu", "default numba does not support it; fallback to cpu")}, op
     plan = executor(backends=["cpu"]).plan()
