@@ -29,7 +29,7 @@ SPECIAL_F16 = np.array([0x0001, 0x03FF, 0x0000, 0x8000, 0xA3D7, 0x7BFF, 0x1400],
 
 def on_path(x: np.ndarray, w: QuantizedArray, vec: bool) -> np.ndarray:
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    kquants._linear_k(np.ascontiguousarray(x, np.float32), w.data, out, KIND[w.dtype], vec)
+    kquants.linear_k(np.ascontiguousarray(x, np.float32), w.data, out, KIND[w.dtype], vec)
     return out
 
 
@@ -107,7 +107,7 @@ def test_q8_activations_are_llama_cpps_numerics(dtype, path):
     wf = gguf_quants.dequantize(w.data, GGMLQuantizationType[dtype.name]).reshape(29, -1, 256).astype(np.float64)
     want = np.einsum("mbk,nbk,mb->mn", codes.astype(np.float64), wf, d.astype(np.float64))
     out = np.empty((7, 29), np.float32)
-    kquants._linear_k_q8(x, w.data, out, KIND[dtype], PATHS[path])
+    kquants.linear_k(x, w.data, out, KIND[dtype], PATHS[path], q8=True)
     assert close(out, want)
     # |x - d q| <= |d| / 2 per element (rint), so |y_q8 - y| <= sum_b |d_b| / 2 * sum |w_b|.
     bound = np.einsum("mb,nb->mn", np.abs(d.astype(np.float64)) / 2, np.abs(wf).sum(-1))
@@ -122,7 +122,7 @@ def test_q8_paths_agree_and_are_batch_invariant(dtype):
     alone = np.concatenate([linear(xs[i:i + 1], w, activations="q8_0") for i in range(37)])
     assert np.array_equal(linear(xs, w, activations="q8_0").view(np.uint32), alone.view(np.uint32))
     portable = np.empty_like(alone)
-    kquants._linear_k_q8(xs, w.data, portable, KIND[dtype], False)
+    kquants.linear_k(xs, w.data, portable, KIND[dtype], False, q8=True)
     assert np.array_equal(portable.view(np.uint32), alone.view(np.uint32))
 
 

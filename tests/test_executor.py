@@ -14,6 +14,7 @@ from dist_runtime.executor import GraphExecutor
 from dist_runtime.ir import Graph, Node, Relu, TensorSpec
 from dist_runtime.tensor import QuantizedArray
 from dist_runtime.kernels.quant import quantize
+from dist_runtime.backends.compiled import cpu as compiled_cpu
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48)
 
@@ -205,8 +206,12 @@ def test_plan_names_backend_and_reason():
     for op in ("RmsNorm", "Rope", "Sdpa"):  # by default, numba first (when installed)
         assert by_op[op] == {("numba", "default")}, op
     (matmul,) = by_op["Matmul"]  # a product also says how it runs: the compiled path and its numerics
-    assert matmul[0] == "numba" and matmul[1].startswith("default; compiled F32 product (")
-    assert "f32 activations" in matmul[1] and "32 rows" in matmul[1]
+    assert matmul == ("numba", "default; F32 product on BLAS (one session per pass: no batch invariance needed)")
+    from dist_runtime.backends.numba import NumbaBackend
+
+    plan = executor(backends=[NumbaBackend(invariant=True)]).plan()
+    assert {p["reason"] for p in plan if p["op"] == "Matmul"} == {
+        f"default; compiled F32 product ({compiled_cpu.REASON}), f32 activations"}
     for op in ("TokenEmbed", "KvCache", "Sample"):
         assert by_op[op] == {("cpu", "default numba does not support it; fallback to cpu")}, op
     plan = executor(backends=["cpu"]).plan()

@@ -23,15 +23,12 @@ import numpy as np
 
 from ...dtypes import DType
 from . import cpu
-from .registry import kernel
+from .registry import CHUNKS, Drivers, kernel, run
 from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2, q6_k_q8
 
 QK_K = 256
 #: Lanes per row of ``x``: one ``<8 x float>``.
 LANES = 8
-#: Output rows per work item: enough items to balance two threads, few enough to keep each one's
-#: scratch allocation negligible.
-ROWS = 16
 #: ``2 ** (e - 25)`` for an f16 exponent field ``e`` (1 for subnormals: ``mant * 2 ** -24``).
 _POW2 = np.ldexp(np.float32(1), np.maximum(np.arange(32), 1) - 25).astype(np.float32)
 
@@ -198,83 +195,104 @@ def _k_q8_portable(w, at, kind, q8, q8at, sums, sat, codes, sc, mn):
     return isum, imin, _f16(w[at], w[at + 1]), _f16(w[at + 2], w[at + 3])
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
-def _linear_k(x, w, out, kind, vec):
-    """``out = x @ W^T`` for ``kind`` 4, 5 or 6 (Q4_K, Q5_K, Q6_K); ``vec``: the AVX2 path."""
+@numba.njit(nogil=True, cache=True)
+def _k_rows(x, w, out, kind, vec, xsum, lo, hi):
+    """Weight rows ``lo..hi`` of ``out = x @ W^T`` for ``kind`` 4, 5 or 6 (Q4_K, Q5_K, Q6_K);
+    ``vec``: the AVX2 path; ``xsum``: the sums of ``x`` per 32-element sub-block."""
     m_rows, k = x.shape
     n = w.shape[0]
     blocks = k // QK_K
     size = w.shape[1] // blocks
     nsub = k // 32
     xf = x.reshape(-1)
-    xsum = _x_sums(x, nsub)
     n32 = np.int64(32) + np.int64(0) * n  # a run-time 32: a constant trip count is unrolled, not vectorised
-    for c in numba.prange((n + ROWS - 1) // ROWS):
-        ds = np.empty(16 * blocks, np.float32)
-        dm = np.empty(8 * blocks, np.float32)
-        codes = np.empty(QK_K, np.float32)
-        acc = np.empty(m_rows * LANES, np.float32)
-        for r in range(c * ROWS, min(n, (c + 1) * ROWS)):
-            row = w[r]
-            if not vec:
-                _row_scales(row, kind, size, ds, dm)
-                acc[:] = 0.0
-                for b in range(blocks):
-                    _codes_portable(row, b * size, kind, codes, n32)
-                    _block_portable(codes, ds, 16 if kind == 6 else 32, dm, xf, b * QK_K, k, xsum, b * 8, nsub,
-                                    acc, m_rows, kind != 6)
-            elif kind == 4:
-                q4_k_avx2(row, size, blocks, ds, dm, xf, k, xsum, nsub, acc, m_rows)
-            elif kind == 5:
-                q5_k_avx2(row, size, blocks, ds, dm, xf, k, xsum, nsub, acc, m_rows)
-            else:
-                q6_k_avx2(row, size, blocks, ds, dm, xf, k, xsum, nsub, acc, m_rows)
-            for m in range(m_rows):
-                out[m, r] = _lanes_sum(acc, LANES * m)
+    ds = np.empty(16 * blocks, np.float32)
+    dm = np.empty(8 * blocks, np.float32)
+    codes = np.empty(QK_K, np.float32)
+    acc = np.empty(m_rows * LANES, np.float32)
+    for r in range(lo, hi):
+        row = w[r]
+        if not vec:
+            _row_scales(row, kind, size, ds, dm)
+            acc[:] = 0.0
+            for b in range(blocks):
+                _codes_portable(row, b * size, kind, codes, n32)
+                _block_portable(codes, ds, 16 if kind == 6 else 32, dm, xf, b * QK_K, k, xsum, b * 8, nsub,
+                                acc, m_rows, kind != 6)
+        elif kind == 4:
+            q4_k_avx2(row, size, blocks, ds, dm, xf, k, xsum, nsub, acc, m_rows)
+        elif kind == 5:
+            q5_k_avx2(row, size, blocks, ds, dm, xf, k, xsum, nsub, acc, m_rows)
+        else:
+            q6_k_avx2(row, size, blocks, ds, dm, xf, k, xsum, nsub, acc, m_rows)
+        for m in range(m_rows):
+            out[m, r] = _lanes_sum(acc, LANES * m)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
-def _linear_k_q8(x, w, out, kind, vec):
-    """``out = x @ W^T`` with ``x`` quantized to Q8_K: per super-block, integer dot products
-    (exact), then ``acc += (dx * d) * isum - (dx * dmin) * imin`` in f32, block after block."""
+def _k_threaded(x, w, out, kind, vec, xsum):
+    n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
+    for c in numba.prange(chunks):
+        _k_rows(x, w, out, kind, vec, xsum, c * n // chunks, (c + 1) * n // chunks)
+
+
+@numba.njit(nogil=True, cache=True)
+def _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, lo, hi):
+    """Weight rows ``lo..hi`` with ``x`` quantized to Q8_K (``q8``, ``dx``, ``sums``): per
+    super-block, integer dot products (exact), then ``acc += (dx * d) * isum - (dx * dmin) * imin``
+    in f32, block after block."""
     m_rows, k = x.shape
-    n = w.shape[0]
     blocks = k // QK_K
     size = w.shape[1] // blocks
-    q8, dx, sums32, sums16 = _quantize_q8_k(x)
-    sums = sums16 if kind == 6 else sums32
     per_block = 16 if kind == 6 else 8
-    for c in numba.prange((n + ROWS - 1) // ROWS):
-        codes = np.empty(QK_K, np.float32)
-        sc = np.empty(8, np.int32)
-        mn = np.empty(8, np.int32)
-        for r in range(c * ROWS, min(n, (c + 1) * ROWS)):
-            row = w[r]
-            for m in range(m_rows):
-                acc = np.float32(0.0)
-                for b in range(blocks):
-                    at, q8at, sat = b * size, m * k + b * QK_K, (m * blocks + b) * per_block
-                    if not vec:
-                        isum, imin, d, dmin = _k_q8_portable(row, at, kind, q8, q8at, sums, sat, codes, sc, mn)
-                    elif kind == 4:
-                        isum, imin, d, dmin = q4_k_q8(row, at, q8, q8at, sums, sat)
-                    elif kind == 5:
-                        isum, imin, d, dmin = q5_k_q8(row, at, q8, q8at, sums, sat)
-                    else:
-                        isum, imin, d, dmin = q6_k_q8(row, at, q8, q8at, sums, sat)
-                    scale = dx[m * blocks + b]
-                    acc += (scale * d) * np.float32(isum) - (scale * dmin) * np.float32(imin)
-                out[m, r] = acc
+    codes = np.empty(QK_K, np.float32)
+    sc = np.empty(8, np.int32)
+    mn = np.empty(8, np.int32)
+    for r in range(lo, hi):
+        row = w[r]
+        for m in range(m_rows):
+            acc = np.float32(0.0)
+            for b in range(blocks):
+                at, q8at, sat = b * size, m * k + b * QK_K, (m * blocks + b) * per_block
+                if not vec:
+                    isum, imin, d, dmin = _k_q8_portable(row, at, kind, q8, q8at, sums, sat, codes, sc, mn)
+                elif kind == 4:
+                    isum, imin, d, dmin = q4_k_q8(row, at, q8, q8at, sums, sat)
+                elif kind == 5:
+                    isum, imin, d, dmin = q5_k_q8(row, at, q8, q8at, sums, sat)
+                else:
+                    isum, imin, d, dmin = q6_k_q8(row, at, q8, q8at, sums, sat)
+                scale = dx[m * blocks + b]
+                acc += (scale * d) * np.float32(isum) - (scale * dmin) * np.float32(imin)
+            out[m, r] = acc
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _k_q8_threaded(x, w, out, kind, vec, q8, dx, sums):
+    n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
+    for c in numba.prange(chunks):
+        _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, c * n // chunks, (c + 1) * n // chunks)
+
+
+_F32, _Q8 = Drivers(_k_rows, _k_threaded), Drivers(_k_q8_rows, _k_q8_threaded)
+
+
+def linear_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, kind: int, vec: bool, q8: bool = False) -> None:
+    """``out = x @ W^T`` for ``kind`` 4, 5 or 6 (Q4_K, Q5_K, Q6_K), on the AVX2 path (``vec``) or
+    the portable one, with f32 or (``q8``) Q8_K activations."""
+    if q8:
+        q, dx, sums32, sums16 = _quantize_q8_k(x)
+        args = (x, w, out, kind, vec, q, dx, sums16 if kind == 6 else sums32)
+    else:
+        args = (x, w, out, kind, vec, _x_sums(x, x.shape[1] // 32))
+    run(_Q8 if q8 else _F32, w.nbytes * x.shape[0], args, w.shape[0])
 
 
 def _register(dtype: DType, kind: int) -> None:
     @kernel(dtype)
-    def linear_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
+    def product(x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
         """A K-quant kernel (see the module docstring)."""
-        if q8:
-            _linear_k_q8(x, w, out, kind, cpu.AVX2)
-        else:
-            _linear_k(x, w, out, kind, cpu.AVX2)
+        linear_k(x, w, out, kind, cpu.AVX2, q8)
 
 
 for _dtype, _kind in ((DType.Q4_K, 4), (DType.Q5_K, 5), (DType.Q6_K, 6)):

@@ -30,7 +30,7 @@ import numpy as np
 from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
 from . import cpu
-from .registry import kernel
+from .registry import CHUNKS, Drivers, kernel, run
 from .simd_int8 import FORMATS, centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
@@ -78,60 +78,56 @@ def _lanes_sum(a):
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
-def _f32_portable(x, w, out, fmt, qk):
-    m_rows, nb, n_rows = x.shape[0], x.shape[1] // qk, w.shape[0]
+@numba.njit(nogil=True, cache=True)
+def _f32_portable(x, w, out, fmt, qk, lo, hi):
+    m_rows, nb = x.shape[0], x.shape[1] // qk
     step, shift, affine = _SPEC[fmt, 4], np.float32(_SPEC[fmt, 1]), _SPEC[fmt, 3]
-    chunks = min(n_rows, 64)
-    for c in numba.prange(chunks):
-        q, v, acc = np.empty(qk, np.int32), np.empty(qk, np.float32), np.empty((m_rows, 8), np.float32)
-        for n in range(c * n_rows // chunks, (c + 1) * n_rows // chunks):
-            row = w[n]
-            acc[:] = 0
-            for b in range(nb):
-                at = b * step
-                _codes(row, at, fmt, qk, q)
-                d = _f16(row[at], row[at + 1])
-                low = _f16(row[at + 2], row[at + 3]) if affine else np.float32(0)
-                for j in range(qk):
-                    v[j] = (np.float32(q[j]) - shift) * d
-                    if affine:
-                        v[j] += low
-                for m in range(m_rows):
-                    lanes, xb = acc[m], x[m, b * qk:(b + 1) * qk]
-                    for j in range(0, qk, 8):
-                        for lane in range(8):
-                            lanes[lane] += v[j + lane] * xb[j + lane]
+    q, v, acc = np.empty(qk, np.int32), np.empty(qk, np.float32), np.empty((m_rows, 8), np.float32)
+    for n in range(lo, hi):
+        row = w[n]
+        acc[:] = 0
+        for b in range(nb):
+            at = b * step
+            _codes(row, at, fmt, qk, q)
+            d = _f16(row[at], row[at + 1])
+            low = _f16(row[at + 2], row[at + 3]) if affine else np.float32(0)
+            for j in range(qk):
+                v[j] = (np.float32(q[j]) - shift) * d
+                if affine:
+                    v[j] += low
             for m in range(m_rows):
-                out[m, n] = _lanes_sum(acc[m])
+                lanes, xb = acc[m], x[m, b * qk:(b + 1) * qk]
+                for j in range(0, qk, 8):
+                    for lane in range(8):
+                        lanes[lane] += v[j + lane] * xb[j + lane]
+        for m in range(m_rows):
+            out[m, n] = _lanes_sum(acc[m])
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
-def _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk):
-    m_rows, nb, n_rows = xq.shape[0], xq.shape[1] // qk, w.shape[0]
+@numba.njit(nogil=True, cache=True)
+def _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, lo, hi):
+    m_rows, nb = xq.shape[0], xq.shape[1] // qk
     step, shift, affine = _SPEC[fmt, 4], np.int32(_SPEC[fmt, 1]), _SPEC[fmt, 3]
-    chunks = min(n_rows, 64)
-    for c in numba.prange(chunks):
-        q, acc = np.empty(qk, np.int32), np.empty(m_rows, np.float32)
-        for n in range(c * n_rows // chunks, (c + 1) * n_rows // chunks):
-            row = w[n]
-            acc[:] = 0
-            for b in range(nb):
-                at = b * step
-                _codes(row, at, fmt, qk, q)
-                dw = _f16(row[at], row[at + 1])
-                mw = _f16(row[at + 2], row[at + 3]) if affine else np.float32(0)
-                for m in range(m_rows):
-                    sumi, xb = np.int32(0), xq[m, b * qk:(b + 1) * qk]
-                    for j in range(qk):
-                        sumi += q[j] * np.int32(xb[j])
-                    sumi -= shift * xsum[b, m]
-                    t = np.float32(sumi) * (dw * xd[b, m])
-                    if affine:
-                        t += mw * xs[b, m]
-                    acc[m] += t
+    q, acc = np.empty(qk, np.int32), np.empty(m_rows, np.float32)
+    for n in range(lo, hi):
+        row = w[n]
+        acc[:] = 0
+        for b in range(nb):
+            at = b * step
+            _codes(row, at, fmt, qk, q)
+            dw = _f16(row[at], row[at + 1])
+            mw = _f16(row[at + 2], row[at + 3]) if affine else np.float32(0)
             for m in range(m_rows):
-                out[m, n] = acc[m]
+                sumi, xb = np.int32(0), xq[m, b * qk:(b + 1) * qk]
+                for j in range(qk):
+                    sumi += q[j] * np.int32(xb[j])
+                sumi -= shift * xsum[b, m]
+                t = np.float32(sumi) * (dw * xd[b, m])
+                if affine:
+                    t += mw * xs[b, m]
+                acc[m] += t
+        for m in range(m_rows):
+            out[m, n] = acc[m]
 
 
 if cpu.AVX2:
@@ -140,10 +136,10 @@ if cpu.AVX2:
     _F32_FOUR, _F32_ONE = f32_rows(4), f32_rows(1)
     _Q8_EIGHT, _Q8_FOUR, _Q8_ONE = q8_rows(8), q8_rows(4), q8_rows(1)
 
-    @numba.njit(nogil=True, cache=True, parallel=True)
-    def _f32_avx2(x, w, out, fmt, qk):
+    @numba.njit(nogil=True, cache=True)
+    def _f32_avx2(x, w, out, fmt, qk, lo, hi):
         m_rows, nb = x.shape[0], x.shape[1] // qk
-        for n in numba.prange(w.shape[0]):
+        for n in range(lo, hi):
             m = 0
             while m + 4 <= m_rows:
                 _F32_FOUR(w, x, out, n, m, nb, fmt)
@@ -152,10 +148,10 @@ if cpu.AVX2:
                 _F32_ONE(w, x, out, n, m, nb, fmt)
                 m += 1
 
-    @numba.njit(nogil=True, cache=True, parallel=True)
-    def _q8_avx2(xq, xd, xs, xsum, w, out, fmt, _qk):  # _qk: the portable signature
+    @numba.njit(nogil=True, cache=True)
+    def _q8_avx2(xq, xd, xs, xsum, w, out, fmt, _qk, lo, hi):  # _qk: the portable signature
         m_rows = xq.shape[0]
-        for n in numba.prange(w.shape[0]):
+        for n in range(lo, hi):
             m = 0
             while m + 8 <= m_rows:
                 _Q8_EIGHT(w, xq, xd, xs, xsum, out, n, m, fmt)
@@ -167,9 +163,33 @@ if cpu.AVX2:
                 _Q8_ONE(w, xq, xd, xs, xsum, out, n, m, fmt)
                 m += 1
 
-    _F32, _Q8 = _f32_avx2, _q8_avx2
+    @numba.njit(nogil=True, cache=True, parallel=True)
+    def _f32_avx2_threaded(x, w, out, fmt, qk):
+        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
+        for c in numba.prange(chunks):
+            _f32_avx2(x, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
+
+    @numba.njit(nogil=True, cache=True, parallel=True)
+    def _q8_avx2_threaded(xq, xd, xs, xsum, w, out, fmt, qk):
+        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
+        for c in numba.prange(chunks):
+            _q8_avx2(xq, xd, xs, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
+
+    _F32, _Q8 = Drivers(_f32_avx2, _f32_avx2_threaded), Drivers(_q8_avx2, _q8_avx2_threaded)
 else:
-    _F32, _Q8 = _f32_portable, _q8_portable
+    @numba.njit(nogil=True, cache=True, parallel=True)
+    def _f32_portable_threaded(x, w, out, fmt, qk):
+        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
+        for c in numba.prange(chunks):
+            _f32_portable(x, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
+
+    @numba.njit(nogil=True, cache=True, parallel=True)
+    def _q8_portable_threaded(xq, xd, xs, xsum, w, out, fmt, qk):
+        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
+        for c in numba.prange(chunks):
+            _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
+
+    _F32, _Q8 = Drivers(_f32_portable, _f32_portable_threaded), Drivers(_q8_portable, _q8_portable_threaded)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -221,10 +241,8 @@ def quantize_activations(x: np.ndarray):
 def _register(code: int, dtype: DType) -> None:
     @kernel(dtype)
     def product(x, w, out, q8):
-        if q8:
-            _Q8(*quantize_activations(x), w, out, code, QK)
-        else:
-            _F32(x, w, out, code, QK)
+        drivers, args = (_Q8, (*quantize_activations(x), w, out, code, QK)) if q8 else (_F32, (x, w, out, code, QK))
+        run(drivers, w.nbytes * x.shape[0], args, w.shape[0])
 
 
 for _code, _dtype in FORMATS.items():

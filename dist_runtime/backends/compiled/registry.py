@@ -3,7 +3,9 @@ register into it without importing the package back (tests/test_imports.py: no i
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
+
+import numba
 
 from ...dtypes import DType
 
@@ -20,3 +22,27 @@ def kernel(*dtypes: DType):
             KERNELS[d] = fn
         return fn
     return register
+
+
+#: Below this many weight bytes times rows a product runs on the calling thread: launching numba's
+#: pool costs 40-100 us a call here, longer than a 125M model's 768 x 768 Q8_0 product takes
+#: alone (13-36 us).  Same bits either way: threads never split a row's sum.
+SERIAL_BYTES = 8 << 20
+#: Chunks of weight rows a threaded product hands out (a multiple of any thread count here).
+CHUNKS = 64
+
+
+class Drivers(NamedTuple):
+    """A product's two compiled drivers: ``rows(*args, lo, hi)`` computes weight rows lo..hi on the
+    calling thread; ``threaded(*args)`` hands chunks of rows to numba's pool."""
+
+    rows: Callable
+    threaded: Callable
+
+
+def run(drivers: Drivers, work_bytes: int, args: tuple, n: int) -> None:
+    """One product, threaded only when it is large enough to pay for waking the pool."""
+    if work_bytes < SERIAL_BYTES or numba.get_num_threads() == 1:
+        drivers.rows(*args, 0, n)
+    else:
+        drivers.threaded(*args)
