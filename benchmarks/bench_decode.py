@@ -5,8 +5,12 @@ The model: hidden 768, 12 layers, 12 heads, 4 KV heads, FFN 2048, vocab 32000 (t
 issue's benchmark model), seeded random weights with Hugging Face names, so the very same tensors
 load into ``transformers.LlamaForCausalLM``.  Each engine: a 16-token prompt, then ``--tokens``
 greedy decode steps; the median step time over ``--repeat`` runs.  Ours runs as a user gets it
-(the default backends: numba's compiled small ops, then the CPU library), and once more on the CPU
-library alone, to show what the compiled ops are worth.  Also printed: the decode step
+(the default backends: numba's compiled small ops and products, then the CPU library), once more on
+the CPU library alone, to show what the compiled ops are worth, on Q8_0 weights (f32 and Q8_0
+activations, ``numba-q8``), and on a Q4_K_M GGUF made from the F32 one by llama.cpp's own quantizer
+(``llama_model_quantize``) and converted by our importer, next to llama.cpp on the same file.  The
+ratios to llama.cpp on the same weights are printed, and the time of a step of 8 rows (the
+products' M = 8) over a 1-row step.  Also printed: the decode step
 at context 1024 next to the step at context 32 (the KV cache must keep it flat), and the
 executor's per-token Python overhead (time per token minus the time spent inside kernels).
 
