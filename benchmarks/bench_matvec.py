@@ -28,15 +28,14 @@ import time
 
 import numpy as np
 
+import sys
+from pathlib import Path
+
 from dist_runtime.backends import compiled
 from dist_runtime.dtypes import DType
-from dist_runtime.kernels.quant import quantize
-from dist_runtime.tensor import QuantizedArray
 
-#: Where each K-quant block keeps its f16 scales (d, then dmin): there is no reference encoder for
-#: K-quants, so their weights are random codes with sane scales (the bytes streamed are the same).
-K_SCALES = {DType.Q4_K: (0, 2), DType.Q5_K: (0, 2), DType.Q6_K: (208,)}
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_compiled_linear import weight  # noqa: E402  (the tests' weights of every type, K-quants too)
 
 def blas_info() -> str:
     """Which BLAS numpy calls, and its threads: threadpoolctl if installed, else numpy's config."""
@@ -64,22 +63,6 @@ def median_seconds(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def stored(w: np.ndarray, dtype: DType, rng: np.random.Generator):
-    if dtype == DType.F32:
-        return w
-    if dtype in (DType.F16, DType.BF16):
-        return w.astype(dtype.numpy)
-    if dtype in K_SCALES:
-        n, k = w.shape
-        data = rng.integers(0, 256, (n, k // 256 * dtype.block_bytes), dtype=np.uint8)
-        blocks = data.reshape(n, -1, dtype.block_bytes)
-        for at in K_SCALES[dtype]:
-            scale = rng.uniform(0.002, 0.02, blocks.shape[:2]).astype(np.float16)
-            blocks[..., at:at + 2] = scale.view(np.uint8).reshape(*blocks.shape[:2], 2)
-        return QuantizedArray(data, dtype, (n, k))
-    return quantize(w, dtype)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=4096, help="rows of the weight (N)")
@@ -101,10 +84,10 @@ def main() -> None:
             print(f"warning: {var}={os.environ[var]} is set; it may slow OpenBLAS (see the docstring)")
 
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((args.n, args.k), dtype=np.float32)
+    w = weight(DType.F32, args.n, args.k)
     types = [d for d in (DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0,
                          DType.Q4_K, DType.Q5_K, DType.Q6_K) if d in compiled.KERNELS]
-    weights = {d: stored(w, d, rng) for d in types}
+    weights = {d: weight(d, args.n, args.k) for d in types}  # K-quants: random codes, sane scales
     ms = [int(v) for v in args.ms.split(",")]
     times: dict[tuple[str, int], float] = {}
     print(f"\nW [{args.n}, {args.k}], median of {args.runs} runs; GB/s of weight bytes (vs numpy f32 at the same M)\n")

@@ -45,6 +45,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (seconds, CPUs)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0")
+    return value
+
+
 def size(text: str) -> int:
     """argparse type: a byte size such as 8GiB or 512MB."""
     try:

@@ -32,7 +32,7 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        checks = [(self.temperature >= 0, "temperature must be >= 0"),
+        checks = [(0 <= self.temperature < float("inf"), "temperature must be a finite number >= 0"),
                   (self.top_k >= 0, "top_k must be >= 0"),
                   (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
                   (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),

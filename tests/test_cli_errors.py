@@ -55,6 +55,8 @@ NO_RAY = [
      "beyond what any machine holds"),
     ("convert into a directory", ["convert", str(FIXTURES / "llama"), "-o", "{dir}"], {}, 1, "is a directory"),
     ("example without layers", ["example", "-o", "{dir}/x.model", "--layers", "0"], {}, 2, "must be at least 1"),
+    ("negative deadline", ["pipeline", "{tiny}", "--stages", "2", "--connect-timeout", "-1"], {}, 2,
+     "must be a finite number above 0"),
 ]
 NEEDS_RAY = [
     ("more CPUs than a node has", ["pipeline", "{tiny}", "--stages", "2", "--cpus-per-stage", "4",

@@ -67,7 +67,8 @@ def test_options_as_people_give_them():
 
 
 @pytest.mark.parametrize("bad, words", [
-    (dict(temperature=-1), "temperature must be >= 0"), (dict(temperature=0, top_k=3), "contradicts top_k"),
+    (dict(temperature=-1), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"), (dict(temperature=0, top_k=3), "contradicts top_k"),
     (dict(temperature=1, top_p=0), "top_p must be in"), (dict(temperature=1, top_k=-1), "top_k must be"),
     (dict(temperature=1, min_p=2), "min_p must be in"), (dict(seed=-1), "seed must be"),
 ])

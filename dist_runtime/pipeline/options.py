@@ -30,7 +30,7 @@ class StageOptions:
 
 def add_deployment_options(p) -> None:
     """The options of a run split into stages (``generate --stages`` and ``pipeline`` share them)."""
-    from ..commands import positive_int
+    from ..commands import positive_float, positive_int
     from .channels import CHANNELS, DEFAULT_CHANNEL
     from .cluster import CONNECT_TIMEOUT
 
@@ -54,7 +54,7 @@ def add_deployment_options(p) -> None:
                       help="auto: map the file where it exists on a node, else send the stage's tensors "
                            "through the object store (default: auto)")
     plan.add_argument("--worker-path", metavar="PATH", help="where the workers find the model (default: MODEL, absolute)")
-    plan.add_argument("--cpus-per-stage", type=float, metavar="N", help="CPU reservation per stage (default: shared evenly)")
+    plan.add_argument("--cpus-per-stage", type=positive_float, metavar="N", help="CPU reservation per stage (default: shared evenly)")
     plan.add_argument("--threads-per-stage", type=positive_int, metavar="N",
                       help="BLAS threads per stage (default: its CPUs). With one session at a time the "
                            "stages take turns: give each the machine's cores (idle stages' threads then "
@@ -62,10 +62,10 @@ def add_deployment_options(p) -> None:
     plan.add_argument("--stage-resources", metavar="NAMES",
                       help="pin stage k to the node with resource NAME_k, e.g. node:10.0.0.11,node:10.0.0.12 "
                            "(Ray's per-node resource) or custom ones like stage0,stage1")
-    plan.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT, metavar="SECONDS",
+    plan.add_argument("--connect-timeout", type=positive_float, default=CONNECT_TIMEOUT, metavar="SECONDS",
                       help="longest wait to reach and join the cluster of --address / RAY_ADDRESS "
                            "(default: %(default)g)")
-    plan.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+    plan.add_argument("--timeout", type=positive_float, default=600.0, metavar="SECONDS",
                       help="longest wait for one step's reply before the run fails (default: 600; a dead "
                            "stage is noticed at once)")
     plan.add_argument("--timeline", metavar="FILE.svg", help="draw the per-stage timeline (who was busy when)")
