@@ -89,11 +89,6 @@ class CompiledChannel(Channel):
             for actor in self.actors:
                 node = actor.step.bind(node)
         self._dag = node.experimental_compile(_max_inflight_executions=max_inflight)
-        # The first execution sets the channels up (seconds, measured): pay it here, not in a
-        # session's time to first token.
-        from ..transport import encode_message
-
-        self.get(self.submit(encode_message({}, {"warmup": True})), timeout=120)
 
     def submit(self, message: bytes):
         return self._dag.execute(message)
@@ -174,12 +169,21 @@ class DirectChannel(Channel):
 
 
 def make_channel(kind: str, actors: list, max_inflight: int = 16) -> Channel:
+    """The channel, warmed: one empty frame has gone through every stage and back, so that what a
+    first use sets up (a compiled graph's channels: seconds; the links' threads and buffers, the
+    driver's decoding) is paid here, not in a session's time to first token."""
     if kind == "chain":
-        return ChainChannel(actors)
-    if kind == "direct":
-        return DirectChannel(actors)
-    if kind == "compiled":
-        return CompiledChannel(actors, max_inflight)
-    if kind == "driver":
-        return DriverChannel(actors)
-    raise ValueError(f"channel must be one of {', '.join(CHANNELS)}, got {kind!r}")
+        channel = ChainChannel(actors)
+    elif kind == "direct":
+        channel = DirectChannel(actors)
+    elif kind == "compiled":
+        channel = CompiledChannel(actors, max_inflight)
+    elif kind == "driver":
+        channel = DriverChannel(actors)
+    else:
+        raise ValueError(f"channel must be one of {', '.join(CHANNELS)}, got {kind!r}")
+    from ..transport import decode_message, encode_message
+
+    for _ in range(2):
+        decode_message(channel.get(channel.submit(encode_message({}, {"warmup": True})), timeout=120))
+    return channel
