@@ -351,6 +351,18 @@ class Coordinator:
         self._step += 1
         return self._step
 
+    def warm_up(self) -> None:
+        """One throwaway request end to end before the pipeline reports ready -- a prefill and a
+        decode step of a scratch session through the channel, sampled on the driver, then forgotten
+        on every stage -- so the first user's time to first token pays for none of it."""
+        if self.input_name is None or self.logits_name is None:
+            return  # a stateless graph: its stages warmed up on their own
+        sid = "warmup:pipeline"
+        state = SessionState(sid, Sampling(), Sampling().rng())
+        token = state.sampling.choose(self.forward(sid, [0, 0], reset=True, all_logits=False), state.rng)
+        self.forward(sid, [token], all_logits=False)
+        self.close_session(sid)
+
     def _check_generative(self) -> None:
         if self.input_name is None:
             raise DistRuntimeError(f"generation needs a graph with one token input, this one takes "

@@ -77,6 +77,7 @@ class Pipeline:
             self.channel = make_channel(channel, self.actors)
             self.coordinator = Coordinator(self.stages, self.actors, self.channel, timeout=timeout,
                                            repair=self.repair)
+            self.coordinator.warm_up()
         except BaseException:
             self.close()
             raise
