@@ -10,8 +10,9 @@ the data each (2-22 us a call):
 - Rope on ``[T, heads * head_dim]``, full or partial rotary;
 - Sdpa and SdpaWindow without a mask input, on ``[Tq, heads * head_dim]`` queries and
   ``[Tk, kv_heads * head_dim]`` keys and values: grouped-query, end-aligned, causal or not,
-  windowed.  Only small products run here (``small_attention``: a decode step over up to 2048
-  keys, or ``Tq * Tk <= 1024``); larger ones go to the CPU library, whose BLAS products win there
+  windowed, each key and value row read once for all the query heads of its group.  Only small
+  products run here (``small_attention``: a decode step over up to 2048 keys, or ``Tq * Tk <=
+  1024``); larger ones go to the CPU library, whose BLAS products win there
   (``benchmarks/bench_attention.py``).
 
 and the matmul family -- Matmul (the lm_head and tied embeddings included), FusedNormMatmul,
@@ -63,7 +64,9 @@ F32 = np.dtype(np.float32)
 
 #: Attention runs here while query rows x keys <= SMALL_ATTENTION, or for one query row (a decode
 #: step) over at most DECODE_KEYS keys; beyond, the CPU library's BLAS products, on every core,
-#: win (``benchmarks/bench_attention.py``: 1.3x faster here at 1 x 1024, 2.5x slower at 1 x 4096).
+#: win (``benchmarks/bench_attention.py``: 1.3x faster here at 1 x 1024, 2.5x slower at 1 x 4096;
+#: in a later session's run 0.76x at 1 x 1024 in isolation, yet moving decode steps of 512-2048
+#: keys to the CPU library left the 125M model's step at context 1024 unchanged, 23.1 ms).
 SMALL_ATTENTION = 1024
 DECODE_KEYS = 2048
 
@@ -118,52 +121,43 @@ def _rope_rows(x, cos, sin, head_dim, rope_dim, out):
 
 
 @_jit
-def _attend(q, k, v, lo, hi, kb, scale, out):
-    """One query row of one head: ``out = softmax(K @ q * scale) @ V`` over the key rows
-    ``[lo, hi)`` of ``k``, ``v`` and their columns ``[kb, kb + len(q))`` (that head's kv head).
+def _attend_group(q, k, v, lo, hi, kb, head_dim, scale, scores, acc, out):
+    """The query rows ``q [G, head_dim]`` of the ``G`` heads sharing one kv head: ``out[h] =
+    softmax(K @ q[h] * scale) @ V`` over key rows ``[lo, hi)`` and columns ``[kb, kb + head_dim)``.
 
-    Keys go four at a time: one pass over ``q`` (or the accumulator) serves four rows, which
-    measured 1.3x faster at 1024 keys than one row at a time.
+    Each key and value row is read once for all ``G`` heads (grouped-query attention's saving:
+    the K/V bytes of a decode step, not ``G`` times them); ``scores [G, >= hi - lo]`` and
+    ``acc [G, head_dim]`` are scratch.  Per head the arithmetic is one fixed sequence whatever
+    the other heads or rows: a row's result is the same alone or in a batch.
     """
-    head_dim, n = q.shape[0], hi - lo
-    scores = np.empty(n, np.float32)
-    for t in range(0, n - n % 4, 4):
-        k0, k1 = k[lo + t, kb:kb + head_dim], k[lo + t + 1, kb:kb + head_dim]
-        k2, k3 = k[lo + t + 2, kb:kb + head_dim], k[lo + t + 3, kb:kb + head_dim]
-        d0 = d1 = d2 = d3 = np.float32(0.0)
-        for i in range(head_dim):
-            d0 += q[i] * k0[i]
-            d1 += q[i] * k1[i]
-            d2 += q[i] * k2[i]
-            d3 += q[i] * k3[i]
-        scores[t], scores[t + 1], scores[t + 2], scores[t + 3] = d0, d1, d2, d3
-    for t in range(n - n % 4, n):
+    groups, n = q.shape[0], hi - lo
+    for t in range(n):
         kt = k[lo + t, kb:kb + head_dim]
-        d = np.float32(0.0)
-        for i in range(head_dim):
-            d += q[i] * kt[i]
-        scores[t] = d
-    m = np.float32(-np.inf)
+        for h in range(groups):
+            qh = q[h]
+            d = np.float32(0.0)
+            for i in range(head_dim):
+                d += qh[i] * kt[i]
+            scores[h, t] = d * scale
+    for h in range(groups):
+        m = np.float32(-np.inf)
+        for t in range(n):
+            m = max(m, scores[h, t])
+        total = np.float32(0.0)
+        for t in range(n):
+            e = np.exp(scores[h, t] - m)
+            scores[h, t] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for t in range(n):
+            scores[h, t] *= inv
+    acc[:] = 0.0
     for t in range(n):
-        scores[t] *= scale
-        m = max(m, scores[t])
-    total = np.float32(0.0)
-    for t in range(n):
-        e = np.exp(scores[t] - m)
-        scores[t] = e
-        total += e
-    scores *= np.float32(1.0) / total
-    acc = np.zeros(head_dim, np.float32)
-    for t in range(0, n - n % 4, 4):
-        v0, v1 = v[lo + t, kb:kb + head_dim], v[lo + t + 1, kb:kb + head_dim]
-        v2, v3 = v[lo + t + 2, kb:kb + head_dim], v[lo + t + 3, kb:kb + head_dim]
-        p0, p1, p2, p3 = scores[t], scores[t + 1], scores[t + 2], scores[t + 3]
-        for i in range(head_dim):
-            acc[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i]
-    for t in range(n - n % 4, n):
         vt = v[lo + t, kb:kb + head_dim]
-        for i in range(head_dim):
-            acc[i] += scores[t] * vt[i]
+        for h in range(groups):
+            p, ah = scores[h, t], acc[h]
+            for i in range(head_dim):
+                ah[i] += p * vt[i]
     out[:] = acc
 
 
@@ -178,6 +172,8 @@ def _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
     tq, tk = q.shape[0], k.shape[0]
     groups = num_heads // kv_heads
     scale = np.float32(1.0 / math.sqrt(head_dim))
+    scores = np.empty((groups, tk), np.float32)
+    acc = np.empty((groups, head_dim), np.float32)
     for r in range(tq):
         at = r + tk - tq
         lo, hi = 0, tk
@@ -187,9 +183,10 @@ def _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
             lo = max(0, at - window + 1)
             if not causal:
                 hi = min(tk, at + window)
-        for h in range(num_heads):
-            qb, kb = h * head_dim, (h // groups) * head_dim
-            _attend(q[r, qb:qb + head_dim], k, v, lo, hi, kb, scale, out[r, qb:qb + head_dim])
+        qr, outr = q[r].reshape(num_heads, head_dim), out[r].reshape(num_heads, head_dim)
+        for g in range(kv_heads):
+            _attend_group(qr[g * groups:(g + 1) * groups], k, v, lo, hi, g * head_dim, head_dim, scale,
+                          scores, acc, outr[g * groups:(g + 1) * groups])
 
 
 @_jit
