@@ -86,13 +86,29 @@ def test_inspect_plan_lists_every_node_with_backend_and_reason(tmp_path, capsys)
     reasons = {(p["op"], p["backend"], p["reason"]) for p in plan}
     assert code == 0 and {("Sdpa", "numba", "default"),
                           ("KvCache", "cpu", "default numba does not support it; fallback to cpu")} <= reasons
-    from dist_runtime.backends.compiled import cpu
-
     assert ("Matmul", "numba", "default; F32 product on BLAS (one session per pass: no batch invariance needed)") \
         in reasons
-    assert cpu.PATH in ("avx2", "portable")
     code, out, _ = run(capsys, "inspect", str(path), "--plan", "--no-fuse", "--json", "--backends", "cpu")
     plan = json.loads(out)["plan"]
     assert code == 0 and all(p["backend"] == "cpu" and p["reason"] == "default" for p in plan)
     code, out, _ = run(capsys, "inspect", str(path), "--plan")
     assert code == 0 and "backend plan:" in out
+
+
+def test_inspect_plan_says_which_compiled_product_runs_a_quantized_weight_and_why(tmp_path, capsys):
+    """The CPU path (vector or portable) is chosen at import; the plan names it and its reason."""
+    pytest.importorskip("numba")
+    from dist_runtime.backends.compiled import cpu
+    from dist_runtime.dtypes import DType
+    from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
+    from dist_runtime.kernels.quant import quantize
+    from dist_runtime.model import save_model
+
+    cfg = LlamaConfig(vocab=64, hidden=64, layers=1, heads=4, kv_heads=2, ffn=128)
+    weights = {n: quantize(w, DType.Q8_0) if n.endswith("proj.weight") else w for n, w in llama_weights(cfg).items()}
+    save_model(tmp_path / "q8.model", llama_graph(cfg), weights, {}).close()
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "q8.model"), "--plan", "--no-fuse", "--json")
+    reasons = {p["reason"] for p in json.loads(out)["plan"] if p["op"] == "Matmul"}
+    assert code == 0
+    assert f"default; compiled Q8_0 product ({cpu.REASON}), f32 activations" in reasons
+    assert "default; F32 product on BLAS (one session per pass: no batch invariance needed)" in reasons  # lm_head

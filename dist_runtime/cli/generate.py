@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 
@@ -257,8 +258,6 @@ def _check_before_ray(args) -> None:
     if args.sessions > MAX_SESSIONS:
         raise DistRuntimeError(f"--sessions {args.sessions}: a stage holds at most {MAX_SESSIONS} sessions")
     if args.timeline:
-        import os
-
         folder = os.path.dirname(os.path.abspath(args.timeline))
         if os.path.isdir(args.timeline) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise DistRuntimeError(f"--timeline {args.timeline}: cannot write a file there "
