@@ -96,7 +96,7 @@ def part_generation(out: Path, stages: int, sessions: int, new_tokens: int) -> b
     print(f"   time to first token: the first request {cold * 1e3:.1f} ms, the same request later "
           f"{warm * 1e3:.1f} ms as new sessions ({cold / warm:.2f}x; the stages warmed up when deployed)")
     with load_model(path) as model:
-        want = generate(LocalEngine(GraphExecutor(model)), requests).tokens
+        want = generate(LocalEngine(GraphExecutor(model, batch_invariant=True)), requests).tokens
     ok = got == want == {sid.rstrip("'"): ids for sid, ids in again.tokens.items()}
     print(f"   vs one process running the same sessions: {'the same tokens' if ok else 'DIFFERENT tokens'}")
     return ok

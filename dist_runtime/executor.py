@@ -25,6 +25,7 @@ from dist_runtime.kernels.registry import KernelContext
 
 from .backends import Backend, make_backends
 from .backends.assign import Assignment, assign_backends
+from .batching import SEGMENTED, PerSegment, RowPlan, Segment, offsets, plan_rows
 from .errors import DistRuntimeError, GraphValidationError, KernelError
 from .ir.graph import POS, Graph, TensorSpec
 from .ir.ops import KvCache
@@ -33,6 +34,9 @@ from .tensor import Array, QuantizedArray, dtype_of
 
 #: The session ``run`` and ``reset`` use when none is named.
 DEFAULT_SESSION: Hashable = 0
+
+#: The context of a step computed once over every session's rows (it reads no session state).
+_PLAIN = KernelContext()
 
 
 @dataclass
@@ -101,12 +105,20 @@ class GraphExecutor:
     ``(graph, weights)`` pair.  ``backends`` lists backend names or objects in priority order (the
     first is the default; the CPU library is always last).  ``max_memory`` bounds the memory
     estimate (inputs + weights + peak intermediates), checked before the first run.
+    ``batch_invariant`` makes every backend that can choose (``invariant``) compute each row as it
+    would alone, so that :meth:`run_batch` gives a session the same bits in any batch.
     """
 
     def __init__(self, model, backends: Sequence[str | Backend] | None = None,
-                 max_memory: int | None = None, *, fuse: bool = True, seed: int = 0) -> None:
+                 max_memory: int | None = None, *, fuse: bool = True, seed: int = 0,
+                 batch_invariant: bool = False) -> None:
         graph, weights, declared_max = _open(model)
         self.backends = make_backends(backends)
+        if batch_invariant:  # every kernel's row result independent of the other rows in the pass
+            for backend in self.backends:
+                if hasattr(backend, "invariant"):
+                    backend.invariant = True
+        self.batch_invariant = batch_invariant
         checked = validate_graph(graph)  # structure and declared shapes; fusion keeps both
         self.warnings, specs = checked.warnings, checked.specs
         if fuse:  # a fused node that no backend in use takes is not formed (or is expanded back)
@@ -118,6 +130,7 @@ class GraphExecutor:
         self.graph = graph
         self.max_memory = max_memory if max_memory is not None else declared_max
         self.assignments: list[Assignment] = assign_backends(graph, specs, self.backends)
+        self.rows: RowPlan = plan_rows(graph, specs)
         self._constants, widened = _prepared_weights(graph, weights)
         self._steps = self._bind(widened)
         self._checked: set[tuple] = set()  # input signatures already shape-checked
@@ -202,38 +215,97 @@ class GraphExecutor:
             s.pos = pos
         values: dict[str, Array] = {**self._constants, **self._check_inputs(inputs)}
         values[POS] = np.array([s.pos], np.float32)
-        wrote = self._walk(values, s, observe)
-        s.pos = wrote if wrote is not None else s.pos + 1
+        self._walk(values, lambda step: self._call(step, values, s), observe)
+        self._advance(s)
         return {name: values[name] for name in self.graph.outputs}
 
-    def _walk(self, values: dict, s: Session, observe) -> int | None:
-        """Every step in order; returns the rows the KvCache nodes hold (None without any).  An
-        exception inside a step leaves as the project's error naming that step's node."""
-        plain = KernelContext(rng=s.rng, pos=s.pos)
-        wrote = step = None
+    def run_batch(self, inputs: Mapping[str, np.ndarray], segments: Sequence[Segment]) -> dict[str, np.ndarray]:
+        """One pass over several sessions' rows (``dist_runtime.batching``): ``inputs`` hold every
+        segment's rows concatenated along axis 0, in segment order; so do the outputs.  Each
+        session advances as by :meth:`run`; a segment's rows come out bitwise as they would alone
+        when the backends are batch-invariant (``batch_invariant``).  One segment is :meth:`run`."""
+        if len(segments) == 1:
+            seg = segments[0]
+            return self.run(inputs, session=seg.session, pos=seg.pos)
+        self._check_segments(inputs, segments)
+        sessions = [self.session(seg.session) for seg in segments]
+        for seg, s in zip(segments, sessions):
+            if seg.pos is not None:
+                s.pos = seg.pos
+        values: dict[str, Array] = {**self._constants, **self._check_inputs(inputs)}
+        values[POS] = PerSegment(np.array([s.pos], np.float32) for s in sessions)
+        cuts = offsets(segments)
+        self._walk(values, lambda step: self._call_segments(step, values, sessions, cuts), None)
+        for s in sessions:
+            self._advance(s)
+        return {name: values[name] for name in self.graph.outputs}
+
+    def _check_segments(self, inputs: Mapping[str, np.ndarray], segments: Sequence[Segment]) -> None:
+        if self.rows.reason is not None:
+            raise GraphValidationError(f"this graph runs one session per pass: {self.rows.reason}")
+        ids = [seg.session for seg in segments]
+        if len(set(ids)) != len(ids):
+            raise GraphValidationError(f"a batched pass takes each session once, got {ids}")
+        if not segments or any(seg.rows < 1 for seg in segments):
+            raise GraphValidationError(f"a batched pass needs segments of at least one row, got {list(segments)}")
+        total = sum(seg.rows for seg in segments)
+        for name in self.graph.input_names:
+            rows = np.shape(inputs[name])[0] if name in inputs and np.ndim(inputs[name]) else None
+            if rows is not None and rows != total:
+                raise GraphValidationError(f"input {name!r} has {rows} rows, the segments {total}")
+
+    def _walk(self, values: dict, call, observe) -> None:
+        """Every step in order, ``call(step)`` computing its outputs; an exception inside a step
+        leaves as the project's error naming that step's node."""
+        step = None
         try:
             for step in self._steps:
-                ctx = plain
-                if step.kv_cache is not None:
-                    state = s.kv.get(step.index)
-                    if state is None:
-                        state = s.kv[step.index] = KvState.for_op(step.kv_cache)
-                    ctx = KernelContext(state=state, rng=s.rng, pos=s.pos)
-                outs = step.fn([values[n] for n in step.reads], ctx)
+                outs = call(step)
                 for name, value in zip(step.writes, outs):
                     values[name] = value
                 for name in step.frees:
                     del values[name]
                 if observe is not None:
                     observe(self.graph.nodes[step.index], outs, values.keys())
-                if step.kv_cache is not None:
-                    if wrote is not None and wrote != ctx.state.length:
-                        raise GraphValidationError(f"KvCache nodes of one run disagree on the rows they hold "
-                                                   f"({wrote} vs {ctx.state.length})")
-                    wrote = ctx.state.length
         except Exception as e:  # noqa: BLE001 -- re-raised as the project's error, naming the node
             raise self._node_error(e, step, values) from e
-        return wrote
+
+    def _call(self, step: _Step, values: Mapping[str, Array], s: Session) -> tuple:
+        return step.fn([values[n] for n in step.reads], self._context(step, s))
+
+    def _call_segments(self, step: _Step, values: Mapping[str, Array], sessions: list[Session],
+                       cuts: list[slice]) -> tuple:
+        """A step of a batched pass: once over every row, or once per segment (outputs joined
+        along the rows, or kept per segment)."""
+        rows = self.rows.nodes[step.index]
+        args = [values[n] for n in step.reads]
+        if not rows.per_segment:
+            return step.fn(args, _PLAIN)
+        parts = []
+        for i, (s, cut) in enumerate(zip(sessions, cuts)):
+            mine = [a[i] if isinstance(a, PerSegment) else a[cut] if sliced else a
+                    for a, sliced in zip(args, rows.sliced)]
+            parts.append(step.fn(mine, self._context(step, s)))
+        if rows.out == SEGMENTED:
+            return tuple(PerSegment(p[j] for p in parts) for j in range(len(step.writes)))
+        return tuple(np.concatenate([p[j] for p in parts]) for j in range(len(step.writes)))
+
+    @staticmethod
+    def _context(step: _Step, s: Session) -> KernelContext:
+        state = None
+        if step.kv_cache is not None:
+            state = s.kv.get(step.index)
+            if state is None:
+                state = s.kv[step.index] = KvState.for_op(step.kv_cache)
+        return KernelContext(state=state, rng=s.rng, pos=s.pos)
+
+    @staticmethod
+    def _advance(s: Session) -> None:
+        """After a pass: the session's position is the rows its KV caches hold (+1 without any)."""
+        held = {state.length for state in s.kv.values()}
+        if len(held) > 1:
+            raise GraphValidationError(f"KvCache nodes of one run disagree on the rows they hold ({sorted(held)})")
+        s.pos = held.pop() if held else s.pos + 1
 
     def _node_error(self, error: Exception, step: _Step, values: Mapping[str, Array]) -> DistRuntimeError:
         """``error``, raised while running ``step``, as the project's error naming the node, its
@@ -251,9 +323,17 @@ class GraphExecutor:
 
     # -- reporting -----------------------------------------------------------------------------
     def plan(self) -> list[dict]:
-        """Per node: id, op, backend and the reason it was chosen (``inspect --plan``)."""
-        return [{"id": n.id, "op": n.op_name, "backend": a.backend.name, "reason": a.reason}
+        """Per node: id, op, backend and the reason it was chosen, and its rows' kind in a batched
+        pass (``inspect --plan``)."""
+        return [{"id": n.id, "op": n.op_name, "backend": a.backend.name, "reason": a.reason,
+                 "rows": n.op.spec.row_kind(n.op)}
                 for n, a in zip(self.graph.nodes, self.assignments)]
+
+    def batching(self) -> str:
+        """Whether sessions' rows can share a pass, and if not, why (``inspect --plan``)."""
+        if self.rows.reason is not None:
+            return f"one session per pass: {self.rows.reason}"
+        return "the rows of several sessions share each pass (row-independent ops run once over all)"
 
 
 def _spec_text(value) -> str:

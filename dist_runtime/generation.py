@@ -12,64 +12,18 @@ line, the demo and the tests call it, never each other.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from .errors import DistRuntimeError
-from .sampling import Sampling
-
-
-@dataclass
-class Request:
-    """Generate up to ``max_new_tokens`` for ``session`` after ``prompt``.
-
-    ``stop`` holds token ids that end the generation (the model's end-of-sequence); the stop token
-    is part of the output.  ``resume=True`` continues the session's conversation from its position
-    (the prompt is the new turn); otherwise the session starts afresh at position 0.
-    """
-
-    session: Hashable
-    prompt: Sequence[int]
-    max_new_tokens: int = 16
-    sampling: Sampling = field(default_factory=Sampling)
-    stop: frozenset[int] = frozenset()
-    resume: bool = False
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    session: Hashable
-    token: int | None  # None when the session failed (see ``error``)
-    index: int  # 0 for the first generated token
-    done: bool
-    error: BaseException | None = None
+from .requests import Request, TokenEvent, check_requests  # noqa: F401 -- the engines' vocabulary, here too
+from .scheduling import DEFAULT_BATCH_TOKENS, Scheduler, Work
 
 
 class Engine(Protocol):
     def stream(self, requests: Iterable[Request]) -> Iterator[TokenEvent]: ...
-
-
-def check_requests(requests: Sequence[Request], *, vocab: int | None = None, context: int | None = None) -> None:
-    """Refuse, before any work, what no engine could serve: duplicate sessions, empty prompts,
-    ids outside the vocabulary, a prompt plus ``max_new_tokens`` longer than the context."""
-    ids = [r.session for r in requests]
-    if len(set(ids)) != len(ids):
-        raise DistRuntimeError("one request per session at a time")
-    for r in requests:
-        where = f"session {r.session!r}"
-        if not r.prompt:
-            raise DistRuntimeError(f"{where}: the prompt is empty: generation needs at least one token")
-        if r.max_new_tokens < 1:
-            raise DistRuntimeError(f"{where}: max_new_tokens must be at least 1, got {r.max_new_tokens}")
-        if vocab and not all(0 <= t < vocab for t in r.prompt):
-            bad = next(t for t in r.prompt if not 0 <= t < vocab)
-            raise DistRuntimeError(f"{where}: prompt id {bad} is outside the vocabulary [0, {vocab})")
-        if context and not r.resume and len(r.prompt) + r.max_new_tokens > context:
-            raise DistRuntimeError(f"{where}: {len(r.prompt)} prompt tokens + {r.max_new_tokens} new tokens "
-                                   f"exceed the context length {context}")
 
 
 def generative_io(graph) -> tuple[str, str]:
@@ -87,35 +41,50 @@ def generative_io(graph) -> tuple[str, str]:
 
 
 class LocalEngine:
-    """Requests on one ``GraphExecutor`` in this process, sessions interleaved step by step (round
-    robin, as the pipeline interleaves them) so that a leak between sessions would show."""
+    """Requests on one ``GraphExecutor`` in this process, continuously batched: each pass carries
+    a row of every decoding session and chunks of new prompts (:mod:`dist_runtime.scheduling`).
+    The executor should be batch-invariant (``batch_invariant=True``) so that a session's tokens
+    do not depend on its company."""
 
-    def __init__(self, executor) -> None:
+    def __init__(self, executor, *, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                 max_sessions: int | None = None) -> None:
         self.executor = executor
         self.input_name, self.logits_name = generative_io(executor.graph)
-
-    def _step(self, session: Hashable, tokens: Sequence[int]) -> np.ndarray:
-        return self.executor.run({self.input_name: np.asarray(tokens, np.int32)}, session=session)[self.logits_name]
+        self.max_batch_tokens, self.max_sessions = max_batch_tokens, max_sessions
+        # One session per pass when the graph mixes rows (executor.batching() says why), or when
+        # the executor is not batch-invariant (a session's tokens would depend on its company).
+        self.batches = executor.rows.reason is None and executor.batch_invariant
 
     def stream(self, requests: Iterable[Request]) -> Iterator[TokenEvent]:
-        live: deque[tuple[Request, np.random.Generator, list[int], list[int]]] = deque()
-        for req in requests:
-            if not req.resume:
-                self.executor.reset(req.session)
-            live.append((req, req.sampling.rng(), list(req.prompt), []))
-        while live:
-            req, rng, feed, out = item = live.popleft()
+        sched = Scheduler(max_batch_tokens=self.max_batch_tokens, max_sessions=self.max_sessions)
+        for req in requests:  # a resumed session goes on from where its KV caches are
+            resume = req.resume and req.session in self.executor.sessions()
+            sched.add(req, pos=self.executor.position(req.session) if resume else 0, reset=not resume)
+        while not sched.done:
+            batch = sched.next_batch(None if self.batches else 1)
             try:
-                token = req.sampling.choose(self._step(req.session, feed), rng)
-            except DistRuntimeError as e:
-                yield TokenEvent(req.session, None, len(out), True, e)
+                rows = self._pass(batch)
+            except DistRuntimeError:  # whose rows failed? each alone: the others go on
+                for work in batch:
+                    try:
+                        yield from sched.complete([work], self._pass([work]))
+                    except DistRuntimeError as e:
+                        yield sched.fail(work, e)
                 continue
-            out.append(token)
-            done = len(out) >= req.max_new_tokens or token in req.stop
-            yield TokenEvent(req.session, token, len(out) - 1, done)
-            if not done:
-                feed[:] = [token]
-                live.append(item)
+            yield from sched.complete(batch, rows)
+
+    def _pass(self, batch: Sequence[Work]) -> list[np.ndarray]:
+        """One pass over the batch's rows; the last logits row of each session."""
+        from .batching import Segment
+
+        for work in batch:
+            if work.reset:
+                self.executor.reset(work.session)
+        tokens = np.asarray([t for w in batch for t in w.tokens], np.int32)
+        segments = [Segment(w.session, len(w.tokens), w.pos) for w in batch]
+        logits = self.executor.run_batch({self.input_name: tokens}, segments)[self.logits_name]
+        ends = np.cumsum([len(w.tokens) for w in batch]) - 1
+        return [logits[end] for end in ends]
 
 
 @dataclass

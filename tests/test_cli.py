@@ -86,13 +86,17 @@ def test_inspect_plan_lists_every_node_with_backend_and_reason(tmp_path, capsys)
     reasons = {(p["op"], p["backend"], p["reason"]) for p in plan}
     assert code == 0 and {("Sdpa", "numba", "default"),
                           ("KvCache", "cpu", "default numba does not support it; fallback to cpu")} <= reasons
-    assert ("Matmul", "numba", "default; F32 product on BLAS (one session per pass: no batch invariance needed)") \
-        in reasons
+    # generation runs batch-invariant: an F32 product is the compiled one, not BLAS's
+    assert any(p["op"] == "Matmul" and p["reason"].startswith("default; compiled F32 product") for p in plan)
+    rows = {p["op"]: p["rows"] for p in plan}
+    assert (rows["Matmul"], rows["Rope"], rows["KvCache"], rows["Sdpa"]) == (
+        "independent", "positional", "per-session", "per-session")
+    assert json.loads(out)["batching"].startswith("the rows of several sessions share each pass")
     code, out, _ = run(capsys, "inspect", str(path), "--plan", "--no-fuse", "--json", "--backends", "cpu")
     plan = json.loads(out)["plan"]
     assert code == 0 and all(p["backend"] == "cpu" and p["reason"] == "default" for p in plan)
     code, out, _ = run(capsys, "inspect", str(path), "--plan")
-    assert code == 0 and "backend plan:" in out
+    assert code == 0 and "backend plan (batch-invariant" in out and "\nbatching: the rows of several" in out
 
 
 def test_inspect_plan_says_which_compiled_product_runs_a_quantized_weight_and_why(tmp_path, capsys):
@@ -111,4 +115,4 @@ def test_inspect_plan_says_which_compiled_product_runs_a_quantized_weight_and_wh
     reasons = {p["reason"] for p in json.loads(out)["plan"] if p["op"] == "Matmul"}
     assert code == 0
     assert f"default; compiled Q8_0 product ({cpu.REASON}), f32 activations" in reasons
-    assert "default; F32 product on BLAS (one session per pass: no batch invariance needed)" in reasons  # lm_head
+    assert f"default; compiled F32 product ({cpu.REASON}), f32 activations" in reasons  # lm_head, batch-invariant

@@ -13,7 +13,9 @@ the data each (2-22 us a call):
   windowed, each key and value row read once for all the query heads of its group.  Only small
   products run here (``small_attention``: a decode step over up to 2048 keys, or ``Tq * Tk <=
   1024``); larger ones go to the CPU library, whose BLAS products win there
-  (``benchmarks/bench_attention.py``).
+  (``benchmarks/bench_attention.py``) -- except when the backend is ``invariant``: then every
+  attention runs here, since a row's result must not depend on how many query rows share the call
+  (a prompt fed in chunks, sessions batched) and BLAS's does.
 
 and the matmul family -- Matmul (the lm_head and tied embeddings included), FusedNormMatmul,
 FusedSwiGlu, LoraApply -- on the compiled products of :mod:`dist_runtime.backends.compiled`:
@@ -326,7 +328,7 @@ def _bind_attention(backend: NumbaBackend, node: Node) -> BoundKernel:
     def run(inputs, ctx):
         q, k, v = inputs
         if not (_is_f32(q, k, v) and q.ndim == k.ndim == v.ndim == 2
-                and small_attention(q.shape[0], k.shape[0])
+                and (backend.invariant or small_attention(q.shape[0], k.shape[0]))
                 and k.shape[0] == v.shape[0]
                 and (q.shape[1], k.shape[1]) == widths and v.shape[1] == widths[1]
                 and not (op.causal and q.shape[0] > k.shape[0])):

@@ -87,22 +87,25 @@ def _print_inspect(r: dict) -> None:
         print(f"warning: {w}")
 
 
-def _backend_plan(path: str, backends: list[str] | None, fuse: bool) -> list[dict]:
-    """Per node: the backend the executor would choose, and why (nothing is run)."""
+def _backend_plan(path: str, backends: list[str] | None, fuse: bool) -> tuple[list[dict], str]:
+    """Per node: the backend the executor would choose, and why; and whether sessions can share
+    passes (nothing is run)."""
     from ..executor import GraphExecutor
 
-    return GraphExecutor(path, backends=backends, fuse=fuse).plan()
+    ex = GraphExecutor(path, backends=backends, fuse=fuse, batch_invariant=True)
+    return ex.plan(), ex.batching()
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     report = _report(args.model, args.max_memory)
     if args.plan:
-        report["plan"] = _backend_plan(args.model, args.backends, not args.no_fuse)
+        report["plan"], report["batching"] = _backend_plan(args.model, args.backends, not args.no_fuse)
         if not args.json:
             _print_inspect(report)
-            print("\nbackend plan:")
+            print("\nbackend plan (batch-invariant, as generation runs it):")
             for p in report["plan"]:
-                print(f"  node {p['id']:>4} {p['op']:<16} {p['backend']:<6} {p['reason']}")
+                print(f"  node {p['id']:>4} {p['op']:<16} {p['backend']:<6} rows {p['rows']:<12} {p['reason']}")
+            print(f"batching: {report['batching']}")
             return 0
     if args.json:
         print(json.dumps(report, indent=2, default=str))

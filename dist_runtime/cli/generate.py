@@ -96,7 +96,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..executor import GraphExecutor
     from ..generation import LocalEngine
 
-    result = job.run(LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse)))
+    result = job.run(LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse, batch_invariant=True)))
     return job.report(result, None)
 
 
@@ -231,7 +231,7 @@ def _run_on_pipeline(args, job: _Job) -> int:
         from ..executor import GraphExecutor
         from ..generation import LocalEngine, generate
 
-        reference = generate(LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse)), job.requests)
+        reference = generate(LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse, batch_invariant=True)), job.requests)
         pipeline["check"] = reference.tokens == result.tokens
     return job.report(result, pipeline)
 

@@ -43,7 +43,7 @@ def _payload(spec: OpSpec, with_default: bool) -> str:
 
 
 def op_table() -> str:
-    rows = ["| tag | op | inputs | outputs | payload (defaults) | summary |", "|---|---|---|---|---|---|"]
+    rows = ["| tag | op | inputs | outputs | payload (defaults) | rows | summary |", "|---|---|---|---|---|---|---|"]
     for tag, spec in sorted(OPS_BY_TAG.items()):
         outs = spec.outputs
         if not isinstance(outs, int):  # a payload field gives the count: a list's length, or a number
@@ -51,7 +51,7 @@ def op_table() -> str:
             outs = f"len({outs})" if listy else outs
         rows.append(
             f"| {tag} | [{spec.name}](#{spec.name.lower()}-tag-{tag}) | {_arity(spec)} | {outs} | "
-            f"{_payload(spec, True)} | {spec.doc.replace('|', '/')} |"
+            f"{_payload(spec, True)} | {spec.rows} | {spec.doc.replace('|', '/')} |"
         )
     return "\n".join(rows)
 

@@ -21,32 +21,33 @@ from __future__ import annotations
 import math
 
 from ..dtypes import DType
-from .payload import OPS_BY_NAME, OPS_BY_TAG, Bool, DTypeTag, F32, Field, I32, Ints, OpPayload, OpSpec, U8, U32, op
+from .payload import (ALONG_DIM, INDEPENDENT, OPS_BY_NAME, OPS_BY_TAG, PER_SESSION, POSITIONAL, Bool, DTypeTag, F32,
+                      Field, I32, Ints, OpPayload, OpSpec, U8, U32, op)
 INF = math.inf
 
 # -- 0..19: arithmetic and layout ----------------------------------------------------------------
-@op(0, inputs=(2, 2), weight_inputs=(1,),
+@op(0, inputs=(2, 2), rows=INDEPENDENT, weight_inputs=(1,),
     doc="Matrix product. transpose_b: y = a @ b^T with b stored [N, K] (HF/GGML weight layout).")
 class Matmul(OpPayload):
     transpose_b: Bool = True
 
 
-@op(1, inputs=(2, 2), doc="Elementwise a + b with numpy broadcasting.")
+@op(1, inputs=(2, 2), rows=INDEPENDENT, doc="Elementwise a + b with numpy broadcasting.")
 class Add(OpPayload):
     pass
 
 
-@op(2, inputs=(2, 2), doc="Elementwise a * b with numpy broadcasting.")
+@op(2, inputs=(2, 2), rows=INDEPENDENT, doc="Elementwise a * b with numpy broadcasting.")
 class Mul(OpPayload):
     pass
 
 
-@op(3, inputs=(2, 2), doc="Elementwise a - b with numpy broadcasting.")
+@op(3, inputs=(2, 2), rows=INDEPENDENT, doc="Elementwise a - b with numpy broadcasting.")
 class Sub(OpPayload):
     pass
 
 
-@op(4, inputs=(2, 2), doc="Elementwise a / b with numpy broadcasting.")
+@op(4, inputs=(2, 2), rows=INDEPENDENT, doc="Elementwise a / b with numpy broadcasting.")
 class Div(OpPayload):
     pass
 
@@ -68,32 +69,32 @@ class Permute(OpPayload):
     perm: Ints = ()
 
 
-@op(8, inputs=(1, 2**32 - 1), doc="Concatenate inputs along dim.")
+@op(8, inputs=(1, 2**32 - 1), rows=ALONG_DIM, doc="Concatenate inputs along dim.")
 class Concat(OpPayload):
     dim: I32 = -1
 
 
-@op(9, inputs=(1, 1), outputs="sizes",
+@op(9, inputs=(1, 1), rows=ALONG_DIM, outputs="sizes",
     doc="Split along dim into pieces of the given sizes; one output per size.")
 class Split(OpPayload):
     dim: I32 = -1
     sizes: Ints = ()
 
 
-@op(10, inputs=(1, 1), outputs="chunks",
+@op(10, inputs=(1, 1), rows=ALONG_DIM, outputs="chunks",
     doc="Split along dim into `chunks` equal pieces (the dim must divide evenly).")
 class Chunk(OpPayload):
     dim: I32 = -1
     chunks: U32 = 2
 
 
-@op(11, inputs=(1, 1), doc="Clamp to [min, max] (±inf for no bound).")
+@op(11, inputs=(1, 1), rows=INDEPENDENT, doc="Clamp to [min, max] (±inf for no bound).")
 class Clamp(OpPayload):
     min: F32 = -INF
     max: F32 = INF
 
 
-@op(12, inputs=(1, 1), doc="Replace NaN and ±inf (torch.nan_to_num).")
+@op(12, inputs=(1, 1), rows=INDEPENDENT, doc="Replace NaN and ±inf (torch.nan_to_num).")
 class NanToNum(OpPayload):
     nan: F32 = 0.0
     posinf: F32 = 3.4028234663852886e38
@@ -101,7 +102,7 @@ class NanToNum(OpPayload):
 
 
 # -- 20..39: attention and positions ------------------------------------------------------------
-@op(20, inputs=(3, 4),
+@op(20, inputs=(3, 4), rows=PER_SESSION,
     doc="Scaled dot-product attention, grouped-query; optional additive mask as 4th input.")
 class Sdpa(OpPayload):
     num_heads: U32
@@ -110,7 +111,7 @@ class Sdpa(OpPayload):
     causal: Bool = False
 
 
-@op(21, inputs=(3, 4),
+@op(21, inputs=(3, 4), rows=PER_SESSION,
     doc="Cross attention: queries from one sequence, keys/values from another; never causal.")
 class SdpaCross(OpPayload):
     num_heads: U32
@@ -118,7 +119,7 @@ class SdpaCross(OpPayload):
     head_dim: U32
 
 
-@op(22, inputs=(3, 4),
+@op(22, inputs=(3, 4), rows=PER_SESSION,
     doc="Sliding-window attention: each query sees at most `window` keys ending at itself "
         "(causal); non-causal: keys less than `window` away on either side.")
 class SdpaWindow(OpPayload):
@@ -129,25 +130,25 @@ class SdpaWindow(OpPayload):
     causal: Bool = True
 
 
-@op(23, inputs=(2, 2), outputs=2,
+@op(23, inputs=(2, 2), rows=PER_SESSION, outputs=2,
     doc="Append K_new, V_new rows to this node's per-session accumulators; output the full K, V.")
 class KvCache(OpPayload):
     max_seq: U32 = 0  # capacity hint for preallocation; 0 = grow as needed
 
 
-@op(24, inputs=(1, 1),
+@op(24, inputs=(1, 1), rows=INDEPENDENT,
     doc="Quantize a K or V tensor row-wise to `dtype` (Q8_0, Q4_0, F16, BF16) for storage.")
 class KvCompress(OpPayload):
     dtype: DTypeTag = DType.Q8_0
 
 
-@op(25, inputs=(1, 1),
+@op(25, inputs=(1, 1), rows=INDEPENDENT,
     doc="Dequantize a compressed K or V tensor back to `dtype` (F32).")
 class KvDecompress(OpPayload):
     dtype: DTypeTag = DType.F32
 
 
-@op(26, inputs=(2, 2),
+@op(26, inputs=(2, 2), rows=POSITIONAL,
     doc="Rotary embedding, HF rotate-half, first rope_dim dims of each head rotated; inputs x, pos.")
 class Rope(OpPayload):
     head_dim: U32
@@ -155,7 +156,7 @@ class Rope(OpPayload):
     base: F32 = 10000.0
 
 
-@op(27, inputs=(1, 1),
+@op(27, inputs=(1, 1), rows=INDEPENDENT,
     doc="Sinusoidal timestep embedding (diffusers get_timestep_embedding).")
 class SinusoidalEmbed(OpPayload):
     dim: U32
@@ -164,7 +165,7 @@ class SinusoidalEmbed(OpPayload):
     downscale_freq_shift: F32 = 1.0
 
 
-@op(28, inputs=(3, 4),
+@op(28, inputs=(3, 4), rows=POSITIONAL,
     doc="T5 bucketed relative position bias [heads, Tq, Tk] from q, k and the bucket table.")
 class RelativePosEmbedding(OpPayload):
     num_buckets: U32 = 32
@@ -173,12 +174,12 @@ class RelativePosEmbedding(OpPayload):
 
 
 # -- 40..59: normalisation ----------------------------------------------------------------------
-@op(40, inputs=(2, 2), doc="RMS norm over the last dim, times weight.")
+@op(40, inputs=(2, 2), rows=INDEPENDENT, doc="RMS norm over the last dim, times weight.")
 class RmsNorm(OpPayload):
     eps: F32 = 1e-6
 
 
-@op(41, inputs=(1, 3),
+@op(41, inputs=(1, 3), rows=INDEPENDENT,
     doc="Layer norm over the last dim; optional weight and bias.")
 class LayerNorm(OpPayload):
     eps: F32 = 1e-5
@@ -211,59 +212,59 @@ class AdaLN(OpPayload):
 
 
 # -- 60..79: activations ------------------------------------------------------------------------
-@op(60, inputs=(1, 1), doc="x * sigmoid(x).")
+@op(60, inputs=(1, 1), rows=INDEPENDENT, doc="x * sigmoid(x).")
 class Silu(OpPayload):
     pass
 
 
-@op(61, inputs=(1, 1), doc="GELU; approximate: false = erf, true = tanh.")
+@op(61, inputs=(1, 1), rows=INDEPENDENT, doc="GELU; approximate: false = erf, true = tanh.")
 class Gelu(OpPayload):
     approximate: Bool = False
 
 
-@op(62, inputs=(1, 2),
+@op(62, inputs=(1, 2), rows=INDEPENDENT,
     doc="GEGLU: a * gelu(b); one input is split in half along the last dim, or inputs a, b.")
 class GeGlu(OpPayload):
     approximate: Bool = False
 
 
-@op(63, inputs=(1, 2),
+@op(63, inputs=(1, 2), rows=INDEPENDENT,
     doc="SwiGLU: silu(gate) * up; one input is split in half (gate first), or inputs gate, up.")
 class SwiGlu(OpPayload):
     pass
 
 
-@op(64, inputs=(1, 1), doc="GLU: a * sigmoid(b), halves along dim (torch GLU).")
+@op(64, inputs=(1, 1), rows=ALONG_DIM, doc="GLU: a * sigmoid(b), halves along dim (torch GLU).")
 class Glu(OpPayload):
     dim: I32 = -1
 
 
-@op(65, inputs=(1, 1), doc="max(x, 0).")
+@op(65, inputs=(1, 1), rows=INDEPENDENT, doc="max(x, 0).")
 class Relu(OpPayload):
     pass
 
 
-@op(66, inputs=(1, 1), doc="x if x >= 0 else alpha * x.")
+@op(66, inputs=(1, 1), rows=INDEPENDENT, doc="x if x >= 0 else alpha * x.")
 class LeakyRelu(OpPayload):
     alpha: F32 = 0.01
 
 
-@op(67, inputs=(2, 2), doc="x if x >= 0 else slope * x (ONNX PRelu).")
+@op(67, inputs=(2, 2), rows=INDEPENDENT, doc="x if x >= 0 else slope * x (ONNX PRelu).")
 class PRelu(OpPayload):
     pass
 
 
-@op(68, inputs=(1, 1), doc="1 / (1 + exp(-x)).")
+@op(68, inputs=(1, 1), rows=INDEPENDENT, doc="1 / (1 + exp(-x)).")
 class Sigmoid(OpPayload):
     pass
 
 
-@op(69, inputs=(1, 1), doc="tanh(x).")
+@op(69, inputs=(1, 1), rows=INDEPENDENT, doc="tanh(x).")
 class Tanh(OpPayload):
     pass
 
 
-@op(70, inputs=(1, 1), doc="Softmax along dim (negative counts from the end).")
+@op(70, inputs=(1, 1), rows=ALONG_DIM, doc="Softmax along dim (negative counts from the end).")
 class Softmax(OpPayload):
     dim: I32 = -1
 
@@ -399,13 +400,13 @@ class Unpatchify(OpPayload):
 
 
 # -- 120..139: embeddings -----------------------------------------------------------------------
-@op(120, inputs=(2, 2), weight_inputs=(1,),
+@op(120, inputs=(2, 2), rows=INDEPENDENT, weight_inputs=(1,),
     doc="Row lookup: ids [...], table [V, D] -> [..., D].")
 class TokenEmbed(OpPayload):
     pass
 
 
-@op(121, inputs=(2, 3),
+@op(121, inputs=(2, 3), rows=POSITIONAL,
     doc="Learned positions: rows offset+pos .. offset+pos+T-1 of table [P, D] for x [..., T, *].")
 class PosEmbed(OpPayload):
     offset: U32 = 0
@@ -442,7 +443,7 @@ class Dequantize(OpPayload):
     axis: I32 = -1
 
 
-@op(144, inputs=(1, 2),
+@op(144, inputs=(1, 2), rows=PER_SESSION,
     doc="Pick a token id from logits [..., V]; optional seed input. method 0 greedy .. 4 min-p.")
 class Sample(OpPayload):
     method: U8 = 0  # 0 greedy, 1 temperature, 2 top-k, 3 top-p, 4 min-p
@@ -452,7 +453,7 @@ class Sample(OpPayload):
 
 
 # -- 160..179: linear algebra -------------------------------------------------------------------
-@op(160, inputs=(4, 4), weight_inputs=(1,),
+@op(160, inputs=(4, 4), rows=INDEPENDENT, weight_inputs=(1,),
     doc="x @ W^T + scale * (x @ A^T) @ B^T; inputs x, W [N, K], A [r, K], B [N, r].")
 class LoraApply(OpPayload):
     scale: F32 = 1.0
@@ -469,25 +470,25 @@ class MatrixInverse(OpPayload):
 
 
 # -- 180..198: fused ops ------------------------------------------------------------------------
-@op(180, inputs=(3, 3), weight_inputs=(2,),
+@op(180, inputs=(3, 3), rows=INDEPENDENT, weight_inputs=(2,),
     doc="RmsNorm(x) * norm_weight, then @ W^T; inputs x, norm_weight, W.")
 class FusedNormMatmul(OpPayload):
     eps: F32 = 1e-6
 
 
-@op(181, inputs=(3, 3), outputs=2,
+@op(181, inputs=(3, 3), rows=INDEPENDENT, outputs=2,
     doc="s = x + residual; outputs s and RmsNorm(s) * weight; inputs x, residual, weight.")
 class FusedSkipNorm(OpPayload):
     eps: F32 = 1e-6
 
 
-@op(182, inputs=(3, 3), weight_inputs=(1, 2),
+@op(182, inputs=(3, 3), rows=INDEPENDENT, weight_inputs=(1, 2),
     doc="silu(x @ W_gate^T) * (x @ W_up^T); inputs x, W_gate, W_up.")
 class FusedSwiGlu(OpPayload):
     pass
 
 
-@op(183, inputs=(3, 4),
+@op(183, inputs=(3, 4), rows=PER_SESSION,
     doc="Sdpa computed in key blocks with an online softmax (same result, bounded memory).")
 class FlashAttention(OpPayload):
     num_heads: U32
@@ -498,7 +499,7 @@ class FlashAttention(OpPayload):
 
 
 # -- 199 ----------------------------------------------------------------------------------------
-@op(199, inputs=(1, 1), doc="Index of the max along the last dim, as i64.")
+@op(199, inputs=(1, 1), rows=INDEPENDENT, doc="Index of the max along the last dim, as i64.")
 class Argmax(OpPayload):
     pass
 

@@ -99,6 +99,15 @@ class Field:
     default: object
 
 
+#: How an op treats the rows (axis 0) of a pass that carries several sessions' rows, concatenated
+#: (docs/ops.md, "Rows of several sessions"; the executor's batched pass):
+INDEPENDENT = "independent"  # each row computed alone: one call over every session's rows
+POSITIONAL = "positional"  # each row by its own position: one call per session, with its ``pos``
+PER_SESSION = "per-session"  # reads a session's state (KV cache, sampler) or its other rows: one call per session
+MIXED = "mixed"  # rows combine in ways sessions' segments cannot separate: one session per pass
+ALONG_DIM = "along dim"  # independent when it acts along the last dim (``dim`` = -1), else mixed
+ROW_KINDS = (INDEPENDENT, POSITIONAL, PER_SESSION, MIXED)
+
 #: ``rule(payload, input specs) -> output specs``; each rule names its payload class (shape_rules.py).
 ShapeRule = Callable[..., list[TensorSpec]]
 
@@ -119,6 +128,13 @@ class OpSpec:
     # block-quantized) form and reach the kernel as is.  Weights in any other position are
     # widened to f32 once when an executor prepares the graph.
     weight_inputs: tuple[int, ...] = ()
+    rows: str = MIXED  # one of ROW_KINDS, or ALONG_DIM
+
+    def row_kind(self, payload: OpPayload) -> str:
+        """How ``payload``'s rows behave in a pass of several sessions (one of ROW_KINDS)."""
+        if self.rows == ALONG_DIM:
+            return INDEPENDENT if getattr(payload, "dim") == -1 else MIXED
+        return self.rows
 
     def num_outputs(self, payload: OpPayload) -> int:
         if isinstance(self.outputs, int):
@@ -132,7 +148,7 @@ OPS_BY_NAME: dict[str, OpSpec] = {}
 
 
 def op(tag: int, *, inputs: tuple[int, int], doc: str, outputs: int | str = 1,
-       weight_inputs: tuple[int, ...] = ()):
+       weight_inputs: tuple[int, ...] = (), rows: str = MIXED):
     """Declare a payload class and enter it in the op table under ``tag``."""
 
     def register(cls: type) -> type:
@@ -145,7 +161,9 @@ def op(tag: int, *, inputs: tuple[int, int], doc: str, outputs: int | str = 1,
         name = cls.__name__
         if tag in OPS_BY_TAG or name in OPS_BY_NAME or not 0 <= tag < 2**16:
             raise AssertionError(f"op {name} reuses tag {tag} or a name, or the tag is not a u16")
-        spec = OpSpec(tag, name, cls, tuple(fields), inputs, outputs, None, doc, weight_inputs)
+        if rows not in (*ROW_KINDS, ALONG_DIM) or (rows == ALONG_DIM and "dim" not in {f.name for f in fields}):
+            raise AssertionError(f"op {name}: rows must be one of {ROW_KINDS} or {ALONG_DIM!r} (with a dim field)")
+        spec = OpSpec(tag, name, cls, tuple(fields), inputs, outputs, None, doc, weight_inputs, rows)
         cls.spec = spec
         OPS_BY_TAG[tag] = OPS_BY_NAME[name] = spec
         return cls

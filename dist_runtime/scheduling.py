@@ -1,0 +1,177 @@
+"""Continuous batching: which sessions' rows go into the next pass.
+
+Every engine -- one process (:class:`~dist_runtime.generation.LocalEngine`) or the pipeline's
+coordinator -- asks a :class:`Scheduler` for the next batch, runs it as one pass
+(``GraphExecutor.run_batch``), and hands the logits back; the scheduler samples, emits the tokens
+and decides the next batch.  A batch takes every ready session: one decode row per generating
+session first, then chunks of waiting prompts up to ``max_batch_tokens`` rows in all, so a long
+prompt is fed in chunks over several passes and never stalls the sessions that are decoding.
+Sessions join as soon as they are admitted and leave when done, between passes.
+
+Admission: at most ``max_sessions`` sessions are resident (hold KV caches) at once, and their
+prompts plus new tokens together at most ``max_kv_rows`` rows; a request beyond either waits in
+the queue (its place is visible in :meth:`Scheduler.queued`), it is never failed for memory.
+
+Sampling stays per session, with the session's own seeded generator, in the order of that
+session's tokens: a session's tokens do not depend on which sessions share its passes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable, Sequence
+
+import numpy as np
+
+from .errors import DistRuntimeError
+from .requests import Request, TokenEvent
+
+#: Rows per pass when the caller does not say: enough for 32 decoding sessions plus a prompt
+#: chunk, small enough that a chunk's prefill costs a few decode steps, not a whole prompt.
+DEFAULT_BATCH_TOKENS = 256
+
+
+@dataclass
+class Live:
+    """A resident session: what it still has to feed, where it is, what it generated."""
+
+    req: Request
+    rng: np.random.Generator
+    feed: list[int]  # tokens to feed before the next sample (the prompt, then each new token)
+    pos: int = 0  # rows fed so far: the session's position on every stage
+    reset: bool = True  # its next pass clears its KV caches first (its first pass)
+    generated: list[int] = field(default_factory=list)
+    busy: bool = False  # a pass holding its rows is in flight
+
+    @property
+    def session(self) -> Hashable:
+        return self.req.session
+
+    @property
+    def kv_rows(self) -> int:
+        """The KV rows it may come to hold: what it fed, what it will feed, what it may generate."""
+        return self.pos + len(self.feed) + self.req.max_new_tokens - len(self.generated)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One session's rows in a batch: ``tokens`` at ``pos``; ``samples`` when they end its feed
+    (the last row's logits give its next token)."""
+
+    live: Live
+    tokens: tuple[int, ...]
+    pos: int
+    reset: bool
+    samples: bool
+
+    @property
+    def session(self) -> Hashable:
+        return self.live.session
+
+
+class Scheduler:
+    """Requests in, batches out, tokens out (see the module docstring)."""
+
+    def __init__(self, requests: Iterable[Request] = (), *, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                 max_sessions: int | None = None, max_kv_rows: int | None = None) -> None:
+        if max_batch_tokens < 1:
+            raise DistRuntimeError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
+        self.max_batch_tokens = max_batch_tokens
+        self.max_sessions, self.max_kv_rows = max_sessions, max_kv_rows
+        self.waiting: deque[Request] = deque()
+        self.live: dict[Hashable, Live] = {}  # resident sessions, in order of admission
+        self._resume: dict[Hashable, tuple] = {}  # a waiting session's (pos, feed, reset, rng)
+        for req in requests:
+            self.add(req)
+
+    # -- sessions in and out ---------------------------------------------------------------------
+    def add(self, req: Request, *, pos: int = 0, feed: Sequence[int] | None = None, reset: bool = True,
+            rng: np.random.Generator | None = None) -> None:
+        """Queue ``req``; ``pos``/``feed``/``reset``/``rng`` continue a conversation (the
+        coordinator's resume: the rows already held, the history still to feed, its sampler)."""
+        if req.session in self.live or any(r.session == req.session for r in self.waiting):
+            raise DistRuntimeError(f"session {req.session!r} already has a request in progress")
+        feed = list(req.prompt) if feed is None else list(feed)
+        if self.max_kv_rows is not None and pos + len(feed) + req.max_new_tokens > self.max_kv_rows:
+            raise DistRuntimeError(f"session {req.session!r}: {pos + len(feed)} tokens + {req.max_new_tokens} new "
+                                   f"tokens exceed the KV budget of {self.max_kv_rows} rows")
+        self.waiting.append(req)
+        self._resume[req.session] = (pos, feed, reset, req.sampling.rng() if rng is None else rng)
+
+    def drop(self, session: Hashable) -> Live | None:
+        """Forget ``session`` (finished, failed or cancelled); returns its state."""
+        return self.live.pop(session, None)
+
+    def queued(self) -> dict[Hashable, int]:
+        """Each waiting session's place in the queue (0 = next to be admitted)."""
+        return {req.session: i for i, req in enumerate(self.waiting)}
+
+    @property
+    def done(self) -> bool:
+        return not self.live and not self.waiting
+
+    # -- batches ---------------------------------------------------------------------------------
+    def next_batch(self, max_sessions: int | None = None) -> list[Work]:
+        """The rows of the next pass (empty when no session is ready): a decode row of every ready
+        generating session, then prompt chunks, up to ``max_batch_tokens`` rows and
+        ``max_sessions`` sessions.  Its sessions are busy until :meth:`complete` or :meth:`abort`."""
+        self._admit()
+        ready = [s for s in self.live.values() if not s.busy and s.feed]
+        ready.sort(key=lambda s: len(s.feed) > 1)  # decode rows first, prompts after, each in admission order
+        budget, batch = self.max_batch_tokens, []
+        for s in ready[:max_sessions]:
+            take = min(len(s.feed), budget)
+            if take == 0:
+                break
+            budget -= take
+            batch.append(Work(s, tuple(s.feed[:take]), s.pos, s.reset, take == len(s.feed)))
+            s.busy = True
+        return batch
+
+    def abort(self, batch: Sequence[Work]) -> None:
+        """A pass that did not happen: its sessions are ready again, as they were."""
+        for w in batch:
+            w.live.busy = False
+
+    def complete(self, batch: Sequence[Work], logits: Sequence[np.ndarray]) -> list[TokenEvent]:
+        """The pass ran: ``logits[i]`` is the last row of ``batch[i]``'s logits.  Samples the
+        sessions whose feed ended; returns their tokens (a finished session leaves)."""
+        events = []
+        for w, row in zip(batch, logits, strict=True):
+            s = w.live
+            s.busy, s.reset = False, False
+            self.live[s.session] = self.live.pop(s.session)  # to the back: passes of fewer sessions than ready rotate
+            s.pos += len(w.tokens)
+            del s.feed[:len(w.tokens)]
+            if not w.samples:
+                continue
+            token = s.req.sampling.choose(row, s.rng)
+            s.generated.append(token)
+            done = len(s.generated) >= s.req.max_new_tokens or token in s.req.stop
+            s.feed = [] if done else [token]
+            if done:
+                self.drop(s.session)
+            events.append(TokenEvent(s.session, token, len(s.generated) - 1, done))
+        return events
+
+    def fail(self, work: Work, error: BaseException) -> TokenEvent:
+        """``work``'s session failed: it leaves, with an error event."""
+        self.drop(work.session)
+        return TokenEvent(work.session, None, len(work.live.generated), True, error)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and self._fits(self.waiting[0]):
+            req = self.waiting.popleft()
+            pos, feed, reset, rng = self._resume.pop(req.session)
+            self.live[req.session] = Live(req, rng, feed, pos, reset)
+
+    def _fits(self, req: Request) -> bool:
+        if self.max_sessions is not None and len(self.live) >= self.max_sessions:
+            return False
+        if self.max_kv_rows is None:
+            return True
+        pos, feed, _, _ = self._resume[req.session]
+        held = sum(s.kv_rows for s in self.live.values())
+        return held + pos + len(feed) + req.max_new_tokens <= self.max_kv_rows
