@@ -112,6 +112,11 @@ class Scheduler:
         return not self.live and not self.waiting
 
     # -- batches ---------------------------------------------------------------------------------
+    def ready(self) -> int:
+        """Sessions that could go into a pass now (admitting waiting ones first)."""
+        self._admit()
+        return sum(1 for s in self.live.values() if not s.busy and s.feed)
+
     def next_batch(self, max_sessions: int | None = None) -> list[Work]:
         """The rows of the next pass (empty when no session is ready): a decode row of every ready
         generating session, then prompt chunks, up to ``max_batch_tokens`` rows and

@@ -62,7 +62,7 @@ def test_stages_on_distinct_nodes_hold_only_their_weights(cluster, tmp_path):
             resident = report["resident_file_bytes"]
             assert stage.memory.weights <= resident <= stage.memory.weights + 256 * 1024 < total * 0.6
     with load_model(path) as model:
-        assert got == generate(LocalEngine(GraphExecutor(model, fuse=False)), reqs).tokens
+        assert got == generate(LocalEngine(GraphExecutor(model, fuse=False, batch_invariant=True)), reqs).tokens
 
 
 def test_node_hosting_a_stage_is_removed_mid_run(cluster, tmp_path):
@@ -81,7 +81,7 @@ def test_node_hosting_a_stage_is_removed_mid_run(cluster, tmp_path):
         reqs = [Request("a", [5, 17, 3, 9], 8), Request("b", [42], 8, Sampling(temperature=0.8, top_k=10, seed=11)),
                 Request("c", [7, 7, 7, 1], 8, Sampling(temperature=1.1, top_p=0.9, seed=12)), Request("d", [1, 2], 8)]
         with load_model(path) as model:
-            want = generate(LocalEngine(GraphExecutor(model, fuse=False)), reqs).tokens
+            want = generate(LocalEngine(GraphExecutor(model, fuse=False, batch_invariant=True)), reqs).tokens
         options = StageOptions(fuse=False, cpus=1, resources=[{"pool": 0.01}, {"pool": 0.01}])
         with Pipeline(path, stages=2, max_context=64, options=options) as p:
             co = p.coordinator

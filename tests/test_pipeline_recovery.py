@@ -47,7 +47,7 @@ def _requests() -> list[Request]:
 @pytest.fixture(scope="module")
 def expected(model_path):
     with load_model(model_path) as model:
-        return generate(LocalEngine(GraphExecutor(model, fuse=False)), _requests()).tokens
+        return generate(LocalEngine(GraphExecutor(model, fuse=False, batch_invariant=True)), _requests()).tokens
 
 
 def _run_with_faults(p: Pipeline, faults: dict[int, callable]) -> dict:

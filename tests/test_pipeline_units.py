@@ -168,8 +168,8 @@ def test_reference_and_sampling_settings(model):
 def test_telemetry_join_table_and_svg():
     run = RunTelemetry(2)
     # two sessions, one step each; stage 1 is busy with step 1 when step 2's input is ready
-    run.submitted(1, "a", "prefill", 3, 0.000)
-    run.submitted(2, "b", "prefill", 2, 0.001)
+    run.submitted(1, ["a"], "prefill", 3, 0.000)
+    run.submitted(2, ["b"], "prefill", 2, 0.001)
     R = StageRecord
     run.add_stage_records(0, [R(1, "a", 0.001, 0.011, 0.0001, 0.0098, 0.0001, 0.0),
                               R(2, "b", 0.011, 0.021, 0.0001, 0.0098, 0.0001, 0.011)])
@@ -215,7 +215,7 @@ def test_run_telemetry_stays_bounded():
 
     run = RunTelemetry(2, max_steps=100)
     for step in range(1000):
-        run.submitted(step, step % 4, "decode", 1, float(step))
+        run.submitted(step, [step % 4], "decode", 1, float(step))
         run.token(step, step + 0.5, 0.0)
     run.token(10**6, 0.0, 0.0)  # a step dropped while in flight is ignored, not a KeyError
     assert len(run.steps) == 100 and min(run.steps) == 900

@@ -33,12 +33,13 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..errors import DistRuntimeError, StageUnavailableError
-from ..generation import Request, TokenEvent, check_requests
+from ..requests import Request, TokenEvent, check_requests
 from ..sampling import Sampling
+from ..scheduling import DEFAULT_BATCH_TOKENS, Scheduler, Work
 from ..transport import decode_message, encode_message
 from .channels import Channel
 from .cluster import call_all
-from .header import StepHeader
+from .header import BatchSegment, StepHeader
 from .subgraph import StageGraph
 from .telemetry import RunTelemetry
 
@@ -86,15 +87,11 @@ class RecoveryEvent:
 
 
 @dataclass
-class _Pending:
-    """A step travelling through the pipeline."""
+class _Flight:
+    """A batch travelling through the pipeline."""
 
-    req: Request
-    state: SessionState
-    step: int
-    kind: str
-    tokens: list[int]
-    reset: bool
+    works: list[Work]
+    step: int = 0
     handle: object = None
     broken: StageUnavailableError | None = None  # the channel refused the step at submission
 
@@ -105,8 +102,14 @@ class Coordinator:
     def __init__(self, stages: list[StageGraph], actors: list, channel: Channel, *,
                  timeout: float | None = 600.0,
                  repair: Callable[[list[int]], tuple[list, Channel]] | None = None,
-                 max_recoveries: int = 3, probe_timeout: float = 10.0, exact_replay: bool = True) -> None:
+                 max_recoveries: int = 3, probe_timeout: float = 10.0, exact_replay: bool = True,
+                 micro_batches: int = 1, max_batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:
         self.stages, self.actors, self.channel = stages, actors, channel
+        # Passes in flight at once: one per stage when the stages have machines of their own
+        # (stage k computes pass i while stage k+1 computes i-1); one when they share a machine's
+        # cores and memory bandwidth, where splitting the batch only re-reads the weights.
+        self.micro_batches, self.max_batch_tokens = micro_batches, max_batch_tokens
+        self.batching: str | None = None  # why a stage runs one session per pass (its report's), or None
         self.timeout = timeout
         self.repair, self.max_recoveries, self.probe_timeout = repair, max_recoveries, probe_timeout
         # Exact: replay in the steps first fed (bit-identical caches; one step per generated token).
@@ -202,96 +205,122 @@ class Coordinator:
             raise errors[0]
         return out
 
-    def stream(self, requests: Iterable[Request], *, max_in_flight: int | None = None) -> Iterator[TokenEvent]:
-        """Tokens as they are produced, interleaved across sessions (see the module docstring)."""
+    def stream(self, requests: Iterable[Request], *, max_in_flight: int | None = None,
+               max_batch_tokens: int | None = None, micro_batches: int | None = None) -> Iterator[TokenEvent]:
+        """Tokens as they are produced (see the module docstring).  ``max_in_flight`` bounds the
+        resident sessions (more wait in the queue), ``max_batch_tokens`` the rows of one pass,
+        ``micro_batches`` the passes travelling at once (default: :attr:`micro_batches`)."""
         self._check_generative()
-        waiting = deque(requests)
-        check_requests(waiting)
-        limit = max_in_flight or len(waiting) or 1
-        run = self.last_run = RunTelemetry(len(self.stages))
-        inflight: deque[_Pending] = deque()
+        requests = list(requests)
+        check_requests(requests)
+        sched = Scheduler(max_batch_tokens=max_batch_tokens or self.max_batch_tokens, max_sessions=max_in_flight)
+        for req in requests:
+            self._admit(sched, req)
+        slots = micro_batches or self.micro_batches
+        run = self.last_run = RunTelemetry(len(self.stages), micro_batches=slots)
+        inflight: deque[_Flight] = deque()
         attempts = 0  # recoveries since the last token
 
-        def submit(p: _Pending) -> None:
-            p.step = self._next_step()
-            run.submitted(p.step, p.req.session, p.kind, len(p.tokens), time.time())
-            message = self._message(p.req.session, p.tokens, p.state.pos, p.step, p.reset, False)
-            p.broken = None
+        def submit(flight: _Flight) -> None:
+            works = flight.works
+            stale = [self.sessions[w.session] for w in works if w.pos and self.sessions[w.session].stale]
+            if stale:  # replaced stages lost these sessions' caches while they waited for a slot
+                self._replay(stale)
+            flight.step = self._next_step()
+            kind = "decode" if all(len(w.tokens) == 1 and w.pos for w in works) else "prefill"
+            run.submitted(flight.step, [w.session for w in works], kind, sum(len(w.tokens) for w in works),
+                          time.time(), queued=len(sched.waiting))
+            flight.broken = None
             try:
-                p.handle = self.channel.submit(message)
+                flight.handle = self.channel.submit(self._batch_message(works, flight.step))
             except StageUnavailableError as e:  # a broken link: fails (and recovers) when its turn comes
-                p.broken = e
-            inflight.append(p)
+                flight.broken = e
+            inflight.append(flight)
 
-        def start(req: Request) -> None:
-            _check_session_id(req.session)
-            state = self.sessions.get(req.session)
-            if state is None or not req.resume:
-                state = self.sessions[req.session] = SessionState(req.session, req.sampling, req.sampling.rng())
-            state.generated, state.error = [], None
-            if state.stale and state.pos:
-                self._replay([state])
-            # On resume, the last generated token was never fed: it goes in before the new turn.
-            feed = state.history[state.pos:] + list(req.prompt)
-            state.history = state.history + list(req.prompt)
-            submit(_Pending(req, state, 0, "prefill", feed, not req.resume or state.stale))
+        def fill() -> None:
+            """Split the ready sessions over the free micro-batch slots."""
+            while len(inflight) < slots:
+                ready = sched.ready()
+                if not ready:
+                    return
+                share = 1 if self.batching else -(-ready // (slots - len(inflight)))
+                submit(_Flight(sched.next_batch(share)))
 
-        def fail(p: _Pending, error: BaseException):
-            run.failed(p.step, time.time(), error)
-            p.state.error = error
-            return TokenEvent(p.req.session, None, len(p.state.generated), True, error)
+        def fail(work: Work, error: BaseException) -> TokenEvent:
+            self.sessions[work.session].error = error
+            return sched.fail(work, error)
 
         try:
-            while waiting and len(inflight) < limit:
-                start(waiting.popleft())
+            fill()
             while inflight:
-                p = inflight.popleft()
+                flight = inflight.popleft()
                 try:
-                    if p.broken is not None:
-                        raise p.broken
-                    reply = self.channel.get(p.handle, self.timeout)
+                    if flight.broken is not None:
+                        raise flight.broken
+                    reply = self.channel.get(flight.handle, self.timeout)
                     received = time.time()
                     t0 = time.perf_counter()
-                    tensors, _ = decode_message(reply)
-                    token = p.state.sampling.choose(tensors[self.logits_name], p.state.rng)
+                    logits = decode_message(reply)[0][self.logits_name]
+                    events = sched.complete(flight.works, list(logits[-len(flight.works):]))
                     sampled = time.perf_counter() - t0
                 except StageUnavailableError as e:
-                    lost = [p, *inflight]
+                    lost = [flight, *inflight]
                     inflight.clear()
                     try:
-                        attempts = self._recover(lost, e, attempts)
+                        attempts = self._recover([self.sessions[w.session] for f in lost for w in f.works], e, attempts)
                     except Exception as final:  # noqa: BLE001 -- no way back: these sessions fail
-                        for q in lost:
-                            yield fail(q, final)
-                        while waiting and len(inflight) < limit:
-                            start(waiting.popleft())
+                        for f in lost:
+                            run.failed(f.step, time.time(), final)
+                            for w in f.works:
+                                yield fail(w, final)
+                        fill()
                         continue
-                    for q in lost:
-                        run.steps.pop(q.step, None)  # it never finished; the resubmission is recorded
-                        submit(q)
+                    for f in lost:
+                        run.steps.pop(f.step, None)  # it never finished; the resubmission is recorded
+                        submit(f)
                     continue
                 except Exception as e:  # noqa: BLE001 -- one session's failure ends that session only
-                    yield fail(p, e)
-                    if waiting:
-                        start(waiting.popleft())
+                    run.failed(flight.step, time.time(), e)
+                    if len(flight.works) == 1:
+                        yield fail(flight.works[0], e)
+                    else:  # whose rows failed? each alone: the others go on
+                        for w in flight.works:
+                            submit(_Flight([w]))
+                    fill()
                     continue
                 attempts = 0
-                run.token(p.step, received, sampled)
-                state = p.state
-                state.fed(len(p.tokens))
-                state.generated.append(token)
-                state.history.append(token)
-                done = len(state.generated) >= p.req.max_new_tokens or token in p.req.stop
-                if not done:
-                    submit(_Pending(p.req, state, 0, "decode", [token], False))
-                elif waiting:
-                    start(waiting.popleft())
-                yield TokenEvent(p.req.session, token, len(state.generated) - 1, done)
+                run.token(flight.step, received, sampled, [e.session for e in events])
+                for w in flight.works:
+                    state = self.sessions[w.session]
+                    state.stale = False
+                    state.fed(len(w.tokens))
+                for event in events:
+                    state = self.sessions[event.session]
+                    state.generated.append(event.token)
+                    state.history.append(event.token)
+                fill()  # the next passes travel while the caller handles these tokens
+                yield from events
         finally:
             self._collect(run)
 
+    def _admit(self, sched: Scheduler, req: Request) -> None:
+        """Queue ``req`` with its session's place in the conversation."""
+        _check_session_id(req.session)
+        state = self.sessions.get(req.session)
+        if state is None or not req.resume:
+            state = self.sessions[req.session] = SessionState(req.session, req.sampling, req.sampling.rng())
+        state.generated, state.error = [], None
+        reset = not req.resume or state.stale
+        if reset and req.resume and state.pos:  # a stage lost it: rebuild its caches first
+            self._replay([state])
+            reset = False
+        # On resume, the last generated token was never fed: it goes in before the new turn.
+        feed = state.history[state.pos:] + list(req.prompt)
+        state.history = state.history + list(req.prompt)
+        sched.add(req, pos=state.pos, feed=feed, reset=reset, rng=state.rng)
+
     # -- recovery ------------------------------------------------------------------------------
-    def _recover(self, lost: list[_Pending], cause: BaseException, attempts: int) -> int:
+    def _recover(self, lost: list[SessionState], cause: BaseException, attempts: int) -> int:
         """Replace the dead stages and replay the lost sessions' histories, retrying while stages
         keep failing; returns the attempts made since the last token.  Raises when out of tries."""
         t0 = time.perf_counter()
@@ -305,14 +334,14 @@ class Coordinator:
                 self.actors, self.channel = self.repair(dead)
                 for state in self.sessions.values():
                     state.stale = state.stale or state.pos > 0
-                self._replay([p.state for p in lost])
+                self._replay(lost)
                 break
             except StageUnavailableError as again:
                 cause = again
         seconds = time.perf_counter() - t0
-        for p in lost:
+        for state in lost:
             for k in dead or [-1]:
-                event = RecoveryEvent(p.req.session, k, p.state.pos, seconds, f"{type(cause).__name__}: {cause}")
+                event = RecoveryEvent(state.sid, k, state.pos, seconds, f"{type(cause).__name__}: {cause}")
                 self.recoveries.append(event)
                 log.warning("recovered session %r: stage %s, %d positions replayed, %.3f s",
                             event.session, event.stage, event.position, event.seconds)
@@ -369,6 +398,15 @@ class Coordinator:
                                    f"{list(self.stages[0].receives)}: use run()")
         if self.logits_name is None:
             raise DistRuntimeError("the graph has no logits output to sample from (no Sample node and no 'logits')")
+
+    def _batch_message(self, works: list[Work], step: int) -> bytes:
+        if len(works) == 1:
+            w = works[0]
+            return self._message(w.session, w.tokens, w.pos, step, w.reset, False)
+        header = StepHeader(works[0].session, works[0].pos, step,
+                            batch=tuple(BatchSegment(w.session, w.pos, len(w.tokens), w.reset) for w in works))
+        tokens = np.asarray([t for w in works for t in w.tokens], dtype=np.int32)
+        return encode_message({self.input_name: tokens}, header.to_meta())
 
     def _message(self, session, tokens, pos, step, reset, all_logits) -> bytes:
         header = StepHeader(session, int(pos), step, reset=bool(reset), all_logits=bool(all_logits))

@@ -14,6 +14,19 @@ from typing import NamedTuple
 from ..errors import TransportError
 
 
+class BatchSegment(NamedTuple):
+    """One session's rows in a batched step: ``rows`` rows at ``pos``; ``reset`` its first."""
+
+    session: int | str
+    pos: int
+    rows: int
+    reset: bool = False
+
+
+#: Segments one batched step may carry (the stages' session limit bounds it further).
+MAX_SEGMENTS = 4096
+
+
 @dataclass(frozen=True)
 class StepHeader:
     session: int | str
@@ -22,21 +35,46 @@ class StepHeader:
     reset: bool = False  # clear the session's KV caches first (its first step, or a replay)
     close: bool = False  # forget the session after this pass (a one-off pass of a stateless graph)
     all_logits: bool = False  # the last stage returns every row's logits, not only the last row's
+    # A batched step (continuous batching): the sessions whose rows the tensors hold, in order;
+    # ``session``/``pos`` are then its first segment's.  Empty for a step of one session.
+    batch: tuple[BatchSegment, ...] = ()
 
     def to_meta(self) -> dict:
         meta = {"session": self.session, "pos": self.pos, "step": self.step}
         meta.update({k: True for k in ("reset", "close") if getattr(self, k)})
         if self.all_logits:
             meta["logits"] = "all"
+        if self.batch:
+            meta["batch"] = [list(seg) for seg in self.batch]
         return meta
 
     @classmethod
     def from_meta(cls, meta: dict) -> StepHeader:
-        session = meta.get("session")
-        if isinstance(session, bool) or not isinstance(session, (int, str)):
-            raise TransportError(f"meta 'session' must be an int or a string, got {type(session).__name__}")
-        return cls(session, _count(meta, "pos"), _count(meta, "step"), _flag(meta, "reset"), _flag(meta, "close"),
-                   meta.get("logits") == "all")
+        return cls(_session(meta.get("session"), "'session'"), _count(meta, "pos"), _count(meta, "step"), _flag(meta, "reset"), _flag(meta, "close"),
+                   meta.get("logits") == "all", _batch(meta.get("batch", [])))
+
+
+def _batch(items) -> tuple[BatchSegment, ...]:
+    if not isinstance(items, list) or len(items) > MAX_SEGMENTS:
+        raise TransportError(f"meta 'batch' must be a list of at most {MAX_SEGMENTS} segments")
+    segments = []
+    for i, item in enumerate(items):
+        if not isinstance(item, list) or len(item) != 4:
+            raise TransportError(f"meta 'batch'[{i}] must be [session, pos, rows, reset], got {item!r}")
+        fields = dict(zip(("session", "pos", "rows", "reset"), item))
+        seg = BatchSegment(_session(fields["session"], f"'batch'[{i}] session"), _count(fields, "pos"), _count(fields, "rows"), _flag(fields, "reset"))
+        if seg.rows < 1:
+            raise TransportError(f"meta 'batch'[{i}] has no rows")
+        segments.append(seg)
+    if len({seg.session for seg in segments}) != len(segments):
+        raise TransportError("meta 'batch' names a session twice")
+    return tuple(segments)
+
+
+def _session(value, what: str) -> int | str:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TransportError(f"meta {what} must be an int or a string, got {type(value).__name__}")
+    return value
 
 
 def _count(meta: dict, key: str) -> int:

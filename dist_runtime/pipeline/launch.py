@@ -13,6 +13,7 @@ from pathlib import Path
 from ..errors import DistRuntimeError
 from .channels import DEFAULT_CHANNEL, make_channel
 from .cluster import CONNECT_TIMEOUT, connect
+from ..scheduling import DEFAULT_BATCH_TOKENS
 from .coordinator import Coordinator
 from .deploy import check_placeable, deploy, kill, resolve_cpus
 from .options import StageOptions
@@ -42,6 +43,19 @@ def context_limit(metadata: dict, default: int = DEFAULT_CONTEXT) -> int:
     return min([default, *known])
 
 
+def placement_micro_batches(reports: list[dict], asked: int | None) -> tuple[int, str]:
+    """How many passes travel at once, and why: one per stage when every stage has a machine of
+    its own (stage k computes pass i while k+1 computes i-1); one when stages share a machine,
+    whose cores and memory bandwidth a split batch would only make them re-read the weights with."""
+    if asked is not None:
+        return asked, "asked for (--micro-batches)"
+    nodes = [r.get("node_id") or r.get("host") for r in reports]
+    if len(set(nodes)) == len(nodes) > 1:
+        return len(nodes), f"each of the {len(nodes)} stages has a node of its own"
+    return 1, ("one stage" if len(nodes) == 1 else
+               f"{len(nodes)} stages share {len(set(nodes))} node(s): they take turns on its cores")
+
+
 class Pipeline:
     """A model running as one Ray actor per stage of a plan."""
 
@@ -49,7 +63,8 @@ class Pipeline:
                  budgets=None, speeds=None, reserve="0", max_context: int | None = None, sessions: int = 1,
                  channel: str = DEFAULT_CHANNEL, options: StageOptions | None = None, address: str | None = None,
                  num_cpus: int | None = None, timeout: float | None = 600.0,
-                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT, micro_batches: int | None = None,
+                 max_batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:
         from ..model import load_model
 
         self.path = Path(model_path)
@@ -75,8 +90,11 @@ class Pipeline:
             check_placeable(self.options, len(self.stages))
             self.actors, self.reports = deploy(self.path, self.stages, self.options)
             self.channel = make_channel(channel, self.actors)
+            self.micro_batches, self.micro_batches_reason = placement_micro_batches(self.reports, micro_batches)
             self.coordinator = Coordinator(self.stages, self.actors, self.channel, timeout=timeout,
-                                           repair=self.repair)
+                                           repair=self.repair, micro_batches=self.micro_batches,
+                                           max_batch_tokens=max_batch_tokens)
+            self.coordinator.batching = next((r["batching"] for r in self.reports if r.get("batching")), None)
             self.coordinator.warm_up()
         except BaseException:
             self.close()

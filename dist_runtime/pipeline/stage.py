@@ -23,9 +23,10 @@ from typing import Any, Hashable
 
 import numpy as np
 
+from ..batching import Segment
 from ..errors import DistRuntimeError, TransportError
 from ..transport import decode_message, encode_message
-from .header import StageRecord, StepHeader
+from .header import BatchSegment, StageRecord, StepHeader
 from .options import MAX_SESSIONS
 from .subgraph import StageGraph
 from .weights import fingerprint, held_bytes, resident_file_bytes
@@ -124,8 +125,9 @@ class StageWorker:
         if self.stage.graph is not None:
             from ..executor import GraphExecutor
 
+            # Batch-invariant: a session's rows give the same bits in any batch (continuous batching).
             self._executor = GraphExecutor((self.stage.graph, self._weights), self._backends,
-                                           fuse=self._fuse, seed=self._seed)
+                                           fuse=self._fuse, seed=self._seed, batch_invariant=True)
             self.warmup = self._warm_up()
 
     def _warm_up(self) -> str:
@@ -196,22 +198,32 @@ class StageWorker:
         return reply
 
     def _run(self, tensors: dict, header: StepHeader) -> dict:
-        stage, ex, sid = self.stage, self._executor, header.session
+        stage, ex = self.stage, self._executor
+        segments = header.batch or (BatchSegment(header.session, header.pos, 0, header.reset),)
         outputs = {name: tensors[name] for name in stage.forwards}
         if ex is not None:
             known = ex.sessions()
-            if len(known) >= self.max_sessions and sid not in known:
-                raise DistRuntimeError(f"stage {stage.index} already holds {self.max_sessions} sessions")
-            if header.reset:
-                ex.reset(sid)
-            outputs.update(ex.run({n: tensors[n] for n in stage.executor_inputs}, session=sid, pos=header.pos))
+            new = {seg.session for seg in segments} - set(known)
+            if len(known) + len(new) > self.max_sessions:
+                raise DistRuntimeError(f"stage {stage.index} already holds {len(known)} sessions "
+                                       f"(at most {self.max_sessions})")
+            for seg in segments:
+                if seg.reset:
+                    ex.reset(seg.session)
+            inputs = {n: tensors[n] for n in stage.executor_inputs}
+            if header.batch:
+                outputs.update(ex.run_batch(inputs, [Segment(seg.session, seg.rows, seg.pos) for seg in segments]))
+            else:
+                outputs.update(ex.run(inputs, session=header.session, pos=header.pos))
             if header.close:  # a one-off pass (Coordinator.run): keep no session state
-                ex.close_session(sid)
+                ex.close_session(header.session)
         elif self.source is None and stage.weights:
             raise DistRuntimeError(f"stage {stage.index} has no weights loaded")
         logits = stage.logits
         if logits is not None and not header.all_logits and logits in outputs:
-            outputs[logits] = outputs[logits][-1:]  # the driver samples from the last row only
+            # the driver samples from each session's last row only
+            ends = np.cumsum([seg.rows for seg in header.batch]) - 1 if header.batch else [-1]
+            outputs[logits] = outputs[logits][ends]
         return {name: outputs[name] for name in stage.sends}
 
     # -- reports -------------------------------------------------------------------------------
@@ -234,6 +246,8 @@ class StageWorker:
             "blas_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
             "sessions": len(self.sessions()), "steps": self.steps, "errors": self.errors,
             "warmup": self.warmup,
+            # why this stage runs one session per pass, or None when sessions share passes
+            "batching": self._executor.rows.reason if self._executor is not None else None,
         }
 
     # -- the direct channel's link (see links.py) -----------------------------------------------

@@ -42,14 +42,21 @@ class StageTiming:
 @dataclass
 class StepRecord:
     step: int
-    session: Hashable
-    kind: str  # "prefill" or "decode"
+    sessions: tuple  # whose rows the pass carried (one, or a batch's)
+    kind: str  # "prefill" (some rows of a prompt) or "decode" (one new row per session)
     rows: int  # tokens in the step
     submit: float
+    queued: int = 0  # sessions waiting for admission when it was submitted
     done: float | None = None
-    sample: float = 0.0  # seconds the driver spent choosing the token
+    sample: float = 0.0  # seconds the driver spent choosing the tokens
+    sampled: int = 0  # tokens it produced
     stages: list[StageTiming] = field(default_factory=list)
     error: str | None = None
+
+    @property
+    def session(self) -> Hashable:
+        """The session of a one-session step; a batch's label otherwise."""
+        return self.sessions[0] if len(self.sessions) == 1 else f"batch of {len(self.sessions)}"
 
     @property
     def returned(self) -> float | None:
@@ -66,8 +73,9 @@ MAX_STEPS = 200_000
 class RunTelemetry:
     """Everything measured in one run (``Coordinator.stream`` / ``generate``)."""
 
-    def __init__(self, num_stages: int, max_steps: int = MAX_STEPS) -> None:
+    def __init__(self, num_stages: int, max_steps: int = MAX_STEPS, micro_batches: int = 1) -> None:
         self.num_stages = num_stages
+        self.micro_batches = micro_batches
         self.max_steps = max_steps
         self.steps: dict[int, StepRecord] = {}
         self.first_token: dict[Hashable, float] = {}
@@ -76,20 +84,25 @@ class RunTelemetry:
         self._idle_from: dict[tuple[int, int], float] = {}  # (stage, step) -> end of its previous call
 
     # -- recording -----------------------------------------------------------------------------
-    def submitted(self, step: int, session, kind: str, rows: int, at: float) -> None:
-        self.steps[step] = StepRecord(step, session, kind, rows, at)
-        self.session_start.setdefault(session, at)
+    def submitted(self, step: int, sessions, kind: str, rows: int, at: float, queued: int = 0) -> None:
+        self.steps[step] = StepRecord(step, tuple(sessions), kind, rows, at, queued)
+        for session in sessions:
+            self.session_start.setdefault(session, at)
         if len(self.steps) > self.max_steps:
             self.steps.pop(next(iter(self.steps)))
 
-    def token(self, step: int, at: float, sample_seconds: float) -> None:
+    def token(self, step: int, at: float, sample_seconds: float, sessions=None) -> None:
+        """Step ``step``'s reply was in hand at ``at``; ``sessions`` got a token each (default:
+        every session of the step)."""
         rec = self.steps.get(step)
         if rec is None:  # dropped while in flight (MAX_STEPS)
             return
-        rec.done, rec.sample = at, sample_seconds
-        self.first_token.setdefault(rec.session, at)
-        seen = self.tokens.setdefault(rec.session, [at, at, 0])
-        seen[1], seen[2] = at, seen[2] + 1
+        sessions = rec.sessions if sessions is None else sessions
+        rec.done, rec.sample, rec.sampled = at, sample_seconds, len(sessions)
+        for session in sessions:
+            self.first_token.setdefault(session, at)
+            seen = self.tokens.setdefault(session, [at, at, 0])
+            seen[1], seen[2] = at, seen[2] + 1
 
     def failed(self, step: int, at: float, error: BaseException) -> None:
         rec = self.steps.get(step)
@@ -126,8 +139,8 @@ class RunTelemetry:
         t0, t1 = self.window()
         wall = max(t1 - t0, 1e-9)
         ok = [r for r in self.steps.values() if r.error is None and r.done is not None]
-        generated = len(ok)
-        decode_tokens = sum(1 for r in ok if r.kind == "decode")
+        generated = sum(r.sampled for r in ok)
+        decode_tokens = sum(r.sampled for r in ok if r.kind == "decode")
         firsts = [self.first_token[s] - self.session_start[s] for s in self.first_token]
         starts = list(self.first_token.values())
         decode_wall = t1 - min(starts) if starts else 0.0
@@ -154,6 +167,11 @@ class RunTelemetry:
             "bubble_pct": bubble,
             "return_ms": _mean_ms([r.returned for r in ok if r.returned is not None]),
             "sample_ms": _mean_ms([r.sample for r in ok]),
+            "micro_batches": self.micro_batches,
+            "batch_sessions_mean": statistics.fmean(len(r.sessions) for r in ok) if ok else 0.0,
+            "batch_sessions_max": max((len(r.sessions) for r in ok), default=0),
+            "batch_rows_mean": statistics.fmean(r.rows for r in ok) if ok else 0.0,
+            "queue_max": max((r.queued for r in self.steps.values()), default=0),
             "stages": stages,
         }
 
@@ -172,7 +190,10 @@ class RunTelemetry:
             f"{s['session_decode_tokens_per_s']:.1f} per session); time to first token "
             f"{s['ttft_ms_mean']:.1f} ms mean, {s['ttft_ms_max']:.1f} ms max; pipeline bubble "
             f"{s['bubble_pct']:.1f}%; driver: return {s['return_ms']:.3f} ms, sampling "
-            f"{s['sample_ms']:.3f} ms per step" + (f"; {s['errors']} failed step(s)" if s["errors"] else ""))
+            f"{s['sample_ms']:.3f} ms per step; {s['batch_sessions_mean']:.1f} sessions and "
+            f"{s['batch_rows_mean']:.1f} rows per step (max {s['batch_sessions_max']} sessions), "
+            f"{s['micro_batches']} micro-batch(es) in flight, queue up to {s['queue_max']}"
+            + (f"; {s['errors']} failed step(s)" if s["errors"] else ""))
         return "\n".join(lines)
 
     def svg(self, width: int = 1100) -> str:
@@ -219,12 +240,12 @@ def timeline_svg(run: RunTelemetry, width: int = 1100) -> str:
             y = top
             w = max(rec.sample * scale, 1.0)
             out.append(f'<rect x="{x(rec.done):.2f}" y="{y}" width="{w:.2f}" height="{lane}" '
-                       f'fill="{colour[rec.session]}"><title>session {escape(str(rec.session))} step '
+                       f'fill="{colour[rec.session]}"><title>{escape(_who(rec))} step '
                        f'{rec.step}: sampling {1e3 * rec.sample:.3f} ms</title></rect>')
         for t in rec.stages:
             y = top + (t.stage + 1) * (lane + gap)
             w = max((t.end - t.start) * scale, 1.0)
-            tip = (f"session {rec.session} step {rec.step} ({rec.kind}, {rec.rows} rows) stage {t.stage}: "
+            tip = (f"{_who(rec)} step {rec.step} ({rec.kind}, {rec.rows} rows) stage {t.stage}: "
                    f"queue {1e3 * t.queue:.3f} ms, transfer {1e3 * t.transfer:.3f} ms, decode "
                    f"{1e3 * t.decode:.3f} ms, compute {1e3 * t.compute:.3f} ms, encode {1e3 * t.encode:.3f} ms")
             out.append(f'<rect x="{x(t.start):.2f}" y="{y}" width="{w:.2f}" height="{lane}" '
@@ -242,10 +263,20 @@ def timeline_svg(run: RunTelemetry, width: int = 1100) -> str:
     lx = left
     for s in sessions[:16]:
         out.append(f'<rect x="{lx}" y="{axis_y + 28}" width="12" height="12" fill="{colour[s]}"/>')
-        out.append(f'<text x="{lx + 16}" y="{axis_y + 38}">session {escape(str(s))}</text>')
+        out.append(f'<text x="{lx + 16}" y="{axis_y + 38}">{escape(_label(s))}</text>')
         lx += 110
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _who(rec: StepRecord) -> str:
+    if len(rec.sessions) == 1:
+        return f"session {rec.sessions[0]}"
+    return f"batch of {len(rec.sessions)} sessions ({', '.join(map(str, rec.sessions[:8]))}{', ...' if len(rec.sessions) > 8 else ''})"
+
+
+def _label(key) -> str:
+    return key if isinstance(key, str) and key.startswith("batch of") else f"session {key}"
 
 
 def _tick(span_ms: float) -> float:
