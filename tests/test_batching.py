@@ -1,0 +1,177 @@
+"""Continuous batching in one process: the op table's row kinds, batched passes, the scheduler.
+
+The property that matters: a session's tokens are bitwise the same whether it ran alone or in any
+batch, whatever arrives when, however its prompt is chunked, with any sampling settings.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dist_runtime.batching import Segment, plan_rows
+from dist_runtime.dtypes import DType
+from dist_runtime.errors import DistRuntimeError, GraphValidationError
+from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
+from dist_runtime.executor import GraphExecutor
+from dist_runtime.generation import LocalEngine, Request, generate
+from dist_runtime.ir.graph import Graph, Node, TensorSpec
+from dist_runtime.ir.ops import OPS_BY_NAME, Conv1d, Matmul, Reshape, Softmax
+from dist_runtime.ir.payload import ROW_KINDS
+from dist_runtime.ir.validate import infer_shapes
+from dist_runtime.kernels.quant import quantize
+from dist_runtime.model import save_model
+from dist_runtime.sampling import Sampling
+from dist_runtime.scheduling import Scheduler
+
+pytest.importorskip("numba")
+
+CFG = LlamaConfig(vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+
+
+@pytest.fixture(scope="module", params=["F32", "Q8_0"])
+def model(request, tmp_path_factory):
+    """The tiny Llama, its projections F32 or Q8_0 (the compiled products of both types)."""
+    weights = llama_weights(CFG, seed=5)
+    if request.param == "Q8_0":
+        weights = {n: quantize(w, DType.Q8_0) if n.endswith("proj.weight") else w for n, w in weights.items()}
+    path = tmp_path_factory.mktemp("batching") / f"{request.param}.model"
+    save_model(path, llama_graph(CFG), weights, {}).close()
+    return path
+
+
+def _executor(model, **kw):
+    return GraphExecutor(model, batch_invariant=True, **kw)
+
+
+# -- the op table ----------------------------------------------------------------------------------
+def test_every_op_declares_how_its_rows_behave():
+    kinds = {name: spec.row_kind(spec.cls.__new__(spec.cls)) if spec.rows != "along dim" else spec.rows
+             for name, spec in OPS_BY_NAME.items()}
+    assert set(kinds.values()) <= {*ROW_KINDS, "along dim"}
+    assert (kinds["Matmul"], kinds["Rope"], kinds["KvCache"], kinds["Sdpa"], kinds["Sample"], kinds["Conv1d"]) == (
+        "independent", "positional", "per-session", "per-session", "per-session", "mixed")
+    assert Softmax(dim=-1).spec.row_kind(Softmax(dim=-1)) == "independent"
+    assert Softmax(dim=0).spec.row_kind(Softmax(dim=0)) == "mixed"
+
+
+def _graph(nodes, inputs, outputs, weights=None) -> Graph:
+    return Graph(nodes=nodes, inputs=inputs, outputs=outputs, weights=weights or {})
+
+
+def test_a_graph_that_mixes_rows_runs_one_session_per_pass_and_says_why(model):
+    assert _executor(model).rows.reason is None
+    conv = _graph([Node(0, Conv1d(kernel=3, padding=1), ["x0", "w"], ["y"])],
+                  [TensorSpec((1, 4, -1), DType.F32)], ["y"], {"w": TensorSpec((4, 4, 3), DType.F32)})
+    reason = plan_rows(conv, infer_shapes(conv)).reason
+    assert reason is not None and "input 'x0'" in reason  # its rows (time) are not on axis 0
+    reshape = _graph([Node(0, Reshape(shape=(1, -1)), ["x0"], ["y"])], [TensorSpec((-1, 4), DType.F32)], ["y"])
+    assert plan_rows(reshape, infer_shapes(reshape)).reason == \
+        "node 0 (Reshape) mixes rows: its op's rows are 'mixed' (docs/ops.md)"
+    product = _graph([Node(0, Matmul(), ["x0", "x1"], ["y"])],
+                     [TensorSpec((-1, 4), DType.F32), TensorSpec((-1, 4), DType.F32)], ["y"])
+    assert "multiplies two activations" in plan_rows(product, infer_shapes(product)).reason
+    ex = GraphExecutor((reshape, {}))
+    assert ex.batching().startswith("one session per pass: node 0 (Reshape)")
+    with pytest.raises(GraphValidationError, match="runs one session per pass"):
+        ex.run_batch({"x0": np.zeros((3, 4), np.float32)}, [Segment("a", 1), Segment("b", 2)])
+
+
+# -- batched passes --------------------------------------------------------------------------------
+def test_a_batched_pass_gives_each_session_the_bits_it_gets_alone(model):
+    rng = np.random.default_rng(0)
+    batched, alone = _executor(model), _executor(model)
+    for round_ in range(4):  # prefills, then mixes of decode rows and prompt chunks
+        sessions = rng.choice(12, size=int(rng.integers(2, 7)), replace=False)
+        segments = [Segment(int(s), int(rng.integers(1, 9) if round_ == 0 or rng.random() < 0.3 else 1))
+                    for s in sessions]
+        tokens = {seg.session: rng.integers(0, CFG.vocab, seg.rows).astype(np.int32) for seg in segments}
+        out = batched.run_batch({"tokens": np.concatenate([tokens[s.session] for s in segments])}, segments)
+        at = 0
+        for seg in segments:
+            want = alone.run({"tokens": tokens[seg.session]}, session=seg.session)["logits"]
+            got = out["logits"][at:at + seg.rows]
+            at += seg.rows
+            assert np.array_equal(got, want), (round_, seg)
+            assert batched.position(seg.session) == alone.position(seg.session)
+
+
+def test_a_prompt_fed_in_chunks_gives_the_bits_of_the_prompt_at_once(model):
+    ex = _executor(model)
+    prompt = np.random.default_rng(1).integers(0, CFG.vocab, 70).astype(np.int32)
+    whole = ex.run({"tokens": prompt}, session="whole")["logits"]
+    parts = [ex.run({"tokens": prompt[a:b]}, session="chunked")["logits"] for a, b in ((0, 33), (33, 34), (34, 70))]
+    assert np.array_equal(np.concatenate(parts), whole)
+
+
+def test_batched_pass_refuses_what_it_cannot_cut(model):
+    ex = _executor(model)
+    ids = np.zeros(3, np.int32)
+    with pytest.raises(GraphValidationError, match="each session once"):
+        ex.run_batch({"tokens": ids}, [Segment("a", 1), Segment("a", 2)])
+    with pytest.raises(GraphValidationError, match="has 3 rows, the segments 4"):
+        ex.run_batch({"tokens": ids}, [Segment("a", 2), Segment("b", 2)])
+    with pytest.raises(GraphValidationError, match="at least one row"):
+        ex.run_batch({"tokens": ids}, [Segment("a", 3), Segment("b", 0)])
+
+
+# -- the scheduler ---------------------------------------------------------------------------------
+def _random_requests(rng, n) -> list[Request]:
+    out = []
+    for i in range(n):
+        kind = rng.integers(0, 4)
+        sampling = [Sampling(), Sampling(temperature=0.9, top_k=8, seed=i), Sampling(temperature=1.2, top_p=0.8, seed=i),
+                    Sampling(temperature=0.7, min_p=0.1, seed=i)][kind]
+        prompt = [int(t) for t in rng.integers(0, CFG.vocab, int(rng.integers(1, 40)))]
+        out.append(Request(f"s{i}", prompt, int(rng.integers(1, 12)), sampling, stop=frozenset({int(rng.integers(0, 96))})))
+    return out
+
+
+@pytest.mark.parametrize("sessions", [1, 5, 32])
+def test_tokens_are_those_of_each_session_alone_whatever_arrives_when(model, sessions):
+    """Random arrivals (a request joins between random passes), prompt lengths, sampling settings
+    and budgets; every session's tokens equal its tokens run alone."""
+    rng = np.random.default_rng(sessions)
+    requests = _random_requests(rng, sessions)
+    alone_engine = LocalEngine(_executor(model))
+    alone = {r.session: generate(alone_engine, [r]).tokens[r.session] for r in requests}
+    engine = LocalEngine(_executor(model))
+    sched = Scheduler(max_batch_tokens=int(rng.integers(4, 64)), max_sessions=int(rng.integers(1, 12)))
+    arrivals = sorted(rng.integers(0, 30, len(requests)))
+    pending, got, passes = list(zip(arrivals, requests)), {}, 0
+    while pending or not sched.done:
+        while pending and pending[0][0] <= passes:
+            sched.add(pending.pop(0)[1])
+        batch = sched.next_batch()
+        passes += 1
+        if batch:
+            for event in sched.complete(batch, engine._pass(batch)):
+                got.setdefault(event.session, []).append(event.token)
+    assert got == alone
+
+
+def test_the_scheduler_feeds_decode_rows_first_and_chunks_prompts_to_the_budget():
+    sched = Scheduler([Request("short", [1, 2], 3), Request("long", list(range(50)), 2)], max_batch_tokens=16)
+    first = sched.next_batch()  # prompts first come, first served, the last one cut to the budget
+    assert [(w.session, len(w.tokens), w.samples) for w in first] == [("short", 2, True), ("long", 14, False)]
+    events = sched.complete(first, [np.eye(8)[3]] * 2)
+    assert [(e.session, e.token) for e in events] == [("short", 3)]
+    second = sched.next_batch()  # short's decode row first, then long's next chunk
+    assert [(w.session, len(w.tokens), w.pos) for w in second] == [("short", 1, 2), ("long", 15, 14)]
+    assert sched.next_batch() == []  # both are in flight
+    sched.abort(second)
+    assert [len(w.tokens) for w in sched.next_batch(max_sessions=1)] == [1]
+
+
+def test_admission_queues_what_memory_cannot_hold_and_never_fails_it():
+    sched = Scheduler([Request(f"r{i}", [1] * 10, 10) for i in range(4)], max_kv_rows=45)
+    assert len(sched.next_batch()) == 2 and sched.queued() == {"r2": 0, "r3": 1}
+    with pytest.raises(DistRuntimeError, match="exceed the KV budget of 45 rows"):
+        sched.add(Request("huge", [1] * 40, 10))
+
+
+def test_local_engine_batches_and_matches_one_session_per_pass(model):
+    requests = _random_requests(np.random.default_rng(7), 6)
+    ex = _executor(model)
+    batched = generate(LocalEngine(ex, max_batch_tokens=24), requests)
+    assert batched.tokens == generate(LocalEngine(_executor(model), max_sessions=1), requests).tokens
