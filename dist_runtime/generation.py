@@ -55,12 +55,23 @@ class LocalEngine:
         # the executor is not batch-invariant (a session's tokens would depend on its company).
         self.batches = executor.rows.reason is None and executor.batch_invariant
 
-    def stream(self, requests: Iterable[Request]) -> Iterator[TokenEvent]:
+    def stream(self, requests: Iterable[Request], *,
+               incoming: Callable[[], Iterable[Request]] | None = None) -> Iterator[TokenEvent]:
+        """Tokens of ``requests`` as they come; ``incoming()``, polled before every pass, returns
+        requests that arrived meanwhile (they join the running batch)."""
         sched = Scheduler(max_batch_tokens=self.max_batch_tokens, max_sessions=self.max_sessions)
-        for req in requests:  # a resumed session goes on from where its KV caches are
-            resume = req.resume and req.session in self.executor.sessions()
-            sched.add(req, pos=self.executor.position(req.session) if resume else 0, reset=not resume)
-        while not sched.done:
+
+        def add(reqs: Iterable[Request]) -> None:
+            for req in reqs:  # a resumed session goes on from where its KV caches are
+                resume = req.resume and req.session in self.executor.sessions()
+                sched.add(req, pos=self.executor.position(req.session) if resume else 0, reset=not resume)
+
+        add(requests)
+        while True:
+            if incoming is not None:
+                add(incoming())
+            if sched.done:
+                return
             batch = sched.next_batch(None if self.batches else 1)
             try:
                 rows = self._pass(batch)

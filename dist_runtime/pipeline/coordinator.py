@@ -206,10 +206,13 @@ class Coordinator:
         return out
 
     def stream(self, requests: Iterable[Request], *, max_in_flight: int | None = None,
-               max_batch_tokens: int | None = None, micro_batches: int | None = None) -> Iterator[TokenEvent]:
+               max_batch_tokens: int | None = None, micro_batches: int | None = None,
+               incoming: Callable[[], Iterable[Request]] | None = None) -> Iterator[TokenEvent]:
         """Tokens as they are produced (see the module docstring).  ``max_in_flight`` bounds the
         resident sessions (more wait in the queue), ``max_batch_tokens`` the rows of one pass,
-        ``micro_batches`` the passes travelling at once (default: :attr:`micro_batches`)."""
+        ``micro_batches`` the passes travelling at once (default: :attr:`micro_batches`);
+        ``incoming()``, polled whenever a pass is submitted, returns requests that arrived
+        meanwhile (they join the running batch)."""
         self._check_generative()
         requests = list(requests)
         check_requests(requests)
@@ -239,6 +242,10 @@ class Coordinator:
 
         def fill() -> None:
             """Split the ready sessions over the free micro-batch slots."""
+            if incoming is not None:
+                for req in incoming():
+                    check_requests([req])
+                    self._admit(sched, req)
             while len(inflight) < slots:
                 ready = sched.ready()
                 if not ready:

@@ -1,0 +1,209 @@
+"""Continuous batching: aggregate decode tokens/s against one session, in one process and on stages.
+
+Model: the ~125M-parameter random Llama (hidden 768, 12 layers, 12 heads, 4 KV heads, FFN 2048,
+vocab 32000), F32 and Q8_0 projections.  Requests are decode-heavy: ``--prompt`` (16) prompt tokens,
+``--tokens`` (64) new tokens, greedy.  Every engine is batch-invariant (each session's tokens are
+those it gets alone; the benchmark checks it).  Printed, each a median of ``--repeat`` runs with
+configurations alternating within a round, and ratios within one run:
+
+1. one process, F32: aggregate decode tok/s of 1, 8 and 16 sessions, ratio to 1 session;
+2. one process, Q8_0: 1 and 8 sessions;
+3. 2 and 3 stages on this one machine (1 micro-batch, the default for that placement, and S
+   micro-batches), 8 sessions, ratio to one process with 8 sessions;
+4. chunked prefill: 4 prompts of 512 tokens arrive while 8 sessions decode; inter-token latency of
+   the decoding sessions (p50/p99) next to a plain decode step's time;
+5. per-step overhead: the share of a batched pass not spent inside the executor (one process:
+   driver, scheduler, sampling; stages: transport and driver, from the telemetry);
+6. ceilings: weight bytes per step / measured memory bandwidth, FLOPs per step / measured peak.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/bench_batching.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dist_runtime.dtypes import DType
+from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
+from dist_runtime.executor import GraphExecutor
+from dist_runtime.generation import LocalEngine, Request
+from dist_runtime.kernels.quant import quantize
+from dist_runtime.scheduling import DEFAULT_BATCH_TOKENS
+
+CFG = LlamaConfig(vocab=32000, hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048)
+
+
+def model_files(directory: Path) -> dict[str, Path]:
+    """The F32 and Q8_0 models, written once (kept in the temporary directory between runs)."""
+    from dist_runtime.model import load_model, save_model
+
+    out = {}
+    weights = None
+    for kind in ("F32", "Q8_0"):
+        path = directory / f"dist-runtime-bench-llama125m-{kind}.model"
+        out[kind] = path
+        if path.exists():
+            with load_model(path, tensors=[], validate=False) as m:
+                if m.metadata.get("config") == llama_metadata(CFG)["config"]:
+                    continue
+        print(f"writing {path} ...", flush=True)
+        weights = weights or llama_weights(CFG, seed=0)
+        w = weights if kind == "F32" else {n: quantize(v, DType.Q8_0) if n.endswith("proj.weight") else v
+                                           for n, v in weights.items()}
+        save_model(path, llama_graph(CFG), w, llama_metadata(CFG)).close()
+    return out
+
+
+def requests(n: int, prompt: int, tokens: int, tag: str = "s") -> list[Request]:
+    rng = np.random.default_rng(n)
+    return [Request(f"{tag}{i}", rng.integers(0, CFG.vocab, prompt).tolist(), tokens) for i in range(n)]
+
+
+def decode_rate(stream) -> tuple[float, dict, list[float]]:
+    """Aggregate decode tok/s (tokens after each session's first, over the time from the first
+    first-token to the last token), the tokens, and every inter-token gap."""
+    seen: dict = {}
+    gaps = []
+    for event in stream:
+        now = time.perf_counter()
+        times = seen.setdefault(event.session, [])
+        if times:
+            gaps.append(now - times[-1][0])
+        times.append((now, event.token))
+    first = min(ts[0][0] for ts in seen.values())
+    last = max(ts[-1][0] for ts in seen.values())
+    decoded = sum(len(ts) - 1 for ts in seen.values())
+    return decoded / (last - first), {s: [t for _, t in ts] for s, ts in seen.items()}, gaps
+
+
+def local(path: Path, sessions: int, args, engine_cache: dict) -> tuple[float, dict]:
+    engine = engine_cache.get(path)
+    if engine is None:
+        engine = engine_cache[path] = LocalEngine(GraphExecutor(path, batch_invariant=True),
+                                                  max_batch_tokens=args.max_batch_tokens)
+    reqs = requests(sessions, args.prompt, args.tokens)
+    rate, tokens, _ = decode_rate(engine.stream(reqs))
+    for r in reqs:
+        engine.executor.close_session(r.session)
+    return rate, tokens
+
+
+def chunked_prefill(path: Path, args, engine_cache: dict) -> dict:
+    """8 sessions decode; after a few passes, 4 prompts of 512 tokens arrive."""
+    engine = engine_cache[path]
+    decoding = requests(8, args.prompt, args.tokens, "d")
+    long = requests(4, 512, 4, "p")
+    passes = [0]
+
+    def incoming():
+        passes[0] += 1
+        return long if passes[0] == 4 else []
+
+    gaps: dict = {}
+    last: dict = {}
+    for event in engine.stream(decoding, incoming=incoming):
+        now = time.perf_counter()
+        if event.session in last and str(event.session).startswith("d"):
+            gaps.setdefault(event.session, []).append(now - last[event.session])
+        last[event.session] = now
+    for r in decoding + long:
+        engine.executor.close_session(r.session)
+    flat = sorted(g for gs in gaps.values() for g in gs)
+    return {"p50": flat[len(flat) // 2], "p99": flat[min(len(flat) - 1, int(0.99 * len(flat)))], "max": flat[-1]}
+
+
+def pipeline_rate(path: Path, stages: int, micro: int, args) -> tuple[float, dict, dict]:
+    from dist_runtime.pipeline.launch import Pipeline
+    from dist_runtime.pipeline.options import StageOptions
+
+    with Pipeline(path, stages=stages, max_context=1024, micro_batches=micro,
+                  options=StageOptions(cpus=2 / stages, threads=2)) as pipe:
+        rate, tokens, _ = decode_rate(pipe.coordinator.stream(requests(8, args.prompt, args.tokens)))
+        return rate, tokens, pipe.coordinator.last_run.summary()
+
+
+def ceilings(path: Path, rows: int) -> dict:
+    """Weight bytes per step / bandwidth (a large copy), FLOPs / peak (a large f32 GEMM)."""
+    from dist_runtime.model import load_model
+
+    with load_model(path, validate=False) as m:
+        weight_bytes = sum(m.tensor(n).nbytes for n in m.graph.weights if "embed_tokens" not in n)
+    a = np.ones(64 << 20, np.uint8)
+    b = np.empty_like(a)
+    t = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        t.append(time.perf_counter() - t0)
+    bandwidth = 2 * a.nbytes / statistics.median(t)  # read + write
+    x = np.ones((1024, 1024), np.float32)
+    t = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x @ x
+        t.append(time.perf_counter() - t0)
+    peak = 2 * 1024 ** 3 / statistics.median(t)
+    macs = sum(CFG.hidden * n for n in (CFG.hidden, CFG.hidden // CFG.heads * CFG.kv_heads * 2, CFG.hidden)) \
+        * CFG.layers + 3 * CFG.hidden * CFG.ffn * CFG.layers + CFG.hidden * CFG.vocab
+    return {"weight_bytes": weight_bytes, "bandwidth": bandwidth, "peak": peak,
+            "step_floor_ms": 1e3 * weight_bytes / bandwidth, "flop_floor_ms": 1e3 * 2 * macs * rows / peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--skip-pipeline", action="store_true", help="one process only")
+    parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
+                        help="rows per pass (default: %(default)s, the engines' default)")
+    args = parser.parse_args()
+    files = model_files(args.dir)
+    engines: dict = {}
+    rows = {}
+    alone: dict = {}
+    for _ in range(args.repeat):
+        for kind, counts in (("F32", (1, 8, 16)), ("Q8_0", (1, 8))):
+            for n in counts:
+                rate, tokens = local(files[kind], n, args, engines)
+                rows.setdefault((kind, n), []).append(rate)
+                if n == 8:
+                    alone.setdefault(kind, tokens)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"\n125M Llama, {args.prompt}-token prompts, {args.tokens} new tokens, median of {args.repeat}")
+    print("| engine | sessions | aggregate decode tok/s | vs 1 session |\n|---|---|---|---|")
+    for (kind, n), rate in med.items():
+        print(f"| one process, {kind} | {n} | {rate:.1f} | {rate / med[(kind, 1)]:.2f}x |")
+    ceil = {kind: ceilings(files[kind], 8) for kind in files}
+    for kind, c in ceil.items():
+        print(f"ceilings {kind}: weights {c['weight_bytes'] / 1e6:.0f} MB per step / {c['bandwidth'] / 1e9:.1f} GB/s "
+              f"= {c['step_floor_ms']:.2f} ms; 8 rows' FLOPs / {c['peak'] / 1e9:.0f} GFLOP/s = "
+              f"{c['flop_floor_ms']:.2f} ms")
+    prefill = chunked_prefill(files["F32"], args, engines)
+    step = 1e3 / med[("F32", 8)] * 8
+    print(f"chunked prefill (4 x 512-token prompts arriving while 8 sessions decode): inter-token "
+          f"p50 {1e3 * prefill['p50']:.1f} ms, p99 {1e3 * prefill['p99']:.1f} ms, max {1e3 * prefill['max']:.1f} ms; "
+          f"a decode step of 8 sessions alone {step:.1f} ms (p99 / step = {1e3 * prefill['p99'] / step:.2f})")
+    if args.skip_pipeline:
+        return
+    print("| pipeline (this machine) | micro-batches | 8 sessions tok/s | vs one process 8 | same tokens | "
+          "overhead / step |\n|---|---|---|---|---|---|")
+    for stages in (2, 3):
+        for micro in (1, stages):
+            rate, tokens, summary = pipeline_rate(files["F32"], stages, micro, args)
+            compute = sum(s["compute"] for s in summary["stages"])
+            step_ms = 1e3 * summary["wall_s"] / max(summary["steps"], 1)
+            overhead = max(0.0, 1 - compute / step_ms) if micro == 1 else float("nan")
+            print(f"| {stages} stages | {micro} | {rate:.1f} | {rate / med[('F32', 8)]:.2f}x | "
+                  f"{tokens == alone['F32']} | {100 * overhead:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()
