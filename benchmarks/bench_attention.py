@@ -24,7 +24,7 @@ from dist_runtime.backends.numba import DECODE_KEYS, SMALL_ATTENTION, _attention
 from dist_runtime.kernels.attention import sdpa
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 12, 4, 64, 12
-SIZES = [(1, 64), (1, 256), (1, 512), (1, 1024), (1, 2048), (1, 4096), (4, 64), (4, 1024), (16, 64), (16, 128), (16, 512),
+SIZES = [(1, 64), (1, 256), (1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (1, 16384), (4, 64), (4, 1024), (16, 64), (16, 128), (16, 512),
          (32, 64), (64, 64), (64, 512), (256, 256)]
 
 

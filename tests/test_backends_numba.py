@@ -149,6 +149,19 @@ def test_sdpa_large_scores_are_stable():
     assert_agree(*both(op, *attention_inputs(1, 50, 2, 1, 16, scale=60.0)), rtol=1e-5)
 
 
+@pytest.mark.parametrize("tq, tk, heads, kv_heads, head_dim", [(6, 40, 12, 4, 64), (5, 9, 4, 2, 12), (16, 64, 2, 1, 8)])
+def test_sdpa_rows_are_batch_invariant(tq, tk, heads, kv_heads, head_dim):
+    """Each query row is bitwise what it gives alone over the keys it sees (a batched step mixes
+    rows whose results must not depend on one another)."""
+    op = Sdpa(num_heads=heads, kv_heads=kv_heads, head_dim=head_dim, causal=True)
+    q, k, v = attention_inputs(tq, tk, heads, kv_heads, head_dim)
+    rows, _ = both(op, q, k, v)
+    for r in range(tq):
+        at = r + tk - tq
+        alone, _ = both(op, q[r:r + 1], k[:at + 1], v[:at + 1])
+        np.testing.assert_array_equal(rows[0][r], alone[0][0])
+
+
 @pytest.mark.parametrize("tq, tk, window, causal", [
     (1, 40, 8, True), (4, 12, 3, True), (5, 9, 2, False), (1, 6, 100, True), (6, 6, 1, True)])
 def test_sdpa_window(tq, tk, window, causal):

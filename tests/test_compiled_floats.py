@@ -21,13 +21,18 @@ PATHS = ["portable", pytest.param("avx2", marks=pytest.mark.skipif(not cpu.AVX2,
 FORMATS = {"f32": np.float32, "f16": np.float16, "bf16": DType.BF16.numpy}
 
 
-def product(x: np.ndarray, w: np.ndarray, fmt: str, path: str, driver=floats._serial) -> np.ndarray:
-    """``x @ w.T`` through the kernel of ``fmt`` on ``path`` (not only the one this CPU chose)."""
+def product(x: np.ndarray, w: np.ndarray, fmt: str, path: str, threaded=False) -> np.ndarray:
+    """``x @ w.T`` through the kernel of ``fmt`` on ``path`` (not only the one this CPU chose), on
+    the calling thread or (``threaded``) numba's pool."""
     x = np.ascontiguousarray(x, np.float32)
     stored = w if fmt == "f32" else w.view(np.uint16)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    driver(simd.Static((fmt, path)), x.reshape(-1), np.ascontiguousarray(stored).reshape(-1),
-                   out.reshape(-1), x.shape[0], w.shape[0], x.shape[1])
+    args = (simd.Static((fmt, path)), x.reshape(-1), np.ascontiguousarray(stored).reshape(-1),
+            out.reshape(-1), x.shape[0], w.shape[0], x.shape[1])
+    if threaded:
+        floats._threaded(*args)
+    else:
+        floats._rows(*args, 0, w.shape[0])
     return out
 
 
@@ -83,7 +88,7 @@ def test_the_threaded_driver_gives_the_serial_bits(threads):
         for m in (1, 3, 8, 13):
             x = rng.standard_normal((m, 100)).astype(np.float32)
             serial = product(x, w, "f16", cpu.PATH)
-            assert np.array_equal(product(x, w, "f16", cpu.PATH, floats._threaded).view(np.uint32),
+            assert np.array_equal(product(x, w, "f16", cpu.PATH, threaded=True).view(np.uint32),
                                   serial.view(np.uint32)), m
     finally:
         set_threads(numba.config.NUMBA_NUM_THREADS)

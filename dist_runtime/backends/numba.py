@@ -10,8 +10,9 @@ the data each (2-22 us a call):
 - Rope on ``[T, heads * head_dim]``, full or partial rotary;
 - Sdpa and SdpaWindow without a mask input, on ``[Tq, heads * head_dim]`` queries and
   ``[Tk, kv_heads * head_dim]`` keys and values: grouped-query, end-aligned, causal or not,
-  windowed, each key and value row read once for all the query heads of its group.  Only small
-  products run here (``small_attention``: a decode step over up to 2048 keys, or ``Tq * Tk <=
+  windowed, each key and value row read once, whole, for all the query heads (one pass over the
+  keys, one over the values, a vectorised exp).  Only small
+  products run here (``small_attention``: a decode step over up to 8192 keys, or ``Tq * Tk <=
   1024``); larger ones go to the CPU library, whose BLAS products win there
   (``benchmarks/bench_attention.py``) -- except when the backend is ``invariant``: then every
   attention runs here, since a row's result must not depend on how many query rows share the call
@@ -66,11 +67,11 @@ F32 = np.dtype(np.float32)
 
 #: Attention runs here while query rows x keys <= SMALL_ATTENTION, or for one query row (a decode
 #: step) over at most DECODE_KEYS keys; beyond, the CPU library's BLAS products, on every core,
-#: win (``benchmarks/bench_attention.py``: 1.3x faster here at 1 x 1024, 2.5x slower at 1 x 4096;
-#: in a later session's run 0.76x at 1 x 1024 in isolation, yet moving decode steps of 512-2048
-#: keys to the CPU library left the 125M model's step at context 1024 unchanged, 23.1 ms).
+#: win (``benchmarks/bench_attention.py``).  A decode step here, on one thread, measured 1.2-1.9x
+#: faster than the CPU library on two at 2048-8192 keys (0.45 / 0.9 / 1.8 ms against 0.78 / 1.2 /
+#: 2.4); beyond 8192 it was not measured.
 SMALL_ATTENTION = 1024
-DECODE_KEYS = 2048
+DECODE_KEYS = 8192
 
 
 
@@ -122,45 +123,85 @@ def _rope_rows(x, cos, sin, head_dim, rope_dim, out):
                 out[t, i] = x[t, i]
 
 
-@_jit
-def _attend_group(q, k, v, lo, hi, kb, head_dim, scale, scores, acc, out):
-    """The query rows ``q [G, head_dim]`` of the ``G`` heads sharing one kv head: ``out[h] =
-    softmax(K @ q[h] * scale) @ V`` over key rows ``[lo, hi)`` and columns ``[kb, kb + head_dim)``.
+# exp's argument reduction (x - n * ln2 in two parts) must not be reassociated: no fast-math
+# beyond fusing a multiply-add, which keeps it one fixed sequence of operations.
+_exact = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy", fastmath={"contract"})
 
-    Each key and value row is read once for all ``G`` heads (grouped-query attention's saving:
-    the K/V bytes of a decode step, not ``G`` times them); ``scores [G, >= hi - lo]`` and
-    ``acc [G, head_dim]`` are scratch.  Per head the arithmetic is one fixed sequence whatever
-    the other heads or rows: a row's result is the same alone or in a batch.
-    """
-    groups, n = q.shape[0], hi - lo
+#: Below this, exp(x) is under float32's smallest normal: taken as 0.
+_EXP_MIN = np.float32(-87.33654)
+
+
+@_exact
+def _exp_shifted(s, m, n, bits):
+    """``s[t] = exp(s[t] - m)`` for ``t < n`` (all ``s[t] <= m``), vectorised (``libm``'s scalar
+    ``expf`` per key and head was a fifth of a decode step's attention over 1024 keys).  Cephes' ``expf``: ``2^k``
+    times a degree-7 polynomial in ``r = x - k ln2`` (relative error ~1e-7, well inside the
+    softmax tests' 1e-5), ``2^k`` built in ``bits`` (int32 scratch, ``>= n``) and read back as float32."""
     for t in range(n):
-        kt = k[lo + t, kb:kb + head_dim]
-        for h in range(groups):
-            qh = q[h]
-            d = np.float32(0.0)
-            for i in range(head_dim):
-                d += qh[i] * kt[i]
-            scores[h, t] = d * scale
-    for h in range(groups):
+        x0 = s[t] - m
+        x = _EXP_MIN if x0 < _EXP_MIN else x0  # NaN stays NaN
+        k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+        r = x - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        bits[t] = (np.int32(k) + np.int32(127)) << np.int32(23)
+        s[t] = np.float32(0.0) if x0 < _EXP_MIN else p * r * r + r + np.float32(1.0)
+    powers = bits[:n].view(np.float32)
+    for t in range(n):
+        s[t] *= powers[t]
+
+
+@_jit
+def _attend_row(q, k, v, lo, hi, kv_heads, groups, head_dim, scale, scores, bits, out):
+    """One query row ``q [heads * head_dim]`` (head ``h`` on kv head ``h // groups``):
+    ``out[h] = softmax(K_h @ q[h] * scale) @ V_h`` over key rows ``[lo, hi)``.
+
+    One pass over the key rows and one over the value rows, each row read once, whole, for every
+    head (grouped-query attention's saving: the K/V bytes of a step, not ``groups`` times them;
+    and one sequential stream rather than one per kv head).  ``scores [heads, >= hi - lo]`` and
+    ``bits [>= hi - lo]`` are scratch.  Per head the arithmetic is one fixed sequence whatever the
+    other heads or rows: a row's result is the same alone or in a batch.
+    """
+    n = hi - lo
+    for t in range(n):
+        kt = k[lo + t]
+        h = 0
+        for g in range(kv_heads):
+            kh = kt[g * head_dim:(g + 1) * head_dim]
+            for _ in range(groups):
+                qh = q[h * head_dim:(h + 1) * head_dim]
+                d = np.float32(0.0)
+                for i in range(head_dim):
+                    d += qh[i] * kh[i]
+                scores[h, t] = d * scale
+                h += 1
+    for h in range(kv_heads * groups):
+        sh = scores[h]
         m = np.float32(-np.inf)
         for t in range(n):
-            m = max(m, scores[h, t])
+            m = max(m, sh[t])
+        _exp_shifted(sh, m, n, bits)
         total = np.float32(0.0)
         for t in range(n):
-            e = np.exp(scores[h, t] - m)
-            scores[h, t] = e
-            total += e
+            total += sh[t]
         inv = np.float32(1.0) / total
         for t in range(n):
-            scores[h, t] *= inv
-    acc[:] = 0.0
+            sh[t] *= inv
+    out[:] = 0.0
     for t in range(n):
-        vt = v[lo + t, kb:kb + head_dim]
-        for h in range(groups):
-            p, ah = scores[h, t], acc[h]
-            for i in range(head_dim):
-                ah[i] += p * vt[i]
-    out[:] = acc
+        vt = v[lo + t]
+        h = 0
+        for g in range(kv_heads):
+            vh = vt[g * head_dim:(g + 1) * head_dim]
+            for _ in range(groups):
+                p, oh = scores[h, t], out[h * head_dim:(h + 1) * head_dim]
+                for i in range(head_dim):
+                    oh[i] += p * vh[i]
+                h += 1
 
 
 @_jit
@@ -172,10 +213,9 @@ def _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
     (behind it if causal, on either side if not).  The caller makes sure every row sees a key.
     """
     tq, tk = q.shape[0], k.shape[0]
-    groups = num_heads // kv_heads
     scale = np.float32(1.0 / math.sqrt(head_dim))
-    scores = np.empty((groups, tk), np.float32)
-    acc = np.empty((groups, head_dim), np.float32)
+    scores = np.empty((num_heads, tk), np.float32)
+    bits = np.empty(tk, np.int32)
     for r in range(tq):
         at = r + tk - tq
         lo, hi = 0, tk
@@ -185,10 +225,7 @@ def _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
             lo = max(0, at - window + 1)
             if not causal:
                 hi = min(tk, at + window)
-        qr, outr = q[r].reshape(num_heads, head_dim), out[r].reshape(num_heads, head_dim)
-        for g in range(kv_heads):
-            _attend_group(qr[g * groups:(g + 1) * groups], k, v, lo, hi, g * head_dim, head_dim, scale,
-                          scores, acc, outr[g * groups:(g + 1) * groups])
+        _attend_row(q[r], k, v, lo, hi, kv_heads, num_heads // kv_heads, head_dim, scale, scores, bits, out[r])
 
 
 @_jit

@@ -28,7 +28,7 @@ from numba.extending import intrinsic
 
 from ...dtypes import DType
 from . import cpu, simd
-from .registry import kernel
+from .registry import Drivers, kernel, run
 
 #: Lanes of one multiply-add (8 f32 = one AVX2 register).
 LANES = 8
@@ -44,12 +44,6 @@ CHUNK = 12
 #: Elements of ``K`` per span when ``M`` > 2: the span of a chunk's weight rows (12 KB in f32)
 #: and of a tile's rows of ``x`` (4 KB) stay in L1 while every row of ``x`` passes.
 SPAN = 256
-#: Below this many weight bytes times rows, the calling thread works alone: waking the pool's
-#: workers cost 40-50 us a call here on a busy machine, more than a 125M model's 768 x 2048 f32
-#: product takes alone (same bits either way: threads never split a row's sum).
-SERIAL_BYTES = 8 << 20
-
-
 def _tile(rows: int, cols: int):
     """The intrinsic ``tile(spec, x, w, out, acc, m0, n0, lo, n, k, k0, k1)`` for the products of
     rows ``m0 + r`` of ``x`` and ``n0 + c`` of ``W`` (``r < rows``, ``c < cols``; arrays flat,
@@ -157,15 +151,19 @@ def _threaded(spec, x, w, out, m, n, k):
 
 
 @numba.njit(nogil=True, cache=True)
-def _serial(spec, x, w, out, m, n, k):
-    for task in range((n + CHUNK - 1) // CHUNK):
+def _rows(spec, x, w, out, m, n, k, lo, hi):
+    """The chunks holding weight rows ``lo`` up to ``hi``, on the calling thread (``lo`` a multiple
+    of :data:`CHUNK`, or ``hi`` = ``n``: a chunk is never split)."""
+    for task in range(lo // CHUNK, (hi + CHUNK - 1) // CHUNK):
         _chunk(spec, x, w, out, m, n, k, task)
+
+
+_DRIVERS = Drivers(_rows, _threaded)
 
 
 def _run(spec: simd.Static, x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
     m, n = out.shape
-    run = _serial if w.nbytes * m < SERIAL_BYTES or numba.get_num_threads() == 1 else _threaded
-    run(spec, x.reshape(-1), w.reshape(-1), out.reshape(-1), m, n, x.shape[1])
+    run(_DRIVERS, w.nbytes * m, (spec, x.reshape(-1), w.reshape(-1), out.reshape(-1), m, n, x.shape[1]), n)
 
 
 for _dtype, _fmt in ((DType.F32, "f32"), (DType.F16, "f16"), (DType.BF16, "bf16")):
