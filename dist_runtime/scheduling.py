@@ -25,12 +25,8 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 
 from .errors import DistRuntimeError
+from .pipeline.options import DEFAULT_BATCH_TOKENS, IDLE_PREFILL_TOKENS
 from .requests import Request, TokenEvent
-
-#: Rows per pass when the caller does not say: enough for 32 decoding sessions plus a prompt
-#: chunk, small enough that a chunk's prefill costs a few decode steps, not a whole prompt.
-DEFAULT_BATCH_TOKENS = 256
-
 
 @dataclass
 class Live:
@@ -120,12 +116,19 @@ class Scheduler:
     def next_batch(self, max_sessions: int | None = None) -> list[Work]:
         """The rows of the next pass (empty when no session is ready): a decode row of every ready
         generating session, then prompt chunks, up to ``max_batch_tokens`` rows and
-        ``max_sessions`` sessions.  Its sessions are busy until :meth:`complete` or :meth:`abort`."""
+        ``max_sessions`` sessions.  While prompts wait, decode rows leave a quarter of the budget
+        to them (new sessions always progress); while no session is generating, nobody waits
+        between tokens, so prompts take up to ``IDLE_PREFILL_TOKENS``.  Its sessions are busy
+        until :meth:`complete` or :meth:`abort`."""
         self._admit()
-        ready = [s for s in self.live.values() if not s.busy and s.feed]
-        ready.sort(key=lambda s: len(s.feed) > 1)  # decode rows first, prompts after, each in admission order
-        budget, batch = self.max_batch_tokens, []
-        for s in ready[:max_sessions]:
+        ready = [s for s in self.live.values() if not s.busy and s.feed][:max_sessions]
+        decode = [s for s in ready if s.generated]
+        prompts = [s for s in ready if not s.generated]
+        generating = any(s.generated for s in self.live.values())
+        budget = self.max_batch_tokens if generating else max(self.max_batch_tokens, IDLE_PREFILL_TOKENS)
+        decode = decode[:budget - budget // 4] if prompts else decode[:budget]
+        batch = []
+        for s in decode + prompts:
             take = min(len(s.feed), budget)
             if take == 0:
                 break

@@ -151,16 +151,28 @@ def test_tokens_are_those_of_each_session_alone_whatever_arrives_when(model, ses
 
 
 def test_the_scheduler_feeds_decode_rows_first_and_chunks_prompts_to_the_budget():
-    sched = Scheduler([Request("short", [1, 2], 3), Request("long", list(range(50)), 2)], max_batch_tokens=16)
-    first = sched.next_batch()  # prompts first come, first served, the last one cut to the budget
-    assert [(w.session, len(w.tokens), w.samples) for w in first] == [("short", 2, True), ("long", 14, False)]
+    sched = Scheduler([Request("short", [1, 2], 3), Request("long", list(range(600)), 2)], max_batch_tokens=16)
+    first = sched.next_batch()  # no one is generating yet: prompts may take IDLE_PREFILL_TOKENS rows
+    assert [(w.session, len(w.tokens), w.samples) for w in first] == [("short", 2, True), ("long", 510, False)]
     events = sched.complete(first, [np.eye(8)[3]] * 2)
     assert [(e.session, e.token) for e in events] == [("short", 3)]
-    second = sched.next_batch()  # short's decode row first, then long's next chunk
-    assert [(w.session, len(w.tokens), w.pos) for w in second] == [("short", 1, 2), ("long", 15, 14)]
+    second = sched.next_batch()  # short's decode row first, then long's next chunk, to the budget
+    assert [(w.session, len(w.tokens), w.pos) for w in second] == [("short", 1, 2), ("long", 15, 510)]
     assert sched.next_batch() == []  # both are in flight
     sched.abort(second)
     assert [len(w.tokens) for w in sched.next_batch(max_sessions=1)] == [1]
+
+
+def test_decode_rows_leave_a_quarter_of_the_budget_to_waiting_prompts():
+    sched = Scheduler([Request(f"d{i}", [1], 5) for i in range(20)], max_batch_tokens=16)
+    for _ in range(2):  # all 20 prompts, then 16 decode rows (no prompt waits)
+        batch = sched.next_batch()
+        sched.complete(batch, [np.eye(8)[3]] * len(batch))
+    assert len(batch) == 16
+    sched.add(Request("new", list(range(40)), 2))
+    batch = sched.next_batch()
+    assert [w.session for w in batch].count("new") == 1 and len(batch) == 13
+    assert sum(len(w.tokens) for w in batch) == 16  # 12 decode rows + 4 prompt rows
 
 
 def test_admission_queues_what_memory_cannot_hold_and_never_fails_it():

@@ -22,7 +22,7 @@ import sys
 
 from ..commands import USAGE, positive_int, token_ids
 from ..errors import DistRuntimeError, SamplingError
-from ..pipeline.options import add_deployment_options, stage_options, wants_pipeline
+from ..pipeline.options import DEFAULT_BATCH_TOKENS, add_deployment_options, stage_options, wants_pipeline
 
 
 def register(sub) -> None:
@@ -72,6 +72,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=positive_int, default=1, metavar="K",
                    help="sessions generating at once from the prompt (default: 1)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=DEFAULT_BATCH_TOKENS, metavar="N",
+                   help="rows of one pass: every decoding session's next token, then chunks of prompts "
+                        "(default: %(default)s, measured: a long prompt must not stall the others)")
     p.add_argument("--no-fuse", action="store_true", help="run without the fusion pre-pass")
     p.add_argument("--stats", action="store_true", help="with stages: print the per-stage timing table")
     p.add_argument("--json", action="store_true", help="print one JSON result at the end instead of streaming")
@@ -96,7 +99,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..executor import GraphExecutor
     from ..generation import LocalEngine
 
-    result = job.run(LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse, batch_invariant=True)))
+    engine = LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse, batch_invariant=True),
+                         max_batch_tokens=args.max_batch_tokens)
+    result = job.run(engine)
     return job.report(result, None)
 
 
@@ -214,13 +219,19 @@ def _run_on_pipeline(args, job: _Job) -> int:
 
     pipe = open_pipeline(args, len(job.requests))
     try:
-        result = job.run(pipe.coordinator, max_in_flight=args.max_in_flight)
+        result = job.run(pipe.coordinator, max_in_flight=args.max_in_flight, max_batch_tokens=args.max_batch_tokens)
         run = pipe.coordinator.last_run
         if args.timeline:
             with open(args.timeline, "w") as f:
                 f.write(run.svg())
+        if args.trace:
+            with open(args.trace, "w") as f:
+                json.dump(run.trace(), f)
         pipeline = {"plan_hash": pipe.plan.hash, "stages": pipe.reports, "nodes": describe()["nodes"],
-                    "stats": run.summary(), "table": run.table(), "timeline": args.timeline, "check": None}
+                    "stats": run.summary(), "table": run.table(), "timeline": args.timeline, "trace": args.trace,
+                    "micro_batches": pipe.micro_batches, "micro_batches_reason": pipe.micro_batches_reason,
+                    "batching": pipe.coordinator.batching or "the rows of several sessions share each pass",
+                    "check": None}
     except KeyboardInterrupt:
         with _no_sigint():  # a second Ctrl-C must not cut the teardown short
             pipe.close()
@@ -243,8 +254,12 @@ def _print_pipeline(args, pipeline: dict) -> None:
             print(f"stage {r['stage']}: {r['host']} pid {r['pid']}, {len(r['weights'])} weights "
                   f"({r['weight_bytes']:,} bytes) from {r['source']}, {r['threads']} BLAS thread(s)")
         print(pipeline["table"])
+        print(f"batching: {pipeline['batching']}; {pipeline['micro_batches']} micro-batch(es) in flight "
+              f"({pipeline['micro_batches_reason']})")
     if pipeline["timeline"]:
         print(f"wrote timeline to {pipeline['timeline']}")
+    if pipeline["trace"]:
+        print(f"wrote trace to {pipeline['trace']} (open in https://ui.perfetto.dev)")
     if pipeline["check"] is not None:
         print("check: the same tokens as one process" if pipeline["check"]
               else "check: FAILED, tokens differ from one process")
@@ -257,11 +272,12 @@ def _check_before_ray(args) -> None:
 
     if args.sessions > MAX_SESSIONS:
         raise DistRuntimeError(f"--sessions {args.sessions}: a stage holds at most {MAX_SESSIONS} sessions")
-    if args.timeline:
-        folder = os.path.dirname(os.path.abspath(args.timeline))
-        if os.path.isdir(args.timeline) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise DistRuntimeError(f"--timeline {args.timeline}: cannot write a file there "
-                                   f"({'a directory' if os.path.isdir(args.timeline) else 'no writable folder ' + folder})")
+    for option, path in (("--timeline", args.timeline), ("--trace", args.trace)):
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                raise DistRuntimeError(f"{option} {path}: cannot write a file there "
+                                       f"({'a directory' if os.path.isdir(path) else 'no writable folder ' + folder})")
 
 
 def open_pipeline(args, sessions: int):
@@ -278,7 +294,8 @@ def open_pipeline(args, sessions: int):
     return Pipeline(args.model, plan=plan, stages=args.stages, budgets=args.budgets, speeds=args.speeds,
                     reserve=args.reserve, max_context=args.max_context, sessions=sessions,
                     channel=args.channel, options=stage_options(args), address=args.address,
-                    num_cpus=args.num_cpus, timeout=args.timeout, connect_timeout=args.connect_timeout)
+                    num_cpus=args.num_cpus, timeout=args.timeout, connect_timeout=args.connect_timeout,
+                    micro_batches=args.micro_batches, max_batch_tokens=args.max_batch_tokens)
 
 
 @contextlib.contextmanager

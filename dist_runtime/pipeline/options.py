@@ -11,6 +11,14 @@ WEIGHT_SOURCES = ("auto", "file", "store")
 #: (or an attack); the coordinator closes sessions it is done with.
 MAX_SESSIONS = 4096
 
+#: Rows per pass when the caller does not say (the scheduler's, dist_runtime/scheduling.py; here,
+#: where the command line reads it without importing numpy).  Measured (benchmarks/
+#: bench_batching.py, 125M Llama, F32): with 8 sessions decoding and 4 prompts of 512 tokens arriving, 32 rows a pass
+#: kept the decoding sessions' p99 inter-token time at 1.98 decode steps, 64 rows let it reach 5.4.
+DEFAULT_BATCH_TOKENS = 32
+#: Prompt rows a pass may take while no session is generating (no one waits between tokens).
+IDLE_PREFILL_TOKENS = 512
+
 
 @dataclass
 class StageOptions:
@@ -69,6 +77,11 @@ def add_deployment_options(p) -> None:
                       help="longest wait for one step's reply before the run fails (default: 600; a dead "
                            "stage is noticed at once)")
     plan.add_argument("--timeline", metavar="FILE.svg", help="draw the per-stage timeline (who was busy when)")
+    plan.add_argument("--trace", metavar="FILE.json",
+                      help="write the run as Chrome trace-event JSON (as `ray timeline` does; open in Perfetto)")
+    plan.add_argument("--micro-batches", type=positive_int, metavar="N",
+                      help="passes in flight at once (default: one per stage when every stage has a node of "
+                           "its own, else 1: stages sharing a machine take turns on its cores)")
     plan.add_argument("--check", action="store_true",
                       help="also run the requests in one process (GraphExecutor) and compare the tokens")
 

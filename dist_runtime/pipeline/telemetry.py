@@ -199,6 +199,29 @@ class RunTelemetry:
     def svg(self, width: int = 1100) -> str:
         return timeline_svg(self, width)
 
+    def trace(self) -> dict:
+        """The run as Chrome trace-event JSON (what ``ray timeline`` writes; open it in Perfetto or
+        chrome://tracing): one complete event per step and stage, one per sampling on the driver,
+        times in microseconds from the run's start."""
+        t0, _ = self.window()
+        lanes = ["driver"] + [f"stage {k}" for k in range(self.num_stages)]
+        events: list[dict] = [{"name": "process_name", "ph": "M", "pid": i, "tid": 0, "args": {"name": name}}
+                              for i, name in enumerate(lanes)]
+        for rec in self.steps.values():
+            about = {"step": rec.step, "kind": rec.kind, "rows": rec.rows, "sessions": [str(s) for s in rec.sessions],
+                     "queued": rec.queued}
+            name = f"{rec.kind} x{len(rec.sessions)}"
+            for t in rec.stages:
+                events.append({"name": name, "cat": rec.kind, "ph": "X", "pid": t.stage + 1, "tid": 0,
+                               "ts": 1e6 * (t.start - t0), "dur": 1e6 * (t.end - t.start),
+                               "args": {**about, **{f"{k}_ms": 1e3 * getattr(t, k)
+                                                    for k in ("queue", "transfer", "decode", "compute", "encode")}}})
+            if rec.done is not None:
+                events.append({"name": "sample" if rec.error is None else "failed", "cat": "driver", "ph": "X",
+                               "pid": 0, "tid": 0, "ts": 1e6 * (rec.done - t0), "dur": 1e6 * rec.sample,
+                               "args": {**about, "tokens": rec.sampled, "error": rec.error}})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
 
 def _mean_ms(values: list[float]) -> float:
     return 1e3 * statistics.fmean(values) if values else 0.0
