@@ -77,8 +77,9 @@ def data(dtype: DType, m: int, n: int, k: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
-def test_q8_activations_are_llama_cpp_bit_for_bit(dtype):
-    x, w = data(dtype, 7, 45, 512)
+@pytest.mark.parametrize("m, k", [(7, 512), (1, 352), (2, 288)])  # tiles and lone rows, groups of 8 blocks and tails
+def test_q8_activations_are_llama_cpp_bit_for_bit(dtype, m, k):
+    x, w = data(dtype, m, 45, k)
     got = linear(x, w, activations="q8_0")
     assert np.array_equal(got.view(np.uint32), ggml_vec_dot(x, w).view(np.uint32))
 

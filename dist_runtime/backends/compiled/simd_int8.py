@@ -11,9 +11,11 @@ run-time code; the block loop of each format is emitted once, behind a switch ou
 - :func:`q8_rows`: llama.cpp's integer products on Q8_0/Q8_1-quantized activations.  Per block,
   ``pmaddubsw`` (unsigned x signed bytes -> i16 pairs) then ``pmaddwd`` by ones (-> 8 x i32)
   and an exact integer sum: the block's ``sumi``.  Q8_0's signed codes go through the
-  ``|w|, sign(x, w)`` trick as in ``ggml_vec_dot_q8_0_q8_0``; the nibble formats use their
+  ``|w|, sign(x, w)`` trick (``psignb``) as in ``ggml_vec_dot_q8_0_q8_0``; the nibble formats use their
   unsigned codes and subtract ``c * sum(x codes)`` (Q4_0's c = 8, Q5_0's 16): the same integer.  Then in
-  f32, block after block: ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for Q4_1/Q5_1).
+  f32, block after block: ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for Q4_1/Q5_1).  That
+  serial f32 sum (one ``addss`` latency a block) is the scalar reference's numerics and bounds a
+  row: everything else runs 8 (block, row) pairs at a time beside it (:func:`q8_rows`).
 
 Every row of ``x`` goes through the same instructions whatever the tile and its place in it,
 so results are batch-invariant; nothing here carries fast-math flags, so LLVM may not reorder.
@@ -33,6 +35,8 @@ I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntTy
 V8F, V8I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I8, 32)
 V16B, V16S = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
 
+#: (block, row) pairs whose integer sums :func:`q8_rows` folds together: one <8 x i32>.
+GROUP = 8
 #: format code (the run-time argument of the intrinsics) -> element type.
 FORMATS = {0: DType.Q8_0, 1: DType.Q4_0, 2: DType.Q4_1, 3: DType.Q5_0, 4: DType.Q5_1}
 
@@ -61,8 +65,12 @@ def _load(builder, base, offset, ty, align=1):
     return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=align)
 
 
+def _f16(builder, blk, at):
+    return _load(builder, blk, _i(at), ir.HalfType())
+
+
 def _half(builder, blk, at):
-    return builder.fpext(_load(builder, blk, _i(at), ir.HalfType()), F32)
+    return builder.fpext(_f16(builder, blk, at), F32)
 
 
 def _call(builder, name, ret, *args):
@@ -168,6 +176,24 @@ def f32_rows(rows: int):
     return run
 
 
+def _concat(builder, parts):
+    """Equal-length vectors (a power of two of them) as one, in order."""
+    while len(parts) > 1:
+        n = parts[0].type.count
+        mask = _vec(ir.VectorType(I32, 2 * n), range(2 * n))
+        parts = [builder.shuffle_vector(parts[i], parts[i + 1], mask) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _spread(builder, halves, rows):
+    """f16 scalars, each on ``rows`` lanes in order, as one f32 vector (one conversion for all)."""
+    v = ir.Constant(ir.VectorType(ir.HalfType(), len(halves)), ir.Undefined)
+    for g, value in enumerate(halves):
+        v = builder.insert_element(v, value, _i(g, I32))
+    spread = _vec(ir.VectorType(I32, len(halves) * rows), [g for g in range(len(halves)) for _ in range(rows)])
+    return builder.fpext(builder.shuffle_vector(v, v, spread), ir.VectorType(F32, len(halves) * rows))
+
+
 def _pair_sums(builder, a, b):
     """<8 x i32> whose lanes 0-3 are the sums of a's lane pairs and 4-7 of b's."""
     mask = ir.VectorType(I32, 8)
@@ -179,6 +205,12 @@ def _row_sums(builder, quads):
     """The lane sums of each <8 x i32> in ``quads`` (1, 2, 4 or 8 of them) as one <rows x i32>,
     in order: pairwise folds that keep every row's partial sums together (exact: integers)."""
     rows = len(quads)
+    if rows == 8:  # phaddd within 128-bit halves, the halves added once at the end: 9 ops, not 14
+        sums = [_call(builder, "llvm.x86.avx2.phadd.d", V8I, quads[i], quads[i + 1]) for i in range(0, 8, 2)]
+        sums = [_call(builder, "llvm.x86.avx2.phadd.d", V8I, sums[i], sums[i + 1]) for i in (0, 2)]
+        halves = [builder.shuffle_vector(*sums, _vec(ir.VectorType(I32, 8), [h, h + 1, h + 2, h + 3, h + 8, h + 9, h + 10, h + 11]))
+                  for h in (0, 4)]
+        return builder.add(*halves)
     while len(quads) > 1:
         quads = [_pair_sums(builder, quads[i], quads[i + 1]) for i in range(0, len(quads), 2)]
     v = quads[0]
@@ -191,9 +223,13 @@ def q8_rows(rows: int):
     """``q8_rows(w, xq, xd, xs, xsum, out, n, m, fmt)``: as :func:`f32_rows` on activations
     quantized per block: codes ``xq`` int8 [M, K]; per block and row (transposed, so a tile's rows
     are adjacent), scales ``xd`` and sums ``xs`` (Q8_1's ``s``) f32 [nb, M], code sums ``xsum``
-    int32 [nb, M].  The tile's integer sums are folded together and its f32 steps run as one
-    <rows x float> vector: each lane does exactly what a lone row does."""
+    int32 [nb, M].  Blocks go :data:`GROUP` // ``rows`` at a time: their tile's integer sums are
+    folded together into one <8 x i32> (one fold for 8 (block, row) pairs, not one per block) and
+    their f32 products ``sumi * (d_w * d_x)`` run as one <8 x float>; then each block's lanes are
+    added to the <rows x float> accumulator in block order.  Each lane does exactly what a lone
+    row's block does, in the same order."""
     vec_f, vec_i = ir.VectorType(F32, rows), ir.VectorType(I32, rows)
+    group = GROUP // rows
 
     @intrinsic
     def run(typingctx, w, xq, xd, xs, xsum, out, n, m, fmt):
@@ -208,32 +244,57 @@ def q8_rows(rows: int):
             def tile(ptr, at, ty):
                 return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=4)
 
-            def loop(fmt, bb):
-                with cgutils.for_range(builder, nb) as blocks:
-                    b = blocks.index
-                    blk = builder.gep(row, [builder.mul(b, _i(bb))])
+            def blocks(fmt, bb, first, count, adjacent=False):
+                """Blocks ``first .. first + count`` (count * rows = 1..8 lanes) into ``acc``;
+                ``adjacent``: one row whose blocks' scales and sums are adjacent (M = 1)."""
+                lanes = count * rows
+                vf, vi = ir.VectorType(F32, lanes), ir.VectorType(I32, lanes)
+                quads, dw, mw = [], [], []
+                for g in range(count):
+                    blk = builder.gep(row, [builder.mul(builder.add(first, _i(g)), _i(bb))])
                     q = _codes(builder, blk, fmt)
                     if fmt.bits == 8:  # |w| unsigned, x carrying w's sign: pmaddubsw's operands
-                        negative = builder.icmp_signed("<", q, ir.Constant(V32B, None))
-                        q = builder.select(negative, builder.neg(q), q)
-                    quads = []
+                        signs, q = q, _call(builder, "llvm.x86.avx2.psign.b", V32B, q, q)
                     for r in range(rows):
-                        xv = _load(builder, xrows[r], builder.mul(b, _i(QK)), V32B)
+                        xv = _load(builder, xrows[r], builder.mul(builder.add(first, _i(g)), _i(QK)), V32B)
                         if fmt.bits == 8:
-                            xv = builder.select(negative, builder.neg(xv), xv)
+                            xv = _call(builder, "llvm.x86.avx2.psign.b", V32B, xv, signs)
                         pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, q, xv)
                         quads.append(_call(builder, "llvm.x86.avx2.pmadd.wd", V8I, pairs, _vec(V16S, [1] * 16)))
-                    sumi = _row_sums(builder, quads)
-                    at = builder.add(builder.mul(b, mt), m_)
-                    if centre(fmt):
-                        shift = builder.mul(tile(ca.data, at, vec_i), _vec(vec_i, [centre(fmt)] * rows))
-                        sumi = builder.sub(sumi, shift)
-                    scale = builder.fmul(_splat(builder, _half(builder, blk, 0), vec_f), tile(da.data, at, vec_f))
-                    t = builder.fmul(builder.sitofp(sumi, vec_f), scale)
+                    dw.append(_f16(builder, blk, 0))
                     if fmt.affine:
-                        low = _splat(builder, _half(builder, blk, 2), vec_f)
-                        t = builder.fadd(t, builder.fmul(low, tile(sa.data, at, vec_f)))
-                    builder.store(builder.fadd(builder.load(acc), t), acc)
+                        mw.append(_f16(builder, blk, 2))
+
+                def per_row(ptr, ty):  # the group's [nb, M] entries of the tile's rows, in lane order
+                    if adjacent:
+                        return tile(ptr, builder.add(first, m_), ir.VectorType(ty, lanes))
+                    at = [builder.add(builder.mul(builder.add(first, _i(g)), mt), m_) for g in range(count)]
+                    return _concat(builder, [tile(ptr, a, ir.VectorType(ty, rows)) for a in at])
+
+                sumi = _row_sums(builder, quads)
+                if centre(fmt):
+                    sumi = builder.sub(sumi, builder.mul(per_row(ca.data, I32), _vec(vi, [centre(fmt)] * lanes)))
+                scale = builder.fmul(_spread(builder, dw, rows), per_row(da.data, F32))
+                t = builder.fmul(builder.sitofp(sumi, vf), scale)
+                if fmt.affine:
+                    t = builder.fadd(t, builder.fmul(_spread(builder, mw, rows), per_row(sa.data, F32)))
+                for g in range(count):
+                    part = builder.shuffle_vector(t, t, _vec(vec_i, range(g * rows, (g + 1) * rows)))
+                    builder.store(builder.fadd(builder.load(acc), part), acc)
+
+            def loop(fmt, bb):
+                grouped = builder.mul(builder.sdiv(nb, _i(group)), _i(group))
+                with cgutils.for_range_slice(builder, _i(0), grouped, _i(group)) as (b, _):
+                    if rows == 1:  # M = 1 (the row's scales adjacent) or a lone tail row
+                        with builder.if_else(builder.icmp_signed("==", mt, _i(1))) as (alone, tail):
+                            with alone:
+                                blocks(fmt, bb, b, group, adjacent=True)
+                            with tail:
+                                blocks(fmt, bb, b, group)
+                    else:
+                        blocks(fmt, bb, b, group)
+                with cgutils.for_range_slice(builder, grouped, nb, _i(1)) as (b, _):
+                    blocks(fmt, bb, b, 1)
 
             _by_format(builder, code, loop)
             total = builder.load(acc)
