@@ -2,8 +2,9 @@
 
 Threads take output rows ``n`` (``prange``); each weight row is read once, block by block, for all
 rows of ``x``.  On the vector path (``cpu.AVX2``) one call of a :mod:`.simd_int8` intrinsic runs
-a whole weight row against a tile of rows of ``x`` (4 in f32, 8 or 4 in q8_0; then rows one
-by one), each block decoded once per tile; the portable path decodes each block once for all rows
+whole weight rows against a tile of rows of ``x`` (f32: one weight row, 4 rows of ``x``; q8_0:
+2 weight rows x 4 rows of ``x``, then each row left (all of them at ``M`` = 1) against 8 weight
+rows: the serial f32 sums of q8_0's numerics run 8 side by side), each block decoded once per tile; the portable path decodes each block once for all rows
 into a small scratch and runs plain loops (block length passed at run time so that numba does
 not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep,
 for every ``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
@@ -134,7 +135,10 @@ if cpu.AVX2:
     from .simd_int8 import f32_rows, q8_rows
 
     _F32_FOUR, _F32_ONE = f32_rows(4), f32_rows(1)
-    _Q8_EIGHT, _Q8_FOUR, _Q8_ONE = q8_rows(8), q8_rows(4), q8_rows(1)
+    #: Tiles of (rows of x, weight rows): each call's serial f32 sums (one per pair) run side by
+    #: side, 8 lanes; a lone chain waits one ``addss`` latency a block.
+    _Q8_FOUR_BY_TWO, _Q8_FOUR = q8_rows(4, 2), q8_rows(4)
+    _Q8_ONE_BY_EIGHT, _Q8_ONE = q8_rows(1, 8), q8_rows(1)
 
     @numba.njit(nogil=True, cache=True)
     def _f32_avx2(x, w, out, fmt, qk, lo, hi):
@@ -151,17 +155,22 @@ if cpu.AVX2:
     @numba.njit(nogil=True, cache=True)
     def _q8_avx2(xq, xd, xs, xsum, w, out, fmt, _qk, lo, hi):  # _qk: the portable signature
         m_rows = xq.shape[0]
-        for n in range(lo, hi):
-            m = 0
-            while m + 8 <= m_rows:
-                _Q8_EIGHT(w, xq, xd, xs, xsum, out, n, m, fmt)
-                m += 8
-            if m + 4 <= m_rows:
+        tiled = m_rows // 4 * 4
+        n = lo
+        while n + 2 <= hi:
+            for m in range(0, tiled, 4):
+                _Q8_FOUR_BY_TWO(w, xq, xd, xs, xsum, out, n, m, fmt)
+            n += 2
+        for n in range(n, hi):
+            for m in range(0, tiled, 4):
                 _Q8_FOUR(w, xq, xd, xs, xsum, out, n, m, fmt)
-                m += 4
-            while m < m_rows:
+        for m in range(tiled, m_rows):
+            n = lo
+            while n + 8 <= hi:
+                _Q8_ONE_BY_EIGHT(w, xq, xd, xs, xsum, out, n, m, fmt)
+                n += 8
+            for n in range(n, hi):
                 _Q8_ONE(w, xq, xd, xs, xsum, out, n, m, fmt)
-                m += 1
 
     @numba.njit(nogil=True, cache=True, parallel=True)
     def _f32_avx2_threaded(x, w, out, fmt, qk):

@@ -219,17 +219,21 @@ def _row_sums(builder, quads):
     return builder.shuffle_vector(v, v, _vec(ir.VectorType(I32, rows), range(rows)))
 
 
-def q8_rows(rows: int):
-    """``q8_rows(w, xq, xd, xs, xsum, out, n, m, fmt)``: as :func:`f32_rows` on activations
-    quantized per block: codes ``xq`` int8 [M, K]; per block and row (transposed, so a tile's rows
-    are adjacent), scales ``xd`` and sums ``xs`` (Q8_1's ``s``) f32 [nb, M], code sums ``xsum``
-    int32 [nb, M].  Blocks go :data:`GROUP` // ``rows`` at a time: their tile's integer sums are
-    folded together into one <8 x i32> (one fold for 8 (block, row) pairs, not one per block) and
-    their f32 products ``sumi * (d_w * d_x)`` run as one <8 x float>; then each block's lanes are
-    added to the <rows x float> accumulator in block order.  Each lane does exactly what a lone
-    row's block does, in the same order."""
-    vec_f, vec_i = ir.VectorType(F32, rows), ir.VectorType(I32, rows)
-    group = GROUP // rows
+def q8_rows(rows: int, wrows: int = 1):
+    """``q8_rows(w, xq, xd, xs, xsum, out, n, m, fmt)``: ``out[m + r, n + j] = x[m + r] . W[n + j]``
+    for ``r < rows``, ``j < wrows``, on activations quantized per block: codes ``xq`` int8 [M, K];
+    per block and row (transposed, so a tile's rows are adjacent), scales ``xd`` and sums ``xs``
+    (Q8_1's ``s``) f32 [nb, M], code sums ``xsum`` int32 [nb, M].
+
+    Blocks go ``GROUP // (rows * wrows)`` at a time: the integer sums of their 8 (block, weight
+    row, row) triples are folded together into one <8 x i32> and their f32 products
+    ``sumi * (d_w * d_x)`` run as one <8 x float>; then each block's lanes are added to the
+    <wrows * rows x float> accumulator, block after block.  Each lane does exactly what a lone
+    (row, weight row) does, in the same order.  Several weight rows (``wrows``) at ``M`` = 1 give
+    the serial f32 sums independent chains to overlap: one chain is one ``addss`` latency a block."""
+    tile_n = rows * wrows
+    vec_f = ir.VectorType(F32, tile_n)
+    group = GROUP // tile_n
 
     @intrinsic
     def run(typingctx, w, xq, xd, xs, xsum, out, n, m, fmt):
@@ -237,39 +241,39 @@ def q8_rows(rows: int):
             arrays = [_array(context, builder, t, v) for t, v in zip(sig.args[:6], args[:6])]
             (wa, _, wst), (qa, (_, k), _), (da, (nb, mt), _), (sa, _, _), (ca, _, _), (oa, (_, ncols), _) = arrays
             n_, m_, code = args[6:]
-            row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
+            base = builder.bitcast(wa.data, I8.as_pointer())
+            wrow = [builder.gep(base, [builder.mul(builder.add(n_, _i(j)), wst[0])]) for j in range(wrows)]
             xrows = [builder.gep(qa.data, [builder.mul(builder.add(m_, _i(r)), k)]) for r in range(rows)]
             acc = cgutils.alloca_once_value(builder, ir.Constant(vec_f, None))
 
             def tile(ptr, at, ty):
                 return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=4)
 
-            def blocks(fmt, bb, first, count, adjacent=False):
-                """Blocks ``first .. first + count`` (count * rows = 1..8 lanes) into ``acc``;
-                ``adjacent``: one row whose blocks' scales and sums are adjacent (M = 1)."""
-                lanes = count * rows
+            def blocks(fmt, bb, first, count):
+                """Blocks ``first .. first + count`` (count * tile_n = 1..8 lanes) into ``acc``."""
+                lanes = count * tile_n
                 vf, vi = ir.VectorType(F32, lanes), ir.VectorType(I32, lanes)
                 quads, dw, mw = [], [], []
                 for g in range(count):
-                    blk = builder.gep(row, [builder.mul(builder.add(first, _i(g)), _i(bb))])
-                    q = _codes(builder, blk, fmt)
-                    if fmt.bits == 8:  # |w| unsigned, x carrying w's sign: pmaddubsw's operands
-                        signs, q = q, _call(builder, "llvm.x86.avx2.psign.b", V32B, q, q)
-                    for r in range(rows):
-                        xv = _load(builder, xrows[r], builder.mul(builder.add(first, _i(g)), _i(QK)), V32B)
-                        if fmt.bits == 8:
-                            xv = _call(builder, "llvm.x86.avx2.psign.b", V32B, xv, signs)
-                        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, q, xv)
-                        quads.append(_call(builder, "llvm.x86.avx2.pmadd.wd", V8I, pairs, _vec(V16S, [1] * 16)))
-                    dw.append(_f16(builder, blk, 0))
-                    if fmt.affine:
-                        mw.append(_f16(builder, blk, 2))
+                    b = builder.add(first, _i(g))
+                    for j in range(wrows):
+                        blk = builder.gep(wrow[j], [builder.mul(b, _i(bb))])
+                        q = _codes(builder, blk, fmt)
+                        if fmt.bits == 8:  # |w| unsigned, x carrying w's sign: pmaddubsw's operands
+                            signs, q = q, _call(builder, "llvm.x86.avx2.psign.b", V32B, q, q)
+                        for r in range(rows):
+                            xv = _load(builder, xrows[r], builder.mul(b, _i(QK)), V32B)
+                            if fmt.bits == 8:
+                                xv = _call(builder, "llvm.x86.avx2.psign.b", V32B, xv, signs)
+                            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, q, xv)
+                            quads.append(_call(builder, "llvm.x86.avx2.pmadd.wd", V8I, pairs, _vec(V16S, [1] * 16)))
+                        dw.append(_f16(builder, blk, 0))
+                        if fmt.affine:
+                            mw.append(_f16(builder, blk, 2))
 
-                def per_row(ptr, ty):  # the group's [nb, M] entries of the tile's rows, in lane order
-                    if adjacent:
-                        return tile(ptr, builder.add(first, m_), ir.VectorType(ty, lanes))
+                def per_row(ptr, ty):  # the [nb, M] entries of the tile's rows, in lane order
                     at = [builder.add(builder.mul(builder.add(first, _i(g)), mt), m_) for g in range(count)]
-                    return _concat(builder, [tile(ptr, a, ir.VectorType(ty, rows)) for a in at])
+                    return _concat(builder, [tile(ptr, a, ir.VectorType(ty, rows)) for a in at for _ in range(wrows)])
 
                 sumi = _row_sums(builder, quads)
                 if centre(fmt):
@@ -279,28 +283,22 @@ def q8_rows(rows: int):
                 if fmt.affine:
                     t = builder.fadd(t, builder.fmul(_spread(builder, mw, rows), per_row(sa.data, F32)))
                 for g in range(count):
-                    part = builder.shuffle_vector(t, t, _vec(vec_i, range(g * rows, (g + 1) * rows)))
+                    part = builder.shuffle_vector(t, t, _vec(ir.VectorType(I32, tile_n), range(g * tile_n, (g + 1) * tile_n)))
                     builder.store(builder.fadd(builder.load(acc), part), acc)
 
             def loop(fmt, bb):
                 grouped = builder.mul(builder.sdiv(nb, _i(group)), _i(group))
                 with cgutils.for_range_slice(builder, _i(0), grouped, _i(group)) as (b, _):
-                    if rows == 1:  # M = 1 (the row's scales adjacent) or a lone tail row
-                        with builder.if_else(builder.icmp_signed("==", mt, _i(1))) as (alone, tail):
-                            with alone:
-                                blocks(fmt, bb, b, group, adjacent=True)
-                            with tail:
-                                blocks(fmt, bb, b, group)
-                    else:
-                        blocks(fmt, bb, b, group)
+                    blocks(fmt, bb, b, group)
                 with cgutils.for_range_slice(builder, grouped, nb, _i(1)) as (b, _):
                     blocks(fmt, bb, b, 1)
 
             _by_format(builder, code, loop)
             total = builder.load(acc)
-            for r in range(rows):
-                where = builder.add(builder.mul(builder.add(m_, _i(r)), ncols), n_)
-                builder.store(builder.extract_element(total, _i(r, I32)), builder.gep(oa.data, [where]))
+            for j in range(wrows):
+                for r in range(rows):
+                    where = builder.add(builder.mul(builder.add(m_, _i(r)), ncols), builder.add(n_, _i(j)))
+                    builder.store(builder.extract_element(total, _i(j * rows + r, I32)), builder.gep(oa.data, [where]))
             return context.get_dummy_value()
 
         return types.void(w, xq, xd, xs, xsum, out, n, m, fmt), codegen
