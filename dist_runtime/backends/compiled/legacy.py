@@ -4,8 +4,8 @@ Threads take output rows ``n`` (``prange``); each weight row is read once, block
 rows of ``x``.  On the vector path (``cpu.AVX2``) one call of a :mod:`.simd_int8` intrinsic runs
 whole weight rows against a tile of rows of ``x`` (f32: one weight row, 4 rows of ``x``; q8_0:
 2 weight rows x 4 rows of ``x``, then each row left (all of them at ``M`` = 1) against 8 weight
-rows: the serial f32 sums of q8_0's numerics run 8 side by side), each block decoded once per tile; the portable path decodes each block once for all rows
-into a small scratch and runs plain loops (block length passed at run time so that numba does
+rows: the serial f32 sums of q8_0's numerics run 8 side by side), each block decoded once per
+tile; the portable path decodes each block once for all rows into a small scratch and runs plain loops (block length passed at run time so that numba does
 not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep,
 for every ``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
 
