@@ -3,10 +3,10 @@
 Threads take output rows ``n`` (``prange``); each weight row is read once, block by block, for all
 rows of ``x``.  On the vector path (``cpu.AVX2``) one call of a :mod:`.simd_int8` intrinsic runs
 whole weight rows against a tile of rows of ``x`` (f32: one weight row, 4 rows of ``x``; q8_0:
-2 weight rows x 4 rows of ``x``, then each row left (all of them at ``M`` = 1) against 8 weight
-rows: the serial f32 sums of q8_0's numerics run 8 side by side), each block decoded once per
-tile; the portable path decodes each block once for all rows into a small scratch and runs plain loops (block length passed at run time so that numba does
-not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep,
+2 weight rows x 4 rows of ``x``, then each row left (all of them at ``M`` = 1) against 4 weight
+rows but Q8_0's: the serial f32 sums of q8_0's numerics run side by side), each block decoded
+once per tile; the portable path decodes each block once for all rows into a small scratch and
+runs plain loops (block length passed at run time so that numba does not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep,
 for every ``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
 
 Activations (``q8``):
@@ -136,9 +136,13 @@ if cpu.AVX2:
 
     _F32_FOUR, _F32_ONE = f32_rows(4), f32_rows(1)
     #: Tiles of (rows of x, weight rows): each call's serial f32 sums (one per pair) run side by
-    #: side, 8 lanes; a lone chain waits one ``addss`` latency a block.
+    #: side; a lone chain waits one ``addss`` latency a block, which bounds a nibble format's row
+    #: below the memory's speed.  Not for Q8_0 at M = 1: it is memory-bound there, and 4 weight
+    #: rows read side by side measured 9 GB/s against 16.7 one after the other (2048 x 768, weights
+    #: not in cache, one thread).
     _Q8_FOUR_BY_TWO, _Q8_FOUR = q8_rows(4, 2), q8_rows(4)
-    _Q8_ONE_BY_EIGHT, _Q8_ONE = q8_rows(1, 8), q8_rows(1)
+    _Q8_ONE_BY_FOUR, _Q8_ONE = q8_rows(1, 4), q8_rows(1)
+    _Q8_0 = next(code for code, dtype in FORMATS.items() if dtype == DType.Q8_0)
 
     @numba.njit(nogil=True, cache=True)
     def _f32_avx2(x, w, out, fmt, qk, lo, hi):
@@ -166,9 +170,9 @@ if cpu.AVX2:
                 _Q8_FOUR(w, xq, xd, xs, xsum, out, n, m, fmt)
         for m in range(tiled, m_rows):
             n = lo
-            while n + 8 <= hi:
-                _Q8_ONE_BY_EIGHT(w, xq, xd, xs, xsum, out, n, m, fmt)
-                n += 8
+            while n + 4 <= hi and fmt != _Q8_0:
+                _Q8_ONE_BY_FOUR(w, xq, xd, xs, xsum, out, n, m, fmt)
+                n += 4
             for n in range(n, hi):
                 _Q8_ONE(w, xq, xd, xs, xsum, out, n, m, fmt)
 

@@ -243,6 +243,7 @@ def q8_rows(rows: int, wrows: int = 1):
             n_, m_, code = args[6:]
             base = builder.bitcast(wa.data, I8.as_pointer())
             wrow = [builder.gep(base, [builder.mul(builder.add(n_, _i(j)), wst[0])]) for j in range(wrows)]
+            ahead = builder.mul(_i(wrows), wst[0])
             xrows = [builder.gep(qa.data, [builder.mul(builder.add(m_, _i(r)), k)]) for r in range(rows)]
             acc = cgutils.alloca_once_value(builder, ir.Constant(vec_f, None))
 
@@ -258,6 +259,9 @@ def q8_rows(rows: int, wrows: int = 1):
                     b = builder.add(first, _i(g))
                     for j in range(wrows):
                         blk = builder.gep(wrow[j], [builder.mul(b, _i(bb))])
+                        if wrows > 1:  # the next tile's block: interleaved rows defeat the hardware's prefetcher
+                            _call(builder, "llvm.prefetch.p0", ir.VoidType(), builder.gep(blk, [ahead]),
+                                  _i(0, I32), _i(3, I32), _i(1, I32))
                         q = _codes(builder, blk, fmt)
                         if fmt.bits == 8:  # |w| unsigned, x carrying w's sign: pmaddubsw's operands
                             signs, q = q, _call(builder, "llvm.x86.avx2.psign.b", V32B, q, q)
