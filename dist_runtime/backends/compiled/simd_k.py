@@ -31,6 +31,9 @@ from numba.extending import intrinsic
 
 from . import cpu
 
+#: F16C's conversion of the f16 scales, where the CPU has it (decided by the CPU itself, as
+#: :data:`_X86_AVX2`, because numba's cache is keyed by the CPU).
+_F16C = "f16c" in cpu.FEATURES
 #: Rows of ``x`` that share each decoded sub-block (4 rows x 2 vectors + 4 codes: 12 of 16 ymm).
 TILE = 4
 
@@ -93,12 +96,15 @@ class _Row:
         return b.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, n), [0] * n))
 
     def half(self, byte_at):
-        """The f16 at ``byte_at`` of the current super-block as f32, with integer operations and
-        one exact multiply (no F16C: this IR must compile on any CPU): the f16's exponent and
-        mantissa placed in an f32's low bits times ``2 ** 112`` is its value (subnormals too),
-        and 65536 or more means inf or NaN."""
+        """The f16 at ``byte_at`` of the current super-block as f32: one ``vcvtph2ps`` where the
+        CPU has F16C; elsewhere (this IR must compile on any CPU) integer operations and one
+        exact multiply: the f16's exponent and mantissa placed in an f32's low bits times
+        ``2 ** 112`` is its value (subnormals too), and 65536 or more means inf or NaN."""
         b = self.builder
-        h = b.zext(b.load(b.bitcast(b.gep(self.row, [self.at(self.block_at, byte_at)]), ir.IntType(16).as_pointer()), align=1), I32)
+        at = b.gep(self.row, [self.at(self.block_at, byte_at)])
+        if _F16C:
+            return b.fpext(b.load(b.bitcast(at, ir.HalfType().as_pointer()), align=1), F32)
+        h = b.zext(b.load(b.bitcast(at, ir.IntType(16).as_pointer()), align=1), I32)
         f = b.fmul(b.bitcast(b.shl(b.and_(h, ir.Constant(I32, 0x7FFF)), ir.Constant(I32, 13)), F32), ir.Constant(F32, 2.0 ** 112))
         bits = b.bitcast(f, I32)
         bits = b.select(b.fcmp_ordered(">=", f, ir.Constant(F32, 65536.0)), b.or_(bits, ir.Constant(I32, 0x7F800000)), bits)
