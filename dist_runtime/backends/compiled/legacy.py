@@ -131,6 +131,55 @@ def _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, lo, hi):
             out[m, n] = acc[m]
 
 
+@numba.njit(nogil=True, cache=True)
+def _to_f16(v):
+    """``v`` (f32) rounded to the nearest f16, ties to even, as ``GGML_FP32_TO_FP16`` (f64 holds
+    every step exactly)."""
+    a = abs(np.float64(v))
+    if not a < np.inf or a == 0.0:
+        return v
+    if a < 2.0 ** -14:  # subnormal halves: multiples of 2^-24
+        r = np.rint(a * 2.0 ** 24) * 2.0 ** -24
+    else:
+        mant, e = math.frexp(a)
+        r = math.ldexp(np.rint(math.ldexp(mant, 11)), e - 11)
+    r = np.inf if r > 65504.0 else r
+    return np.float32(r if v > 0 else -r)
+
+
+@numba.njit(nogil=True, cache=True)  # ~2 ns an element: one thread; a parallel launch costs more
+def _quantize_rows(x, qk, xq, xd, xs, xsum):
+    for m in range(x.shape[0]):
+        for b in range(x.shape[1] // qk):
+            amax = np.float32(0)
+            for j in range(b * qk, (b + 1) * qk):
+                amax = max(amax, abs(x[m, j]))
+            d = amax / np.float32(127)
+            inv = np.float32(1) / d if d != 0 else np.float32(0)
+            total = np.int32(0)
+            for j in range(b * qk, (b + 1) * qk):
+                v = np.float64(x[m, j] * inv)  # roundf: half away from zero, exact in f64
+                q = np.int32(np.trunc(v + np.copysign(0.5, v)))
+                xq[m, j] = q
+                total += q
+            xd[b, m], xs[b, m], xsum[b, m] = _to_f16(d), _to_f16(np.float32(total) * d), total
+
+
+@numba.njit(nogil=True, cache=True)
+def _quantized(x, qk):
+    """``x`` f32 [M, K] as llama.cpp's ``quantize_row_q8_1_ref`` makes it (Q8_0 is the same
+    without ``s``): ``d = max|x| / 127``, codes ``roundf(x * (1 / d))`` int8 [M, K], ``d`` as f16
+    and ``s = f16(d * sum(codes))`` with the f32 ``d``, both f32, and the code sums int32, these
+    three [K/32, M] (a tile's rows side by side).  In the product's own compiled call: a
+    separate one, and its arrays made in Python, cost 3-4 us a product (85 a 125M model's token)."""
+    m, k = x.shape
+    xq = np.empty((m, k), np.int8)
+    xd, xs = np.empty((k // qk, m), np.float32), np.empty((k // qk, m), np.float32)
+    xsum = np.empty((k // qk, m), np.int32)
+    _quantize_rows(x, qk, xq, xd, xs, xsum)
+    return xq, xd, xs, xsum
+
+
 if cpu.AVX2:
     from .simd_int8 import f32_rows, q8_rows
 
@@ -182,13 +231,19 @@ if cpu.AVX2:
         for c in numba.prange(chunks):
             _f32_avx2(x, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
 
+    @numba.njit(nogil=True, cache=True)
+    def _q8_avx2_serial(x, w, out, fmt, qk, lo, hi):
+        xq, xd, xs, xsum = _quantized(x, qk)
+        _q8_avx2(xq, xd, xs, xsum, w, out, fmt, qk, lo, hi)
+
     @numba.njit(nogil=True, cache=True, parallel=True)
-    def _q8_avx2_threaded(xq, xd, xs, xsum, w, out, fmt, qk):
+    def _q8_avx2_threaded(x, w, out, fmt, qk):
+        xq, xd, xs, xsum = _quantized(x, qk)
         n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
         for c in numba.prange(chunks):
             _q8_avx2(xq, xd, xs, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
 
-    _F32, _Q8 = Drivers(_f32_avx2, _f32_avx2_threaded), Drivers(_q8_avx2, _q8_avx2_threaded)
+    _F32, _Q8 = Drivers(_f32_avx2, _f32_avx2_threaded), Drivers(_q8_avx2_serial, _q8_avx2_threaded)
 else:
     @numba.njit(nogil=True, cache=True, parallel=True)
     def _f32_portable_threaded(x, w, out, fmt, qk):
@@ -196,66 +251,25 @@ else:
         for c in numba.prange(chunks):
             _f32_portable(x, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
 
+    @numba.njit(nogil=True, cache=True)
+    def _q8_portable_serial(x, w, out, fmt, qk, lo, hi):
+        xq, xd, xs, xsum = _quantized(x, qk)
+        _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, lo, hi)
+
     @numba.njit(nogil=True, cache=True, parallel=True)
-    def _q8_portable_threaded(xq, xd, xs, xsum, w, out, fmt, qk):
+    def _q8_portable_threaded(x, w, out, fmt, qk):
+        xq, xd, xs, xsum = _quantized(x, qk)
         n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
         for c in numba.prange(chunks):
             _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
 
-    _F32, _Q8 = Drivers(_f32_portable, _f32_portable_threaded), Drivers(_q8_portable, _q8_portable_threaded)
-
-
-@numba.njit(nogil=True, cache=True)
-def _to_f16(v):
-    """``v`` (f32) rounded to the nearest f16, ties to even, as ``GGML_FP32_TO_FP16`` (f64 holds
-    every step exactly)."""
-    a = abs(np.float64(v))
-    if not a < np.inf or a == 0.0:
-        return v
-    if a < 2.0 ** -14:  # subnormal halves: multiples of 2^-24
-        r = np.rint(a * 2.0 ** 24) * 2.0 ** -24
-    else:
-        mant, e = math.frexp(a)
-        r = math.ldexp(np.rint(math.ldexp(mant, 11)), e - 11)
-    r = np.inf if r > 65504.0 else r
-    return np.float32(r if v > 0 else -r)
-
-
-@numba.njit(nogil=True, cache=True)  # ~2 ns an element: one thread; a parallel launch costs more
-def _quantize_rows(x, qk, xq, xd, xs, xsum):
-    for m in range(x.shape[0]):
-        for b in range(x.shape[1] // qk):
-            amax = np.float32(0)
-            for j in range(b * qk, (b + 1) * qk):
-                amax = max(amax, abs(x[m, j]))
-            d = amax / np.float32(127)
-            inv = np.float32(1) / d if d != 0 else np.float32(0)
-            total = np.int32(0)
-            for j in range(b * qk, (b + 1) * qk):
-                v = np.float64(x[m, j] * inv)  # roundf: half away from zero, exact in f64
-                q = np.int32(np.trunc(v + np.copysign(0.5, v)))
-                xq[m, j] = q
-                total += q
-            xd[b, m], xs[b, m], xsum[b, m] = _to_f16(d), _to_f16(np.float32(total) * d), total
-
-
-def quantize_activations(x: np.ndarray):
-    """``x`` f32 [M, K] as llama.cpp's ``quantize_row_q8_1_ref`` makes it (Q8_0 is the same
-    without ``s``): ``d = max|x| / 127``, codes ``roundf(x * (1 / d))`` int8 [M, K], ``d`` as f16
-    and ``s = f16(d * sum(codes))`` with the f32 ``d``, both f32, and the code sums int32, these
-    three [K/32, M] (a tile's rows side by side)."""
-    m, k = x.shape
-    xq = np.empty((m, k), np.int8)
-    xd, xs, xsum = (np.empty((k // QK, m), t) for t in (np.float32, np.float32, np.int32))
-    _quantize_rows(x, QK, xq, xd, xs, xsum)
-    return xq, xd, xs, xsum
+    _F32, _Q8 = Drivers(_f32_portable, _f32_portable_threaded), Drivers(_q8_portable_serial, _q8_portable_threaded)
 
 
 def _register(code: int, dtype: DType) -> None:
     @kernel(dtype)
     def product(x, w, out, q8):
-        drivers, args = (_Q8, (*quantize_activations(x), w, out, code, QK)) if q8 else (_F32, (x, w, out, code, QK))
-        run(drivers, w.nbytes * x.shape[0], args, w.shape[0])
+        run(_Q8 if q8 else _F32, w.nbytes * x.shape[0], (x, w, out, code, QK), w.shape[0])
 
 
 for _code, _dtype in FORMATS.items():
