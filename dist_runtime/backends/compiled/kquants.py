@@ -229,8 +229,14 @@ def _k_rows(x, w, out, kind, vec, xsum, lo, hi):
             out[m, r] = _lanes_sum(acc, LANES * m)
 
 
+@numba.njit(nogil=True, cache=True)
+def _k_serial(x, w, out, kind, vec, lo, hi):
+    _k_rows(x, w, out, kind, vec, _x_sums(x, x.shape[1] // 32), lo, hi)
+
+
 @numba.njit(nogil=True, cache=True, parallel=True)
-def _k_threaded(x, w, out, kind, vec, xsum):
+def _k_threaded(x, w, out, kind, vec):
+    xsum = _x_sums(x, x.shape[1] // 32)
     n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
     for c in numba.prange(chunks):
         _k_rows(x, w, out, kind, vec, xsum, c * n // chunks, (c + 1) * n // chunks)
@@ -267,25 +273,36 @@ def _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, lo, hi):
             out[m, r] = acc
 
 
+@numba.njit(nogil=True, cache=True)
+def _q8_k(x, kind):
+    """``x`` as Q8_K: codes, scales and the code sums ``kind``'s kernels take (of 16 for Q6_K)."""
+    q, dx, sums32, sums16 = _quantize_q8_k(x)
+    return q, dx, sums16 if kind == 6 else sums32
+
+
+@numba.njit(nogil=True, cache=True)
+def _k_q8_serial(x, w, out, kind, vec, lo, hi):
+    q8, dx, sums = _q8_k(x, kind)
+    _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, lo, hi)
+
+
 @numba.njit(nogil=True, cache=True, parallel=True)
-def _k_q8_threaded(x, w, out, kind, vec, q8, dx, sums):
+def _k_q8_threaded(x, w, out, kind, vec):
+    q8, dx, sums = _q8_k(x, kind)
     n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
     for c in numba.prange(chunks):
         _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, c * n // chunks, (c + 1) * n // chunks)
 
 
-_F32, _Q8 = Drivers(_k_rows, _k_threaded), Drivers(_k_q8_rows, _k_q8_threaded)
+#: Each driver prepares ``x`` (its sub-block sums, or its Q8_K quantization) in its own compiled
+#: call: a separate call returning the arrays to Python cost ~2 us a product.
+_F32, _Q8 = Drivers(_k_serial, _k_threaded), Drivers(_k_q8_serial, _k_q8_threaded)
 
 
 def linear_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, kind: int, vec: bool, q8: bool = False) -> None:
     """``out = x @ W^T`` for ``kind`` 4, 5 or 6 (Q4_K, Q5_K, Q6_K), on the AVX2 path (``vec``) or
     the portable one, with f32 or (``q8``) Q8_K activations."""
-    if q8:
-        q, dx, sums32, sums16 = _quantize_q8_k(x)
-        args = (x, w, out, kind, vec, q, dx, sums16 if kind == 6 else sums32)
-    else:
-        args = (x, w, out, kind, vec, _x_sums(x, x.shape[1] // 32))
-    run(_Q8 if q8 else _F32, w.nbytes * x.shape[0], args, w.shape[0])
+    run(_Q8 if q8 else _F32, w.nbytes * x.shape[0], (x, w, out, kind, vec), w.shape[0])
 
 
 def _register(dtype: DType, kind: int) -> None:
