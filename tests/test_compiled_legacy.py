@@ -1,6 +1,7 @@
 """The legacy block kernels (``compiled/legacy.py``) beyond the shared harness: the q8_0 activation
 path against an independent numpy model of llama.cpp's formulas (bit for bit), its error against
-the f32 path within a bound derived from the quantization, batch invariance of that path, and Q5_1.
+the f32 path within a bound derived from the quantization, batch invariance of that path, the
+threaded drivers against the serial ones, and Q5_1.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from dist_runtime.backends.compiled import linear, set_threads  # noqa: E402
+from dist_runtime.backends.compiled import linear, registry, set_threads  # noqa: E402
 from dist_runtime.dtypes import DType  # noqa: E402
 from dist_runtime.kernels.quant import dequantize, quantize  # noqa: E402
 
@@ -119,3 +120,19 @@ def test_q5_1_matches_dequantize_then_matmul(m, n, k):
     x, w = data(DType.Q5_1, m, n, k, seed=3)
     want = x.astype(np.float64) @ dequantize(w).astype(np.float64).T
     assert np.max(np.abs(linear(x, w) - want)) <= 1e-5 * max(np.max(np.abs(want)), 1.0)
+
+
+@pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
+@pytest.mark.parametrize("activations", ["f32", "q8_0"])
+def test_the_threaded_driver_gives_the_serial_bits(dtype, activations, monkeypatch):
+    """Small products run on the calling thread alone (``SERIAL_BYTES``): here the pool's driver
+    (which quantizes ``x`` itself for q8_0) runs them too, and must give the same bits."""
+    x, w = data(dtype, 6, 203, 288, seed=4)
+    alone = linear(x, w, activations=activations)
+    monkeypatch.setattr(registry, "SERIAL_BYTES", 0)
+    try:
+        set_threads(2)
+        got = linear(x, w, activations=activations)
+    finally:
+        set_threads(numba.config.NUMBA_NUM_THREADS)
+    assert np.array_equal(got.view(np.uint32), alone.view(np.uint32))
