@@ -24,7 +24,8 @@ import numpy as np
 from ...dtypes import DType
 from . import cpu
 from .registry import CHUNKS, Drivers, kernel, run
-from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2, q6_k_q8
+from .simd_k import (TILE, q4_k_avx2, q4_k_q8, q4_k_q8_tile, q5_k_avx2, q5_k_q8, q5_k_q8_tile, q6_k_avx2, q6_k_q8,
+                     q6_k_q8_tile)
 
 QK_K = 256
 #: Lanes per row of ``x``: one ``<8 x float>``.
@@ -246,31 +247,52 @@ def _k_threaded(x, w, out, kind, vec):
 def _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, lo, hi):
     """Weight rows ``lo..hi`` with ``x`` quantized to Q8_K (``q8``, ``dx``, ``sums``): per
     super-block, integer dot products (exact), then ``acc += (dx * d) * isum - (dx * dmin) * imin``
-    in f32, block after block."""
+    in f32, block after block, for each row of ``x``.  On the AVX2 path :data:`.simd_k.TILE` rows
+    of ``x`` share each decoded super-block, then rows one by one: the same operations per row."""
     m_rows, k = x.shape
     blocks = k // QK_K
     size = w.shape[1] // blocks
     per_block = 16 if kind == 6 else 8
+    bstep = blocks * per_block
     codes = np.empty(QK_K, np.float32)
     sc = np.empty(8, np.int32)
     mn = np.empty(8, np.int32)
+    acc = np.empty(TILE, np.float32)
+    tiled = m_rows // TILE * TILE if vec else 0
     for r in range(lo, hi):
         row = w[r]
-        for m in range(m_rows):
-            acc = np.float32(0.0)
+        for m in range(0, tiled, TILE):
+            acc[:] = 0.0
+            for b in range(blocks):
+                at, q8at, sat = b * size, m * k + b * QK_K, (m * blocks + b) * per_block
+                if kind == 4:
+                    isums, imins, d, dmin = q4_k_q8_tile(row, at, q8, q8at, sums, sat, k, bstep)
+                elif kind == 5:
+                    isums, imins, d, dmin = q5_k_q8_tile(row, at, q8, q8at, sums, sat, k, bstep)
+                else:
+                    isums, imins, d, dmin = q6_k_q8_tile(row, at, q8, q8at, sums, sat, k, bstep)
+                for t in range(TILE):
+                    scale = dx[(m + t) * blocks + b]
+                    acc[t] += (scale * d) * np.float32(isums[t]) - (scale * dmin) * np.float32(imins[t])
+            for t in range(TILE):
+                out[m + t, r] = acc[t]
+        for m in range(tiled, m_rows):
+            one = np.float32(0.0)
             for b in range(blocks):
                 at, q8at, sat = b * size, m * k + b * QK_K, (m * blocks + b) * per_block
                 if not vec:
                     isum, imin, d, dmin = _k_q8_portable(row, at, kind, q8, q8at, sums, sat, codes, sc, mn)
-                elif kind == 4:
-                    isum, imin, d, dmin = q4_k_q8(row, at, q8, q8at, sums, sat)
-                elif kind == 5:
-                    isum, imin, d, dmin = q5_k_q8(row, at, q8, q8at, sums, sat)
                 else:
-                    isum, imin, d, dmin = q6_k_q8(row, at, q8, q8at, sums, sat)
+                    if kind == 4:
+                        isums, imins, d, dmin = q4_k_q8(row, at, q8, q8at, sums, sat, k, bstep)
+                    elif kind == 5:
+                        isums, imins, d, dmin = q5_k_q8(row, at, q8, q8at, sums, sat, k, bstep)
+                    else:
+                        isums, imins, d, dmin = q6_k_q8(row, at, q8, q8at, sums, sat, k, bstep)
+                    isum, imin = isums[0], imins[0]
                 scale = dx[m * blocks + b]
-                acc += (scale * d) * np.float32(isum) - (scale * dmin) * np.float32(imin)
-            out[m, r] = acc
+                one += (scale * d) * np.float32(isum) - (scale * dmin) * np.float32(imin)
+            out[m, r] = one
 
 
 @numba.njit(nogil=True, cache=True)
