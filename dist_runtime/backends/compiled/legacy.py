@@ -6,8 +6,9 @@ whole weight rows against a tile of rows of ``x`` (f32: one weight row, 4 rows o
 2 weight rows x 4 rows of ``x``, then each row left (all of them at ``M`` = 1) against 4 weight
 rows but Q8_0's: the serial f32 sums of q8_0's numerics run side by side), each block decoded
 once per tile; the portable path decodes each block once for all rows into a small scratch and
-runs plain loops (block length passed at run time so that numba does not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep,
-for every ``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
+runs plain loops (block length passed at run time so that numba does not unroll them): a fallback,
+measured 10-20x slower than the vector path here.  Both keep, for every ``(m, n)``, one fixed
+sequence of operations whatever ``M``: bitwise batch-invariant.
 
 Activations (``q8``):
 

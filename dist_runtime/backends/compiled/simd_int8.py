@@ -208,8 +208,8 @@ def _row_sums(builder, quads):
     if rows == 8:  # phaddd within 128-bit halves, the halves added once at the end: 9 ops, not 14
         sums = [_call(builder, "llvm.x86.avx2.phadd.d", V8I, quads[i], quads[i + 1]) for i in range(0, 8, 2)]
         sums = [_call(builder, "llvm.x86.avx2.phadd.d", V8I, sums[i], sums[i + 1]) for i in (0, 2)]
-        halves = [builder.shuffle_vector(*sums, _vec(ir.VectorType(I32, 8), [h, h + 1, h + 2, h + 3, h + 8, h + 9, h + 10, h + 11]))
-                  for h in (0, 4)]
+        mask = ir.VectorType(I32, 8)
+        halves = [builder.shuffle_vector(*sums, _vec(mask, [*range(h, h + 4), *range(h + 8, h + 12)])) for h in (0, 4)]
         return builder.add(*halves)
     while len(quads) > 1:
         quads = [_pair_sums(builder, quads[i], quads[i + 1]) for i in range(0, len(quads), 2)]
@@ -287,7 +287,8 @@ def q8_rows(rows: int, wrows: int = 1):
                 if fmt.affine:
                     t = builder.fadd(t, builder.fmul(_spread(builder, mw, rows), per_row(sa.data, F32)))
                 for g in range(count):
-                    part = builder.shuffle_vector(t, t, _vec(ir.VectorType(I32, tile_n), range(g * tile_n, (g + 1) * tile_n)))
+                    lanes_g = _vec(ir.VectorType(I32, tile_n), range(g * tile_n, (g + 1) * tile_n))
+                    part = builder.shuffle_vector(t, t, lanes_g)
                     builder.store(builder.fadd(builder.load(acc), part), acc)
 
             def loop(fmt, bb):

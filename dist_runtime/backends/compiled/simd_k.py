@@ -328,8 +328,8 @@ def _emit_q45_k_q8(blk, rows, high):
                 bit = b.and_(b.lshr(highs, ir.Constant(V32I8, [j] * 32)), ir.Constant(V32I8, [1] * 32))
                 codes = b.or_(codes, b.shl(bit, ir.Constant(V32I8, [4] * 32)))
             scale = blk.splat(b.trunc(b.extract_element(sc, ir.Constant(I32, j)), ir.IntType(16)), 16)
-            totals = [b.add(t, _maddwd(b, _maddubs(b, codes, blk.load(q8, blk.const(32 * j), V32I8, 1)), scale))
-                      for t, q8 in zip(totals, q8s)]
+            ys = [blk.load(q8, blk.const(32 * j), V32I8, 1) for q8 in q8s]
+            totals = [b.add(t, _maddwd(b, _maddubs(b, codes, y), scale)) for t, y in zip(totals, ys)]
     imins = [_reduce_add(b, b.mul(mn, blk.load(blk.bsums, at, V8I))) for at in bsat]
     return [_reduce_add(b, t) for t in totals], imins, blk.half(0), blk.half(2)
 
@@ -350,11 +350,12 @@ def _emit_q6_k_q8(blk, rows):
             codes = b.or_(low, b.shl(high, ir.Constant(V32I8, [4] * 32)))
             i = 8 * h + 2 * g
             scale = b.shuffle_vector(scales, ir.Constant(V16I16, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), [i] * 8 + [i + 1] * 8))
-            totals = [b.add(t, _maddwd(b, _maddubs(b, codes, blk.load(q8, blk.const(128 * h + 32 * g), V32I8, 1)), scale))
-                      for t, q8 in zip(totals, q8s)]
+            ys = [blk.load(q8, blk.const(128 * h + 32 * g), V32I8, 1) for q8 in q8s]
+            totals = [b.add(t, _maddwd(b, _maddubs(b, codes, y), scale)) for t, y in zip(totals, ys)]
     v16i32 = ir.VectorType(I32, 16)
-    isums = [b.sub(_reduce_add(b, t), b.shl(_reduce_add(b, b.mul(b.sext(scales, v16i32), blk.load(blk.bsums, at, v16i32))),
-                                            ir.Constant(I32, 5))) for t, at in zip(totals, bsat)]
+    wide = b.sext(scales, v16i32)
+    offsets = [_reduce_add(b, b.mul(wide, blk.load(blk.bsums, at, v16i32))) for at in bsat]
+    isums = [b.sub(_reduce_add(b, t), b.shl(o, ir.Constant(I32, 5))) for t, o in zip(totals, offsets)]
     return isums, [ir.Constant(I32, 0)] * rows, blk.half(208), ir.Constant(F32, 0.0)
 
 
