@@ -4,8 +4,11 @@ Per ``M`` (1 = one decode step; 4, 16, 64 = batched steps): numpy's ``x @ W.T`` 
 (the reference, measured in the same run: this machine is shared and noisy, compare the ratios),
 then the compiled products (``dist_runtime.backends.compiled.linear``) on the weight stored as
 every type they read, with f32 activations and (block types) Q8_0 activations.  GB/s = the weight's
-stored bytes / the median time; "vs numpy" = our GB/s / the reference's GB/s at the same ``M``.  A
-decode step streams every weight once, so GB/s at ``M`` = 1 bounds decoding speed.  The last table
+stored bytes / the median time; "vs numpy" = our GB/s / the reference's GB/s at the same ``M``.
+The runs are interleaved, round after round of every product, so a burst of load from elsewhere
+slows all alike, and each product reads its weight from memory, as in a decode step (run after run
+of one product would find a 9 MB weight still in this CPU's 32 MB L3).  A decode step streams every
+weight once, so GB/s at ``M`` = 1 bounds decoding speed.  The last table
 gives each type's time at ``M`` = 8 over its time at ``M`` = 1 (each weight block is read once for
 all rows, so this stays well under 8 until the arithmetic, not the memory, is the limit).
 
@@ -53,14 +56,19 @@ def blas_info() -> str:
         return f"{blas.get('name')} {blas.get('version')} ({blas.get('openblas configuration', '')})"
 
 
-def median_seconds(fn, runs: int) -> float:
-    fn()  # warm up: compile or load the kernel, page in the weight, start the threads
-    times = []
+def medians(calls: dict, runs: int) -> dict:
+    """Each call's median seconds, the calls' runs interleaved (round after round of all of them,
+    as bench_decode.py does), so that a burst of load from elsewhere on this shared machine slows
+    every product alike instead of the one measured at that moment."""
+    for fn in calls.values():
+        fn()  # warm up: compile or load the kernel, page in the weight, start the threads
+    times: dict = {key: [] for key in calls}
     for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for key, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def main() -> None:
@@ -89,7 +97,6 @@ def main() -> None:
                          DType.Q4_K, DType.Q5_K, DType.Q6_K) if d in compiled.KERNELS]
     weights = {d: weight(d, args.n, args.k) for d in types}  # K-quants: random codes, sane scales
     ms = [int(v) for v in args.ms.split(",")]
-    times: dict[tuple[str, int], float] = {}
     print(f"\nW [{args.n}, {args.k}], median of {args.runs} runs; GB/s of weight bytes (vs numpy f32 at the same M)\n")
     head = f"| {'product':<26} | {'MB':>6} |" + "".join(f" {'M=' + str(m):>15} |" for m in ms)
     print(head)
@@ -100,22 +107,19 @@ def main() -> None:
         for mode in modes:
             rows.append((f"compiled {d.name}" + (" q8 act." if mode == "q8_0" else ""), weights[d].nbytes,
                          lambda x, s=weights[d], a=mode: compiled.linear(x, s, activations=a)))
-    reference = {}
-    for name, nbytes, fn in rows:
+    measured = ms + ([8] if 1 in ms and 8 not in ms else [])
+    xs = {m: rng.standard_normal((m, args.k), dtype=np.float32) for m in measured}
+    times = medians({(name, m): (lambda fn=fn, x=xs[m]: fn(x)) for name, _, fn in rows for m in measured}, args.runs)
+    for name, nbytes, _ in rows:
         cells = []
         for m in ms:
-            x = rng.standard_normal((m, args.k), dtype=np.float32)
-            seconds = median_seconds(lambda: fn(x), args.runs)
-            times[(name, m)] = seconds
-            gbs = nbytes / seconds / 1e9
-            reference.setdefault(m, gbs)
-            cells.append(f"{gbs:6.2f} ({gbs / reference[m]:4.2f}x)")
+            gbs, reference = nbytes / times[(name, m)] / 1e9, rows[0][1] / times[(rows[0][0], m)] / 1e9
+            cells.append(f"{gbs:6.2f} ({gbs / reference:4.2f}x)")
         print(f"| {name:<26} | {nbytes / 1e6:6.1f} |" + "".join(f" {c:>15} |" for c in cells))
     if 1 in ms:
         print("\ntime at M = 8 / time at M = 1 (each weight block read once for all rows)\n")
-        for name, _, fn in rows:
-            x8 = rng.standard_normal((8, args.k), dtype=np.float32)
-            print(f"  {name:<26} {median_seconds(lambda: fn(x8), args.runs) / times[(name, 1)]:5.2f}x")
+        for name, _, _ in rows:
+            print(f"  {name:<26} {times[(name, 8)] / times[(name, 1)]:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 (tests/test_compiled_linear.py): against ``gguf``'s decoder (independent of ours), on both paths
 in one process (the AVX2 path's IR compiles on any CPU, so both always run here), with the f16
 scales where decoders go wrong (subnormal, zero, negative, the largest), many super-blocks, and the
-Q8_K activation path (``activations="q8_0"``) against a numpy ``quantize_row_q8_K_ref``.
+Q8_K activation path (``activations="q8_0"``) against a numpy ``quantize_row_q8_K_ref``, and the
+threaded drivers against the serial ones.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
 from test_compiled_linear import K_SCALES, reference, weight  # noqa: E402
 
-from dist_runtime.backends.compiled import kquants, linear, set_threads  # noqa: E402
+from dist_runtime.backends.compiled import kquants, linear, registry, set_threads  # noqa: E402
 from dist_runtime.dtypes import DType  # noqa: E402
 from dist_runtime.tensor import QuantizedArray  # noqa: E402
 
@@ -132,3 +133,20 @@ def test_long_rows(dtype):
     w = weight(dtype, 5, 4096, seed=12)
     x = np.random.default_rng(13).standard_normal((9, 4096)).astype(np.float32)
     assert close(linear(x, w), reference(x, w))
+
+
+@pytest.mark.parametrize("dtype", TYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("activations", ["f32", "q8_0"])
+def test_the_threaded_driver_gives_the_serial_bits(dtype, activations, monkeypatch):
+    """Small products run on the calling thread alone (``SERIAL_BYTES``): here the pool's driver
+    (which prepares ``x`` itself) runs them too, and must give the same bits."""
+    w = weight(dtype, 203, 512, seed=12)
+    x = np.random.default_rng(13).standard_normal((6, 512)).astype(np.float32)
+    alone = linear(x, w, activations=activations)
+    monkeypatch.setattr(registry, "SERIAL_BYTES", 0)
+    try:
+        set_threads(2)
+        got = linear(x, w, activations=activations)
+    finally:
+        set_threads(numba.config.NUMBA_NUM_THREADS)
+    assert np.array_equal(got.view(np.uint32), alone.view(np.uint32))

@@ -1,6 +1,7 @@
 """The legacy block kernels (``compiled/legacy.py``) beyond the shared harness: the q8_0 activation
 path against an independent numpy model of llama.cpp's formulas (bit for bit), its error against
-the f32 path within a bound derived from the quantization, batch invariance of that path, and Q5_1.
+the f32 path within a bound derived from the quantization, batch invariance of that path, the
+threaded drivers against the serial ones, and Q5_1.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from dist_runtime.backends.compiled import linear, set_threads  # noqa: E402
+from dist_runtime.backends.compiled import linear, registry, set_threads  # noqa: E402
 from dist_runtime.dtypes import DType  # noqa: E402
 from dist_runtime.kernels.quant import dequantize, quantize  # noqa: E402
 
@@ -77,8 +78,9 @@ def data(dtype: DType, m: int, n: int, k: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
-def test_q8_activations_are_llama_cpp_bit_for_bit(dtype):
-    x, w = data(dtype, 7, 45, 512)
+@pytest.mark.parametrize("m, k", [(7, 512), (1, 352), (2, 288)])  # tiles and lone rows, groups of 8 blocks and tails
+def test_q8_activations_are_llama_cpp_bit_for_bit(dtype, m, k):
+    x, w = data(dtype, m, 45, k)
     got = linear(x, w, activations="q8_0")
     assert np.array_equal(got.view(np.uint32), ggml_vec_dot(x, w).view(np.uint32))
 
@@ -118,3 +120,19 @@ def test_q5_1_matches_dequantize_then_matmul(m, n, k):
     x, w = data(DType.Q5_1, m, n, k, seed=3)
     want = x.astype(np.float64) @ dequantize(w).astype(np.float64).T
     assert np.max(np.abs(linear(x, w) - want)) <= 1e-5 * max(np.max(np.abs(want)), 1.0)
+
+
+@pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
+@pytest.mark.parametrize("activations", ["f32", "q8_0"])
+def test_the_threaded_driver_gives_the_serial_bits(dtype, activations, monkeypatch):
+    """Small products run on the calling thread alone (``SERIAL_BYTES``): here the pool's driver
+    (which quantizes ``x`` itself for q8_0) runs them too, and must give the same bits."""
+    x, w = data(dtype, 6, 203, 288, seed=4)
+    alone = linear(x, w, activations=activations)
+    monkeypatch.setattr(registry, "SERIAL_BYTES", 0)
+    try:
+        set_threads(2)
+        got = linear(x, w, activations=activations)
+    finally:
+        set_threads(numba.config.NUMBA_NUM_THREADS)
+    assert np.array_equal(got.view(np.uint32), alone.view(np.uint32))

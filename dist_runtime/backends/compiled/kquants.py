@@ -24,7 +24,8 @@ import numpy as np
 from ...dtypes import DType
 from . import cpu
 from .registry import CHUNKS, Drivers, kernel, run
-from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2, q6_k_q8
+from .simd_k import (TILE, q4_k_avx2, q4_k_q8, q4_k_q8_tile, q5_k_avx2, q5_k_q8, q5_k_q8_tile, q6_k_avx2, q6_k_q8,
+                     q6_k_q8_tile)
 
 QK_K = 256
 #: Lanes per row of ``x``: one ``<8 x float>``.
@@ -229,8 +230,14 @@ def _k_rows(x, w, out, kind, vec, xsum, lo, hi):
             out[m, r] = _lanes_sum(acc, LANES * m)
 
 
+@numba.njit(nogil=True, cache=True)
+def _k_serial(x, w, out, kind, vec, lo, hi):
+    _k_rows(x, w, out, kind, vec, _x_sums(x, x.shape[1] // 32), lo, hi)
+
+
 @numba.njit(nogil=True, cache=True, parallel=True)
-def _k_threaded(x, w, out, kind, vec, xsum):
+def _k_threaded(x, w, out, kind, vec):
+    xsum = _x_sums(x, x.shape[1] // 32)
     n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
     for c in numba.prange(chunks):
         _k_rows(x, w, out, kind, vec, xsum, c * n // chunks, (c + 1) * n // chunks)
@@ -240,52 +247,84 @@ def _k_threaded(x, w, out, kind, vec, xsum):
 def _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, lo, hi):
     """Weight rows ``lo..hi`` with ``x`` quantized to Q8_K (``q8``, ``dx``, ``sums``): per
     super-block, integer dot products (exact), then ``acc += (dx * d) * isum - (dx * dmin) * imin``
-    in f32, block after block."""
+    in f32, block after block, for each row of ``x``.  On the AVX2 path :data:`.simd_k.TILE` rows
+    of ``x`` share each decoded super-block, then rows one by one: the same operations per row."""
     m_rows, k = x.shape
     blocks = k // QK_K
     size = w.shape[1] // blocks
     per_block = 16 if kind == 6 else 8
+    bstep = blocks * per_block
     codes = np.empty(QK_K, np.float32)
     sc = np.empty(8, np.int32)
     mn = np.empty(8, np.int32)
+    acc = np.empty(TILE, np.float32)
+    tiled = m_rows // TILE * TILE if vec else 0
     for r in range(lo, hi):
         row = w[r]
-        for m in range(m_rows):
-            acc = np.float32(0.0)
+        for m in range(0, tiled, TILE):
+            acc[:] = 0.0
+            for b in range(blocks):
+                at, q8at, sat = b * size, m * k + b * QK_K, (m * blocks + b) * per_block
+                if kind == 4:
+                    isums, imins, d, dmin = q4_k_q8_tile(row, at, q8, q8at, sums, sat, k, bstep)
+                elif kind == 5:
+                    isums, imins, d, dmin = q5_k_q8_tile(row, at, q8, q8at, sums, sat, k, bstep)
+                else:
+                    isums, imins, d, dmin = q6_k_q8_tile(row, at, q8, q8at, sums, sat, k, bstep)
+                for t in range(TILE):
+                    scale = dx[(m + t) * blocks + b]
+                    acc[t] += (scale * d) * np.float32(isums[t]) - (scale * dmin) * np.float32(imins[t])
+            for t in range(TILE):
+                out[m + t, r] = acc[t]
+        for m in range(tiled, m_rows):
+            one = np.float32(0.0)
             for b in range(blocks):
                 at, q8at, sat = b * size, m * k + b * QK_K, (m * blocks + b) * per_block
                 if not vec:
                     isum, imin, d, dmin = _k_q8_portable(row, at, kind, q8, q8at, sums, sat, codes, sc, mn)
-                elif kind == 4:
-                    isum, imin, d, dmin = q4_k_q8(row, at, q8, q8at, sums, sat)
-                elif kind == 5:
-                    isum, imin, d, dmin = q5_k_q8(row, at, q8, q8at, sums, sat)
                 else:
-                    isum, imin, d, dmin = q6_k_q8(row, at, q8, q8at, sums, sat)
+                    if kind == 4:
+                        isums, imins, d, dmin = q4_k_q8(row, at, q8, q8at, sums, sat, k, bstep)
+                    elif kind == 5:
+                        isums, imins, d, dmin = q5_k_q8(row, at, q8, q8at, sums, sat, k, bstep)
+                    else:
+                        isums, imins, d, dmin = q6_k_q8(row, at, q8, q8at, sums, sat, k, bstep)
+                    isum, imin = isums[0], imins[0]
                 scale = dx[m * blocks + b]
-                acc += (scale * d) * np.float32(isum) - (scale * dmin) * np.float32(imin)
-            out[m, r] = acc
+                one += (scale * d) * np.float32(isum) - (scale * dmin) * np.float32(imin)
+            out[m, r] = one
+
+
+@numba.njit(nogil=True, cache=True)
+def _q8_k(x, kind):
+    """``x`` as Q8_K: codes, scales and the code sums ``kind``'s kernels take (of 16 for Q6_K)."""
+    q, dx, sums32, sums16 = _quantize_q8_k(x)
+    return q, dx, sums16 if kind == 6 else sums32
+
+
+@numba.njit(nogil=True, cache=True)
+def _k_q8_serial(x, w, out, kind, vec, lo, hi):
+    q8, dx, sums = _q8_k(x, kind)
+    _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, lo, hi)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
-def _k_q8_threaded(x, w, out, kind, vec, q8, dx, sums):
+def _k_q8_threaded(x, w, out, kind, vec):
+    q8, dx, sums = _q8_k(x, kind)
     n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
     for c in numba.prange(chunks):
         _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, c * n // chunks, (c + 1) * n // chunks)
 
 
-_F32, _Q8 = Drivers(_k_rows, _k_threaded), Drivers(_k_q8_rows, _k_q8_threaded)
+#: Each driver prepares ``x`` (its sub-block sums, or its Q8_K quantization) in its own compiled
+#: call: a separate call returning the arrays to Python cost ~2 us a product.
+_F32, _Q8 = Drivers(_k_serial, _k_threaded), Drivers(_k_q8_serial, _k_q8_threaded)
 
 
 def linear_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, kind: int, vec: bool, q8: bool = False) -> None:
     """``out = x @ W^T`` for ``kind`` 4, 5 or 6 (Q4_K, Q5_K, Q6_K), on the AVX2 path (``vec``) or
     the portable one, with f32 or (``q8``) Q8_K activations."""
-    if q8:
-        q, dx, sums32, sums16 = _quantize_q8_k(x)
-        args = (x, w, out, kind, vec, q, dx, sums16 if kind == 6 else sums32)
-    else:
-        args = (x, w, out, kind, vec, _x_sums(x, x.shape[1] // 32))
-    run(_Q8 if q8 else _F32, w.nbytes * x.shape[0], args, w.shape[0])
+    run(_Q8 if q8 else _F32, w.nbytes * x.shape[0], (x, w, out, kind, vec), w.shape[0])
 
 
 def _register(dtype: DType, kind: int) -> None:

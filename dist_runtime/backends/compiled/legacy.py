@@ -2,11 +2,13 @@
 
 Threads take output rows ``n`` (``prange``); each weight row is read once, block by block, for all
 rows of ``x``.  On the vector path (``cpu.AVX2``) one call of a :mod:`.simd_int8` intrinsic runs
-a whole weight row against a tile of rows of ``x`` (4 in f32, 8 or 4 in q8_0; then rows one
-by one), each block decoded once per tile; the portable path decodes each block once for all rows
-into a small scratch and runs plain loops (block length passed at run time so that numba does
-not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep,
-for every ``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
+whole weight rows against a tile of rows of ``x`` (f32: one weight row, 4 rows of ``x``; q8_0:
+2 weight rows x 4 rows of ``x``, then each row left (all of them at ``M`` = 1) against 4 weight
+rows but Q8_0's: the serial f32 sums of q8_0's numerics run side by side), each block decoded
+once per tile; the portable path decodes each block once for all rows into a small scratch and
+runs plain loops (block length passed at run time so that numba does not unroll them): a fallback,
+measured 10-20x slower than the vector path here.  Both keep, for every ``(m, n)``, one fixed
+sequence of operations whatever ``M``: bitwise batch-invariant.
 
 Activations (``q8``):
 
@@ -130,68 +132,6 @@ def _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, lo, hi):
             out[m, n] = acc[m]
 
 
-if cpu.AVX2:
-    from .simd_int8 import f32_rows, q8_rows
-
-    _F32_FOUR, _F32_ONE = f32_rows(4), f32_rows(1)
-    _Q8_EIGHT, _Q8_FOUR, _Q8_ONE = q8_rows(8), q8_rows(4), q8_rows(1)
-
-    @numba.njit(nogil=True, cache=True)
-    def _f32_avx2(x, w, out, fmt, qk, lo, hi):
-        m_rows, nb = x.shape[0], x.shape[1] // qk
-        for n in range(lo, hi):
-            m = 0
-            while m + 4 <= m_rows:
-                _F32_FOUR(w, x, out, n, m, nb, fmt)
-                m += 4
-            while m < m_rows:
-                _F32_ONE(w, x, out, n, m, nb, fmt)
-                m += 1
-
-    @numba.njit(nogil=True, cache=True)
-    def _q8_avx2(xq, xd, xs, xsum, w, out, fmt, _qk, lo, hi):  # _qk: the portable signature
-        m_rows = xq.shape[0]
-        for n in range(lo, hi):
-            m = 0
-            while m + 8 <= m_rows:
-                _Q8_EIGHT(w, xq, xd, xs, xsum, out, n, m, fmt)
-                m += 8
-            if m + 4 <= m_rows:
-                _Q8_FOUR(w, xq, xd, xs, xsum, out, n, m, fmt)
-                m += 4
-            while m < m_rows:
-                _Q8_ONE(w, xq, xd, xs, xsum, out, n, m, fmt)
-                m += 1
-
-    @numba.njit(nogil=True, cache=True, parallel=True)
-    def _f32_avx2_threaded(x, w, out, fmt, qk):
-        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
-        for c in numba.prange(chunks):
-            _f32_avx2(x, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
-
-    @numba.njit(nogil=True, cache=True, parallel=True)
-    def _q8_avx2_threaded(xq, xd, xs, xsum, w, out, fmt, qk):
-        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
-        for c in numba.prange(chunks):
-            _q8_avx2(xq, xd, xs, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
-
-    _F32, _Q8 = Drivers(_f32_avx2, _f32_avx2_threaded), Drivers(_q8_avx2, _q8_avx2_threaded)
-else:
-    @numba.njit(nogil=True, cache=True, parallel=True)
-    def _f32_portable_threaded(x, w, out, fmt, qk):
-        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
-        for c in numba.prange(chunks):
-            _f32_portable(x, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
-
-    @numba.njit(nogil=True, cache=True, parallel=True)
-    def _q8_portable_threaded(xq, xd, xs, xsum, w, out, fmt, qk):
-        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
-        for c in numba.prange(chunks):
-            _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
-
-    _F32, _Q8 = Drivers(_f32_portable, _f32_portable_threaded), Drivers(_q8_portable, _q8_portable_threaded)
-
-
 @numba.njit(nogil=True, cache=True)
 def _to_f16(v):
     """``v`` (f32) rounded to the nearest f16, ties to even, as ``GGML_FP32_TO_FP16`` (f64 holds
@@ -226,23 +166,111 @@ def _quantize_rows(x, qk, xq, xd, xs, xsum):
             xd[b, m], xs[b, m], xsum[b, m] = _to_f16(d), _to_f16(np.float32(total) * d), total
 
 
-def quantize_activations(x: np.ndarray):
+@numba.njit(nogil=True, cache=True)
+def _quantized(x, qk):
     """``x`` f32 [M, K] as llama.cpp's ``quantize_row_q8_1_ref`` makes it (Q8_0 is the same
     without ``s``): ``d = max|x| / 127``, codes ``roundf(x * (1 / d))`` int8 [M, K], ``d`` as f16
     and ``s = f16(d * sum(codes))`` with the f32 ``d``, both f32, and the code sums int32, these
-    three [K/32, M] (a tile's rows side by side)."""
+    three [K/32, M] (a tile's rows side by side).  In the product's own compiled call: a
+    separate one, and its arrays made in Python, cost 3-4 us a product (85 a 125M model's token)."""
     m, k = x.shape
     xq = np.empty((m, k), np.int8)
-    xd, xs, xsum = (np.empty((k // QK, m), t) for t in (np.float32, np.float32, np.int32))
-    _quantize_rows(x, QK, xq, xd, xs, xsum)
+    xd, xs = np.empty((k // qk, m), np.float32), np.empty((k // qk, m), np.float32)
+    xsum = np.empty((k // qk, m), np.int32)
+    _quantize_rows(x, qk, xq, xd, xs, xsum)
     return xq, xd, xs, xsum
+
+
+if cpu.AVX2:
+    from .simd_int8 import f32_rows, q8_rows
+
+    _F32_FOUR, _F32_ONE = f32_rows(4), f32_rows(1)
+    #: Tiles of (rows of x, weight rows): each call's serial f32 sums (one per pair) run side by
+    #: side; a lone chain waits one ``addss`` latency a block, which bounds a nibble format's row
+    #: below the memory's speed.  Not for Q8_0 at M = 1: it is memory-bound there, and 4 weight
+    #: rows read side by side measured 9 GB/s against 16.7 one after the other (2048 x 768, weights
+    #: not in cache, one thread).
+    _Q8_FOUR_BY_TWO, _Q8_FOUR = q8_rows(4, 2), q8_rows(4)
+    _Q8_ONE_BY_FOUR, _Q8_ONE = q8_rows(1, 4), q8_rows(1)
+    _Q8_0 = next(code for code, dtype in FORMATS.items() if dtype == DType.Q8_0)
+
+    @numba.njit(nogil=True, cache=True)
+    def _f32_avx2(x, w, out, fmt, qk, lo, hi):
+        m_rows, nb = x.shape[0], x.shape[1] // qk
+        for n in range(lo, hi):
+            m = 0
+            while m + 4 <= m_rows:
+                _F32_FOUR(w, x, out, n, m, nb, fmt)
+                m += 4
+            while m < m_rows:
+                _F32_ONE(w, x, out, n, m, nb, fmt)
+                m += 1
+
+    @numba.njit(nogil=True, cache=True)
+    def _q8_avx2(xq, xd, xs, xsum, w, out, fmt, _qk, lo, hi):  # _qk: the portable signature
+        m_rows = xq.shape[0]
+        tiled = m_rows // 4 * 4
+        n = lo
+        while n + 2 <= hi:
+            for m in range(0, tiled, 4):
+                _Q8_FOUR_BY_TWO(w, xq, xd, xs, xsum, out, n, m, fmt)
+            n += 2
+        for n in range(n, hi):
+            for m in range(0, tiled, 4):
+                _Q8_FOUR(w, xq, xd, xs, xsum, out, n, m, fmt)
+        for m in range(tiled, m_rows):
+            n = lo
+            while n + 4 <= hi and fmt != _Q8_0:
+                _Q8_ONE_BY_FOUR(w, xq, xd, xs, xsum, out, n, m, fmt)
+                n += 4
+            for n in range(n, hi):
+                _Q8_ONE(w, xq, xd, xs, xsum, out, n, m, fmt)
+
+    @numba.njit(nogil=True, cache=True, parallel=True)
+    def _f32_avx2_threaded(x, w, out, fmt, qk):
+        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
+        for c in numba.prange(chunks):
+            _f32_avx2(x, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
+
+    @numba.njit(nogil=True, cache=True)
+    def _q8_avx2_serial(x, w, out, fmt, qk, lo, hi):
+        xq, xd, xs, xsum = _quantized(x, qk)
+        _q8_avx2(xq, xd, xs, xsum, w, out, fmt, qk, lo, hi)
+
+    @numba.njit(nogil=True, cache=True, parallel=True)
+    def _q8_avx2_threaded(x, w, out, fmt, qk):
+        xq, xd, xs, xsum = _quantized(x, qk)
+        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
+        for c in numba.prange(chunks):
+            _q8_avx2(xq, xd, xs, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
+
+    _F32, _Q8 = Drivers(_f32_avx2, _f32_avx2_threaded), Drivers(_q8_avx2_serial, _q8_avx2_threaded)
+else:
+    @numba.njit(nogil=True, cache=True, parallel=True)
+    def _f32_portable_threaded(x, w, out, fmt, qk):
+        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
+        for c in numba.prange(chunks):
+            _f32_portable(x, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
+
+    @numba.njit(nogil=True, cache=True)
+    def _q8_portable_serial(x, w, out, fmt, qk, lo, hi):
+        xq, xd, xs, xsum = _quantized(x, qk)
+        _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, lo, hi)
+
+    @numba.njit(nogil=True, cache=True, parallel=True)
+    def _q8_portable_threaded(x, w, out, fmt, qk):
+        xq, xd, xs, xsum = _quantized(x, qk)
+        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
+        for c in numba.prange(chunks):
+            _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
+
+    _F32, _Q8 = Drivers(_f32_portable, _f32_portable_threaded), Drivers(_q8_portable_serial, _q8_portable_threaded)
 
 
 def _register(code: int, dtype: DType) -> None:
     @kernel(dtype)
     def product(x, w, out, q8):
-        drivers, args = (_Q8, (*quantize_activations(x), w, out, code, QK)) if q8 else (_F32, (x, w, out, code, QK))
-        run(drivers, w.nbytes * x.shape[0], args, w.shape[0])
+        run(_Q8 if q8 else _F32, w.nbytes * x.shape[0], (x, w, out, code, QK), w.shape[0])
 
 
 for _code, _dtype in FORMATS.items():

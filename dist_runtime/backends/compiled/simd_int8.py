@@ -11,9 +11,11 @@ run-time code; the block loop of each format is emitted once, behind a switch ou
 - :func:`q8_rows`: llama.cpp's integer products on Q8_0/Q8_1-quantized activations.  Per block,
   ``pmaddubsw`` (unsigned x signed bytes -> i16 pairs) then ``pmaddwd`` by ones (-> 8 x i32)
   and an exact integer sum: the block's ``sumi``.  Q8_0's signed codes go through the
-  ``|w|, sign(x, w)`` trick as in ``ggml_vec_dot_q8_0_q8_0``; the nibble formats use their
+  ``|w|, sign(x, w)`` trick (``psignb``) as in ``ggml_vec_dot_q8_0_q8_0``; the nibble formats use their
   unsigned codes and subtract ``c * sum(x codes)`` (Q4_0's c = 8, Q5_0's 16): the same integer.  Then in
-  f32, block after block: ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for Q4_1/Q5_1).
+  f32, block after block: ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for Q4_1/Q5_1).  That
+  serial f32 sum (one ``addss`` latency a block) is the scalar reference's numerics and bounds a
+  row: everything else runs 8 (block, row) pairs at a time beside it (:func:`q8_rows`).
 
 Every row of ``x`` goes through the same instructions whatever the tile and its place in it,
 so results are batch-invariant; nothing here carries fast-math flags, so LLVM may not reorder.
@@ -33,6 +35,8 @@ I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntTy
 V8F, V8I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I8, 32)
 V16B, V16S = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
 
+#: (block, row) pairs whose integer sums :func:`q8_rows` folds together: one <8 x i32>.
+GROUP = 8
 #: format code (the run-time argument of the intrinsics) -> element type.
 FORMATS = {0: DType.Q8_0, 1: DType.Q4_0, 2: DType.Q4_1, 3: DType.Q5_0, 4: DType.Q5_1}
 
@@ -61,8 +65,12 @@ def _load(builder, base, offset, ty, align=1):
     return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=align)
 
 
+def _f16(builder, blk, at):
+    return _load(builder, blk, _i(at), ir.HalfType())
+
+
 def _half(builder, blk, at):
-    return builder.fpext(_load(builder, blk, _i(at), ir.HalfType()), F32)
+    return builder.fpext(_f16(builder, blk, at), F32)
 
 
 def _call(builder, name, ret, *args):
@@ -168,6 +176,24 @@ def f32_rows(rows: int):
     return run
 
 
+def _concat(builder, parts):
+    """Equal-length vectors (a power of two of them) as one, in order."""
+    while len(parts) > 1:
+        n = parts[0].type.count
+        mask = _vec(ir.VectorType(I32, 2 * n), range(2 * n))
+        parts = [builder.shuffle_vector(parts[i], parts[i + 1], mask) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _spread(builder, halves, rows):
+    """f16 scalars, each on ``rows`` lanes in order, as one f32 vector (one conversion for all)."""
+    v = ir.Constant(ir.VectorType(ir.HalfType(), len(halves)), ir.Undefined)
+    for g, value in enumerate(halves):
+        v = builder.insert_element(v, value, _i(g, I32))
+    spread = _vec(ir.VectorType(I32, len(halves) * rows), [g for g in range(len(halves)) for _ in range(rows)])
+    return builder.fpext(builder.shuffle_vector(v, v, spread), ir.VectorType(F32, len(halves) * rows))
+
+
 def _pair_sums(builder, a, b):
     """<8 x i32> whose lanes 0-3 are the sums of a's lane pairs and 4-7 of b's."""
     mask = ir.VectorType(I32, 8)
@@ -179,6 +205,12 @@ def _row_sums(builder, quads):
     """The lane sums of each <8 x i32> in ``quads`` (1, 2, 4 or 8 of them) as one <rows x i32>,
     in order: pairwise folds that keep every row's partial sums together (exact: integers)."""
     rows = len(quads)
+    if rows == 8:  # phaddd within 128-bit halves, the halves added once at the end: 9 ops, not 14
+        sums = [_call(builder, "llvm.x86.avx2.phadd.d", V8I, quads[i], quads[i + 1]) for i in range(0, 8, 2)]
+        sums = [_call(builder, "llvm.x86.avx2.phadd.d", V8I, sums[i], sums[i + 1]) for i in (0, 2)]
+        mask = ir.VectorType(I32, 8)
+        halves = [builder.shuffle_vector(*sums, _vec(mask, [*range(h, h + 4), *range(h + 8, h + 12)])) for h in (0, 4)]
+        return builder.add(*halves)
     while len(quads) > 1:
         quads = [_pair_sums(builder, quads[i], quads[i + 1]) for i in range(0, len(quads), 2)]
     v = quads[0]
@@ -187,13 +219,21 @@ def _row_sums(builder, quads):
     return builder.shuffle_vector(v, v, _vec(ir.VectorType(I32, rows), range(rows)))
 
 
-def q8_rows(rows: int):
-    """``q8_rows(w, xq, xd, xs, xsum, out, n, m, fmt)``: as :func:`f32_rows` on activations
-    quantized per block: codes ``xq`` int8 [M, K]; per block and row (transposed, so a tile's rows
-    are adjacent), scales ``xd`` and sums ``xs`` (Q8_1's ``s``) f32 [nb, M], code sums ``xsum``
-    int32 [nb, M].  The tile's integer sums are folded together and its f32 steps run as one
-    <rows x float> vector: each lane does exactly what a lone row does."""
-    vec_f, vec_i = ir.VectorType(F32, rows), ir.VectorType(I32, rows)
+def q8_rows(rows: int, wrows: int = 1):
+    """``q8_rows(w, xq, xd, xs, xsum, out, n, m, fmt)``: ``out[m + r, n + j] = x[m + r] . W[n + j]``
+    for ``r < rows``, ``j < wrows``, on activations quantized per block: codes ``xq`` int8 [M, K];
+    per block and row (transposed, so a tile's rows are adjacent), scales ``xd`` and sums ``xs``
+    (Q8_1's ``s``) f32 [nb, M], code sums ``xsum`` int32 [nb, M].
+
+    Blocks go ``GROUP // (rows * wrows)`` at a time: the integer sums of their 8 (block, weight
+    row, row) triples are folded together into one <8 x i32> and their f32 products
+    ``sumi * (d_w * d_x)`` run as one <8 x float>; then each block's lanes are added to the
+    <wrows * rows x float> accumulator, block after block.  Each lane does exactly what a lone
+    (row, weight row) does, in the same order.  Several weight rows (``wrows``) at ``M`` = 1 give
+    the serial f32 sums independent chains to overlap: one chain is one ``addss`` latency a block."""
+    tile_n = rows * wrows
+    vec_f = ir.VectorType(F32, tile_n)
+    group = GROUP // tile_n
 
     @intrinsic
     def run(typingctx, w, xq, xd, xs, xsum, out, n, m, fmt):
@@ -201,45 +241,69 @@ def q8_rows(rows: int):
             arrays = [_array(context, builder, t, v) for t, v in zip(sig.args[:6], args[:6])]
             (wa, _, wst), (qa, (_, k), _), (da, (nb, mt), _), (sa, _, _), (ca, _, _), (oa, (_, ncols), _) = arrays
             n_, m_, code = args[6:]
-            row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
+            base = builder.bitcast(wa.data, I8.as_pointer())
+            wrow = [builder.gep(base, [builder.mul(builder.add(n_, _i(j)), wst[0])]) for j in range(wrows)]
+            ahead = builder.mul(_i(wrows), wst[0])
             xrows = [builder.gep(qa.data, [builder.mul(builder.add(m_, _i(r)), k)]) for r in range(rows)]
             acc = cgutils.alloca_once_value(builder, ir.Constant(vec_f, None))
 
             def tile(ptr, at, ty):
                 return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=4)
 
+            def blocks(fmt, bb, first, count):
+                """Blocks ``first .. first + count`` (count * tile_n = 1..8 lanes) into ``acc``."""
+                lanes = count * tile_n
+                vf, vi = ir.VectorType(F32, lanes), ir.VectorType(I32, lanes)
+                quads, dw, mw = [], [], []
+                for g in range(count):
+                    b = builder.add(first, _i(g))
+                    for j in range(wrows):
+                        blk = builder.gep(wrow[j], [builder.mul(b, _i(bb))])
+                        if wrows > 1:  # the next tile's block: interleaved rows defeat the hardware's prefetcher
+                            _call(builder, "llvm.prefetch.p0", ir.VoidType(), builder.gep(blk, [ahead]),
+                                  _i(0, I32), _i(3, I32), _i(1, I32))
+                        q = _codes(builder, blk, fmt)
+                        if fmt.bits == 8:  # |w| unsigned, x carrying w's sign: pmaddubsw's operands
+                            signs, q = q, _call(builder, "llvm.x86.avx2.psign.b", V32B, q, q)
+                        for r in range(rows):
+                            xv = _load(builder, xrows[r], builder.mul(b, _i(QK)), V32B)
+                            if fmt.bits == 8:
+                                xv = _call(builder, "llvm.x86.avx2.psign.b", V32B, xv, signs)
+                            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, q, xv)
+                            quads.append(_call(builder, "llvm.x86.avx2.pmadd.wd", V8I, pairs, _vec(V16S, [1] * 16)))
+                        dw.append(_f16(builder, blk, 0))
+                        if fmt.affine:
+                            mw.append(_f16(builder, blk, 2))
+
+                def per_row(ptr, ty):  # the [nb, M] entries of the tile's rows, in lane order
+                    at = [builder.add(builder.mul(builder.add(first, _i(g)), mt), m_) for g in range(count)]
+                    return _concat(builder, [tile(ptr, a, ir.VectorType(ty, rows)) for a in at for _ in range(wrows)])
+
+                sumi = _row_sums(builder, quads)
+                if centre(fmt):
+                    sumi = builder.sub(sumi, builder.mul(per_row(ca.data, I32), _vec(vi, [centre(fmt)] * lanes)))
+                scale = builder.fmul(_spread(builder, dw, rows), per_row(da.data, F32))
+                t = builder.fmul(builder.sitofp(sumi, vf), scale)
+                if fmt.affine:
+                    t = builder.fadd(t, builder.fmul(_spread(builder, mw, rows), per_row(sa.data, F32)))
+                for g in range(count):
+                    lanes_g = _vec(ir.VectorType(I32, tile_n), range(g * tile_n, (g + 1) * tile_n))
+                    part = builder.shuffle_vector(t, t, lanes_g)
+                    builder.store(builder.fadd(builder.load(acc), part), acc)
+
             def loop(fmt, bb):
-                with cgutils.for_range(builder, nb) as blocks:
-                    b = blocks.index
-                    blk = builder.gep(row, [builder.mul(b, _i(bb))])
-                    q = _codes(builder, blk, fmt)
-                    if fmt.bits == 8:  # |w| unsigned, x carrying w's sign: pmaddubsw's operands
-                        negative = builder.icmp_signed("<", q, ir.Constant(V32B, None))
-                        q = builder.select(negative, builder.neg(q), q)
-                    quads = []
-                    for r in range(rows):
-                        xv = _load(builder, xrows[r], builder.mul(b, _i(QK)), V32B)
-                        if fmt.bits == 8:
-                            xv = builder.select(negative, builder.neg(xv), xv)
-                        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, q, xv)
-                        quads.append(_call(builder, "llvm.x86.avx2.pmadd.wd", V8I, pairs, _vec(V16S, [1] * 16)))
-                    sumi = _row_sums(builder, quads)
-                    at = builder.add(builder.mul(b, mt), m_)
-                    if centre(fmt):
-                        shift = builder.mul(tile(ca.data, at, vec_i), _vec(vec_i, [centre(fmt)] * rows))
-                        sumi = builder.sub(sumi, shift)
-                    scale = builder.fmul(_splat(builder, _half(builder, blk, 0), vec_f), tile(da.data, at, vec_f))
-                    t = builder.fmul(builder.sitofp(sumi, vec_f), scale)
-                    if fmt.affine:
-                        low = _splat(builder, _half(builder, blk, 2), vec_f)
-                        t = builder.fadd(t, builder.fmul(low, tile(sa.data, at, vec_f)))
-                    builder.store(builder.fadd(builder.load(acc), t), acc)
+                grouped = builder.mul(builder.sdiv(nb, _i(group)), _i(group))
+                with cgutils.for_range_slice(builder, _i(0), grouped, _i(group)) as (b, _):
+                    blocks(fmt, bb, b, group)
+                with cgutils.for_range_slice(builder, grouped, nb, _i(1)) as (b, _):
+                    blocks(fmt, bb, b, 1)
 
             _by_format(builder, code, loop)
             total = builder.load(acc)
-            for r in range(rows):
-                where = builder.add(builder.mul(builder.add(m_, _i(r)), ncols), n_)
-                builder.store(builder.extract_element(total, _i(r, I32)), builder.gep(oa.data, [where]))
+            for j in range(wrows):
+                for r in range(rows):
+                    where = builder.add(builder.mul(builder.add(m_, _i(r)), ncols), builder.add(n_, _i(j)))
+                    builder.store(builder.extract_element(total, _i(j * rows + r, I32)), builder.gep(oa.data, [where]))
             return context.get_dummy_value()
 
         return types.void(w, xq, xd, xs, xsum, out, n, m, fmt), codegen

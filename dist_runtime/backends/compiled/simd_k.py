@@ -16,7 +16,8 @@ lane ``j`` = sub-block ``j``).  Every row sees the same
 operations in the same order in a tile or alone: the result is batch-invariant.
 
 Q8_K activations (``q4_k_q8``, ``q5_k_q8``, ``q6_k_q8``): one call takes one super-block to one row
-of quantized activations and returns its exact integer sums (llama.cpp's ``vec_dot_q*_K_q8_K``).
+(or, ``*_tile``, :data:`TILE` rows, the codes decoded once for them) of quantized activations and
+returns its exact integer sums (llama.cpp's ``vec_dot_q*_K_q8_K``).
 
 numba's on-disk cache keys :mod:`.kquants`'s drivers by their own file only: after editing this
 one, delete ``__pycache__/kquants.*.nb[ic]`` (or touch kquants.py) to recompile.
@@ -31,6 +32,9 @@ from numba.extending import intrinsic
 
 from . import cpu
 
+#: F16C's conversion of the f16 scales, where the CPU has it (decided by the CPU itself, as
+#: :data:`_X86_AVX2`, because numba's cache is keyed by the CPU).
+_F16C = "f16c" in cpu.FEATURES
 #: Rows of ``x`` that share each decoded sub-block (4 rows x 2 vectors + 4 codes: 12 of 16 ymm).
 TILE = 4
 
@@ -93,12 +97,15 @@ class _Row:
         return b.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, n), [0] * n))
 
     def half(self, byte_at):
-        """The f16 at ``byte_at`` of the current super-block as f32, with integer operations and
-        one exact multiply (no F16C: this IR must compile on any CPU): the f16's exponent and
-        mantissa placed in an f32's low bits times ``2 ** 112`` is its value (subnormals too),
-        and 65536 or more means inf or NaN."""
+        """The f16 at ``byte_at`` of the current super-block as f32: one ``vcvtph2ps`` where the
+        CPU has F16C; elsewhere (this IR must compile on any CPU) integer operations and one
+        exact multiply: the f16's exponent and mantissa placed in an f32's low bits times
+        ``2 ** 112`` is its value (subnormals too), and 65536 or more means inf or NaN."""
         b = self.builder
-        h = b.zext(b.load(b.bitcast(b.gep(self.row, [self.at(self.block_at, byte_at)]), ir.IntType(16).as_pointer()), align=1), I32)
+        at = b.gep(self.row, [self.at(self.block_at, byte_at)])
+        if _F16C:
+            return b.fpext(b.load(b.bitcast(at, ir.HalfType().as_pointer()), align=1), F32)
+        h = b.zext(b.load(b.bitcast(at, ir.IntType(16).as_pointer()), align=1), I32)
         f = b.fmul(b.bitcast(b.shl(b.and_(h, ir.Constant(I32, 0x7FFF)), ir.Constant(I32, 13)), F32), ir.Constant(F32, 2.0 ** 112))
         bits = b.bitcast(f, I32)
         bits = b.select(b.fcmp_ordered(">=", f, ir.Constant(F32, 65536.0)), b.or_(bits, ir.Constant(I32, 0x7F800000)), bits)
@@ -291,19 +298,27 @@ def _reduce_add(builder, v):
     return builder.call(fn, [v])
 
 
-Q8_ARGS = ("row", "block_at", "q8", "q8at", "bsums", "bsat")
+Q8_ARGS = ("row", "block_at", "q8", "q8at", "bsums", "bsat", "q8step", "bstep")
 
 
-def _emit_q45_k_q8(blk, high):
-    """``(sum_j scale_j * sum_l q_l * q8_l, sum_j min_j * bsum_j, d, dmin)`` of one Q4_K/Q5_K
-    super-block against 256 Q8_K codes (``bsums``: sums of 32 codes)."""
+def _q8_rows(blk, rows):
+    """Where each of ``rows`` rows of Q8_K activations starts: its codes, its code sums' index."""
+    b = blk.builder
+    return ([b.gep(blk.q8, [blk.at(blk.q8at, b.mul(blk.const(r), blk.q8step))]) for r in range(rows)],
+            [blk.at(blk.bsat, b.mul(blk.const(r), blk.bstep)) for r in range(rows)])
+
+
+def _emit_q45_k_q8(blk, rows, high):
+    """Per row ``(sum_j scale_j * sum_l q_l * q8_l, sum_j min_j * bsum_j)``, and ``d``, ``dmin``, of
+    one Q4_K/Q5_K super-block against 256 Q8_K codes of each row (``bsums``: sums of 32 codes);
+    the codes decoded once for all rows."""
     b = blk.builder
     sc, mn = blk.scale_codes_q45_k()
-    q8 = b.gep(blk.q8, [blk.q8at])
+    q8s, bsat = _q8_rows(blk, rows)
     qs = 48 if high else 16
     low4 = ir.Constant(V32I8, [15] * 32)
     highs = blk.load(blk.row, blk.at(blk.block_at, 16), V32I8, 1) if high else None
-    total = ir.Constant(V8I, [0] * 8)
+    totals = [ir.Constant(V8I, [0] * 8)] * rows
     for c in range(4):
         packed = blk.load(blk.row, blk.at(blk.block_at, qs + 32 * c), V32I8, 1)
         for s in range(2):
@@ -312,20 +327,20 @@ def _emit_q45_k_q8(blk, high):
             if high:
                 bit = b.and_(b.lshr(highs, ir.Constant(V32I8, [j] * 32)), ir.Constant(V32I8, [1] * 32))
                 codes = b.or_(codes, b.shl(bit, ir.Constant(V32I8, [4] * 32)))
-            y = blk.load(q8, blk.const(32 * j), V32I8, 1)
             scale = blk.splat(b.trunc(b.extract_element(sc, ir.Constant(I32, j)), ir.IntType(16)), 16)
-            total = b.add(total, _maddwd(b, _maddubs(b, codes, y), scale))
-    bsums = blk.load(blk.bsums, blk.bsat, V8I)
-    return _reduce_add(b, total), _reduce_add(b, b.mul(mn, bsums)), blk.half(0), blk.half(2)
+            ys = [blk.load(q8, blk.const(32 * j), V32I8, 1) for q8 in q8s]
+            totals = [b.add(t, _maddwd(b, _maddubs(b, codes, y), scale)) for t, y in zip(totals, ys)]
+    imins = [_reduce_add(b, b.mul(mn, blk.load(blk.bsums, at, V8I))) for at in bsat]
+    return [_reduce_add(b, t) for t in totals], imins, blk.half(0), blk.half(2)
 
 
-def _emit_q6_k_q8(blk):
-    """``(sum_i scale_i * sum_l (q_l - 32) * q8_l, 0, d, 0)`` of one Q6_K super-block (16
-    sub-blocks of 16; ``bsums``: sums of 16 codes, for the ``- 32``)."""
+def _emit_q6_k_q8(blk, rows):
+    """Per row ``(sum_i scale_i * sum_l (q_l - 32) * q8_l, 0)``, and ``d``, 0, of one Q6_K
+    super-block (16 sub-blocks of 16; ``bsums``: sums of 16 codes, for the ``- 32``)."""
     b = blk.builder
     scales = b.sext(blk.load(blk.row, blk.at(blk.block_at, 192), ir.VectorType(I8, 16), 1), V16I16)
-    q8 = b.gep(blk.q8, [blk.q8at])
-    total = ir.Constant(V8I, [0] * 8)
+    q8s, bsat = _q8_rows(blk, rows)
+    totals = [ir.Constant(V8I, [0] * 8)] * rows
     for h in range(2):
         highs = blk.load(blk.row, blk.at(blk.block_at, 128 + 32 * h), V32I8, 1)
         for g in range(4):
@@ -333,35 +348,41 @@ def _emit_q6_k_q8(blk):
             low = b.and_(b.lshr(low, ir.Constant(V32I8, [4] * 32)) if g // 2 else low, ir.Constant(V32I8, [15] * 32))
             high = b.and_(b.lshr(highs, ir.Constant(V32I8, [2 * g] * 32)), ir.Constant(V32I8, [3] * 32))
             codes = b.or_(low, b.shl(high, ir.Constant(V32I8, [4] * 32)))
-            y = blk.load(q8, blk.const(128 * h + 32 * g), V32I8, 1)
             i = 8 * h + 2 * g
             scale = b.shuffle_vector(scales, ir.Constant(V16I16, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), [i] * 8 + [i + 1] * 8))
-            total = b.add(total, _maddwd(b, _maddubs(b, codes, y), scale))
+            ys = [blk.load(q8, blk.const(128 * h + 32 * g), V32I8, 1) for q8 in q8s]
+            totals = [b.add(t, _maddwd(b, _maddubs(b, codes, y), scale)) for t, y in zip(totals, ys)]
     v16i32 = ir.VectorType(I32, 16)
-    offset = b.mul(b.sext(scales, v16i32), blk.load(blk.bsums, blk.bsat, v16i32))
-    isum = b.sub(_reduce_add(b, total), b.shl(_reduce_add(b, offset), ir.Constant(I32, 5)))
-    return isum, ir.Constant(I32, 0), blk.half(208), ir.Constant(F32, 0.0)
+    wide = b.sext(scales, v16i32)
+    offsets = [_reduce_add(b, b.mul(wide, blk.load(blk.bsums, at, v16i32))) for at in bsat]
+    isums = [b.sub(_reduce_add(b, t), b.shl(o, ir.Constant(I32, 5))) for t, o in zip(totals, offsets)]
+    return isums, [ir.Constant(I32, 0)] * rows, blk.half(208), ir.Constant(F32, 0.0)
 
 
-def _q8_kernel(emit):
+def _q8_kernel(emit, rows):
     @intrinsic
-    def q8_dot(typingctx, row, at, q8, q8at, bsums, bsat):
-        ret = types.Tuple((types.int32, types.int32, types.float32, types.float32))
+    def q8_dot(typingctx, row, at, q8, q8at, bsums, bsat, q8step, bstep):
+        ints = types.UniTuple(types.int32, rows)
+        ret = types.Tuple((ints, ints, types.float32, types.float32))
 
         def codegen(context, builder, sig, args):
             blk = _Row(context, builder, sig, args, Q8_ARGS)
-            return context.make_tuple(builder, ret, emit(blk))
+            isums, imins, d, dmin = emit(blk, rows)
+            return context.make_tuple(builder, ret, [context.make_tuple(builder, ints, isums),
+                                                     context.make_tuple(builder, ints, imins), d, dmin])
 
-        return ret(row, at, q8, q8at, bsums, bsat), codegen
+        return ret(row, at, q8, q8at, bsums, bsat, q8step, bstep), codegen
 
     return q8_dot
 
 
-#: ``f(row, at, q8, q8at, bsums, bsat) -> (isum, imin, d, dmin)``: the super-block at byte ``at``
-#: of ``row`` against the Q8_K codes ``q8[q8at:q8at + 256]`` (int8), whose sums (int32) of 32
-#: (Q4_K/Q5_K: 8) or 16 (Q6_K: 16) codes are at ``bsums[bsat:]``: the exact integers
+#: ``f(row, at, q8, q8at, bsums, bsat, q8step, bstep) -> (isums, imins, d, dmin)``: the
+#: super-block at byte ``at`` of ``row`` against rows of Q8_K codes, row ``r``'s at
+#: ``q8[q8at + r q8step:]`` (256, int8), with its sums (int32) of 32 (Q4_K/Q5_K: 8) or 16 (Q6_K: 16)
+#: codes at ``bsums[bsat + r bstep:]``; per row the exact integers
 #: ``isum = sum_j scale_j * sum_l q_l * q8_l`` and ``imin = sum_j min_j * bsum_j`` (0 for Q6_K,
-#: whose codes are centred), and the block's f16 scales ``d``, ``dmin`` (0 for Q6_K).
-q4_k_q8 = _q8_kernel(lambda blk: _emit_q45_k_q8(blk, False))
-q5_k_q8 = _q8_kernel(lambda blk: _emit_q45_k_q8(blk, True))
-q6_k_q8 = _q8_kernel(_emit_q6_k_q8)
+#: whose codes are centred), and the block's f16 scales ``d``, ``dmin`` (0 for Q6_K).  One row, or
+#: (``_tile``) :data:`TILE` rows of ``x`` sharing each decoded super-block.
+q4_k_q8, q4_k_q8_tile = (_q8_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, False), rows) for rows in (1, TILE))
+q5_k_q8, q5_k_q8_tile = (_q8_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, True), rows) for rows in (1, TILE))
+q6_k_q8, q6_k_q8_tile = (_q8_kernel(_emit_q6_k_q8, rows) for rows in (1, TILE))
