@@ -32,7 +32,7 @@ import numpy as np
 from dist_runtime.dtypes import DType
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
 from dist_runtime.executor import GraphExecutor
-from dist_runtime.generation import LocalEngine, Request
+from dist_runtime.generation import Inbox, LocalEngine, Request
 from dist_runtime.kernels.quant import quantize
 from dist_runtime.scheduling import DEFAULT_BATCH_TOKENS
 
@@ -99,16 +99,15 @@ def chunked_prefill(path: Path, args, engine_cache: dict) -> dict:
     engine = engine_cache[path]
     decoding = requests(8, args.prompt, args.tokens, "d")
     long = requests(4, 512, 4, "p")
-    passes = [0]
-
-    def incoming():
-        passes[0] += 1
-        return long if passes[0] == 4 else []
+    inbox = Inbox()
 
     gaps: dict = {}
     last: dict = {}
-    for event in engine.stream(decoding, incoming=incoming):
+    for event in engine.stream(decoding, inbox=inbox):
         now = time.perf_counter()
+        if event.index == 3 and event.session == "d0":  # after a few passes, the long prompts arrive
+            for r in long:
+                inbox.put(r)
         if event.session in last and str(event.session).startswith("d"):
             gaps.setdefault(event.session, []).append(now - last[event.session])
         last[event.session] = now

@@ -18,7 +18,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Mapping, Protocol, Se
 import numpy as np
 
 from .errors import DistRuntimeError
-from .requests import Request, TokenEvent, check_requests  # noqa: F401 -- the engines' vocabulary, here too
+from .requests import Inbox, Request, TokenEvent, check_requests  # noqa: F401 -- the engines' vocabulary, here too
 from .scheduling import DEFAULT_BATCH_TOKENS, Scheduler, Work
 
 
@@ -55,10 +55,9 @@ class LocalEngine:
         # the executor is not batch-invariant (a session's tokens would depend on its company).
         self.batches = executor.rows.reason is None and executor.batch_invariant
 
-    def stream(self, requests: Iterable[Request], *,
-               incoming: Callable[[], Iterable[Request]] | None = None) -> Iterator[TokenEvent]:
-        """Tokens of ``requests`` as they come; ``incoming()``, polled before every pass, returns
-        requests that arrived meanwhile (they join the running batch)."""
+    def stream(self, requests: Iterable[Request], *, inbox: Inbox | None = None) -> Iterator[TokenEvent]:
+        """Tokens of ``requests`` as they come; ``inbox`` brings requests and cancellations that
+        arrive meanwhile (taken before every pass).  Returns when no session is left."""
         sched = Scheduler(max_batch_tokens=self.max_batch_tokens, max_sessions=self.max_sessions)
 
         def add(reqs: Iterable[Request]) -> None:
@@ -68,8 +67,12 @@ class LocalEngine:
 
         add(requests)
         while True:
-            if incoming is not None:
-                add(incoming())
+            if inbox is not None:
+                arrived, cancelled = inbox.take()
+                add(arrived)
+                for session in cancelled:
+                    if sched.cancel(session):
+                        self.executor.close_session(session)
             if sched.done:
                 return
             batch = sched.next_batch(None if self.batches else 1)

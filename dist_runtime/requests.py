@@ -3,6 +3,7 @@ engines both build on it)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -54,3 +55,33 @@ def check_requests(requests: Sequence[Request], *, vocab: int | None = None, con
         if context and not r.resume and len(r.prompt) + r.max_new_tokens > context:
             raise DistRuntimeError(f"{where}: {len(r.prompt)} prompt tokens + {r.max_new_tokens} new tokens "
                                    f"exceed the context length {context}")
+
+
+class Inbox:
+    """Requests and cancellations that arrive while an engine streams (a server's door; thread
+    safe).  The engine takes what is there before every pass: new requests join the running batch,
+    a cancelled session leaves it and its KV caches are freed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: list[Request] = []
+        self._cancelled: list[Hashable] = []
+
+    def put(self, request: Request) -> None:
+        with self._lock:
+            self._requests.append(request)
+
+    def cancel(self, session: Hashable) -> None:
+        with self._lock:
+            self._cancelled.append(session)
+
+    def take(self) -> tuple[list[Request], list[Hashable]]:
+        """What arrived since the last call: (requests, cancelled sessions)."""
+        with self._lock:
+            out = self._requests, self._cancelled
+            self._requests, self._cancelled = [], []
+        return out
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._requests or self._cancelled)

@@ -39,6 +39,7 @@ class Live:
     reset: bool = True  # its next pass clears its KV caches first (its first pass)
     generated: list[int] = field(default_factory=list)
     busy: bool = False  # a pass holding its rows is in flight
+    cancelled: bool = False  # its client left while a pass held its rows: dropped when it returns
 
     @property
     def session(self) -> Hashable:
@@ -99,6 +100,20 @@ class Scheduler:
         """Forget ``session`` (finished, failed or cancelled); returns its state."""
         return self.live.pop(session, None)
 
+    def cancel(self, session: Hashable) -> bool:
+        """Stop ``session`` (its client left): out of the queue, or out of the batch -- at once, or
+        when the pass holding its rows returns.  Returns whether it has left now."""
+        for req in self.waiting:
+            if req.session == session:
+                self.waiting.remove(req)
+                self._resume.pop(session, None)
+                return True
+        live = self.live.get(session)
+        if live is not None and live.busy:
+            live.cancelled = True
+            return False
+        return self.drop(session) is not None
+
     def queued(self) -> dict[Hashable, int]:
         """Each waiting session's place in the queue (0 = next to be admitted)."""
         return {req.session: i for i, req in enumerate(self.waiting)}
@@ -148,6 +163,9 @@ class Scheduler:
         events = []
         for w, row in zip(batch, logits, strict=True):
             s = w.live
+            if s.cancelled:
+                self.drop(s.session)
+                continue
             s.busy, s.reset = False, False
             self.live[s.session] = self.live.pop(s.session)  # to the back: passes of fewer sessions than ready rotate
             s.pos += len(w.tokens)

@@ -14,7 +14,7 @@ from dist_runtime.dtypes import DType
 from dist_runtime.errors import DistRuntimeError, GraphValidationError
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
 from dist_runtime.executor import GraphExecutor
-from dist_runtime.generation import LocalEngine, Request, generate
+from dist_runtime.generation import Inbox, LocalEngine, Request, generate
 from dist_runtime.ir.graph import Graph, Node, TensorSpec
 from dist_runtime.ir.ops import OPS_BY_NAME, Conv1d, Matmul, Reshape, Softmax
 from dist_runtime.ir.payload import ROW_KINDS
@@ -187,3 +187,22 @@ def test_local_engine_batches_and_matches_one_session_per_pass(model):
     ex = _executor(model)
     batched = generate(LocalEngine(ex, max_batch_tokens=24), requests)
     assert batched.tokens == generate(LocalEngine(_executor(model), max_sessions=1), requests).tokens
+
+
+def test_an_inbox_brings_requests_and_cancellations_into_the_running_batch(model):
+    requests = _random_requests(np.random.default_rng(3), 4)
+    for r in requests:
+        r.max_new_tokens = 8
+    late = Request("late", [5, 6, 7], 6, Sampling(temperature=0.8, seed=3))
+    alone_engine = LocalEngine(_executor(model))
+    alone = {r.session: generate(alone_engine, [r]).tokens[r.session] for r in [*requests, late]}
+    ex = _executor(model)
+    inbox, got = Inbox(), {}
+    for event in LocalEngine(ex, max_batch_tokens=16).stream(requests, inbox=inbox):
+        got.setdefault(event.session, []).append(event.token)
+        if event.session == "s0" and event.index == 1:
+            inbox.put(late)
+            inbox.cancel("s1")
+    assert "s1" not in ex.sessions()  # its KV caches were freed
+    assert len(got.get("s1", [])) <= 2 and got.get("s1", []) == alone["s1"][:len(got.get("s1", []))]
+    assert {s: t for s, t in got.items() if s != "s1"} == {s: t for s, t in alone.items() if s != "s1"}

@@ -33,7 +33,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..errors import DistRuntimeError, StageUnavailableError
-from ..requests import Request, TokenEvent, check_requests
+from ..requests import Inbox, Request, TokenEvent, check_requests
 from ..sampling import Sampling
 from ..scheduling import DEFAULT_BATCH_TOKENS, Scheduler, Work
 from ..transport import decode_message, encode_message
@@ -207,12 +207,12 @@ class Coordinator:
 
     def stream(self, requests: Iterable[Request], *, max_in_flight: int | None = None,
                max_batch_tokens: int | None = None, micro_batches: int | None = None,
-               incoming: Callable[[], Iterable[Request]] | None = None) -> Iterator[TokenEvent]:
+               inbox: Inbox | None = None) -> Iterator[TokenEvent]:
         """Tokens as they are produced (see the module docstring).  ``max_in_flight`` bounds the
         resident sessions (more wait in the queue), ``max_batch_tokens`` the rows of one pass,
         ``micro_batches`` the passes travelling at once (default: :attr:`micro_batches`);
-        ``incoming()``, polled whenever a pass is submitted, returns requests that arrived
-        meanwhile (they join the running batch)."""
+        ``inbox`` brings requests and cancellations that arrive meanwhile (taken whenever passes
+        are submitted; a cancelled session's KV caches are freed on every stage)."""
         self._check_generative()
         requests = list(requests)
         check_requests(requests)
@@ -223,6 +223,7 @@ class Coordinator:
         run = self.last_run = RunTelemetry(len(self.stages), micro_batches=slots)
         inflight: deque[_Flight] = deque()
         attempts = 0  # recoveries since the last token
+        gone: list = []  # cancelled sessions whose caches are still to be freed
 
         def submit(flight: _Flight) -> None:
             works = flight.works
@@ -242,10 +243,17 @@ class Coordinator:
 
         def fill() -> None:
             """Split the ready sessions over the free micro-batch slots."""
-            if incoming is not None:
-                for req in incoming():
+            if inbox is not None:
+                arrived, cancelled = inbox.take()
+                for req in arrived:
                     check_requests([req])
                     self._admit(sched, req)
+                for session in cancelled:
+                    gone.append(session)
+                    sched.cancel(session)
+            for session in [s for s in gone if s not in sched.live]:  # left the batch: free its caches
+                gone.remove(session)
+                self.close_session(session)
             while len(inflight) < slots:
                 ready = sched.ready()
                 if not ready:
