@@ -255,3 +255,19 @@ def test_generate_samples_alike_in_one_process_and_on_stages(model_path, capsys,
     assert set(local) == set(staged) and local["pipeline"] is None and staged["pipeline"]["plan_hash"]
     if flags:  # sampled: the two sessions' seeds differ, and so (here) do their tokens
         assert local["sessions"][0]["ids"] != local["sessions"][1]["ids"]
+
+
+def test_sessions_beyond_the_kv_budget_wait_in_the_queue_and_lose_nothing(pipe2, reference):
+    """Admission: the plan's KV rows bound the resident sessions; the others queue (visible in
+    the telemetry), none fails, and every session's tokens are those it gets alone."""
+    co = pipe2.coordinator
+    assert co.max_kv_rows == 64  # the plan's sessions (1) x its context (64)
+    need = max(len(r.prompt) + r.max_new_tokens for r in _requests())
+    co.max_kv_rows = 2 * need  # room for two of the three sessions at a time
+    try:
+        got = co.generate(_requests())
+    finally:
+        co.max_kv_rows = 64
+    summary = co.last_run.summary()
+    assert summary["queue_max"] == 1 and summary["errors"] == 0 and summary["batch_sessions_max"] == 2
+    assert got == {r.session: generate(LocalEngine(reference), [r]).tokens[r.session] for r in _requests()}

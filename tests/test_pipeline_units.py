@@ -191,6 +191,43 @@ def test_telemetry_join_table_and_svg():
     assert len(bars) == 2 + 4  # two sampling bars on the driver's lane, four stage bars
 
 
+def _texts_fit(svg_text: str) -> list[str]:
+    """The texts of an SVG that run past its right edge (by the drawing code's own estimate)."""
+    from dist_runtime.partitioner.svg import text_width
+
+    ns = "{http://www.w3.org/2000/svg}"
+    root = ET.fromstring(svg_text)
+    width = float(root.get("width"))
+    cut = []
+    for t in root.iter(ns + "text"):
+        size = float(t.get("font-size") or root.get("font-size") or 12)
+        anchor = t.get("text-anchor", "start")
+        left = float(t.get("x")) - (text_width(t.text, size, t.get("font-weight", "normal")) / 2 if anchor == "middle" else 0)
+        if left + text_width(t.text, size, t.get("font-weight", "normal")) > width:
+            cut.append(t.text)
+    return cut
+
+
+def test_pictures_fit_their_canvas_and_show_micro_batches(model_path):
+    """The plan's right-hand title was cut at 1000 px; a timeline's legend ran off with many
+    sessions.  Every label now fits, and two batches in flight get two colours."""
+    from dist_runtime.partitioner.svg import plan_svg
+
+    plan = make_plan(load_model(model_path).graph, budgets="1GiB,1GiB", speeds="1,2", max_context=64)
+    svg = plan_svg(plan)
+    assert "time = compute / speed (share of compute)" in svg and _texts_fit(svg) == []
+    run = RunTelemetry(2, micro_batches=2)
+    for step in range(40):  # single sessions and two micro-batches of 4
+        sessions = [f"a-rather-long-session-name-{step}"] if step < 30 else [f"s{i}" for i in range(step % 2, 8, 2)]
+        run.submitted(step, sessions, "decode", len(sessions), step * 0.01, slot=step % 2)
+        run.add_stage_records(0, [StageRecord(step, sessions[0], step * 0.01, step * 0.01 + 0.005, 0, 0.005, 0, 0)])
+        run.token(step, step * 0.01 + 0.009, 0.0001)
+    run.finish()
+    svg = run.svg()
+    assert _texts_fit(svg) == [] and "micro-batch 0" in svg and "micro-batch 1" in svg and "and 8 more" in svg
+    assert "batch of 4 sessions (s0, s2, s4, s6)" in svg
+
+
 def test_cluster_configs_pass_rays_schema():
     """cluster/*.yaml are valid cluster-launcher configs, with token auth on and the dashboard on
     localhost in every start command."""

@@ -103,13 +103,17 @@ class Coordinator:
                  timeout: float | None = 600.0,
                  repair: Callable[[list[int]], tuple[list, Channel]] | None = None,
                  max_recoveries: int = 3, probe_timeout: float = 10.0, exact_replay: bool = True,
-                 micro_batches: int = 1, max_batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:
+                 micro_batches: int = 1, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                 max_kv_rows: int | None = None) -> None:
         self.stages, self.actors, self.channel = stages, actors, channel
         # Passes in flight at once: one per stage when the stages have machines of their own
         # (stage k computes pass i while stage k+1 computes i-1); one when they share a machine's
         # cores and memory bandwidth, where splitting the batch only re-reads the weights.
         self.micro_batches, self.max_batch_tokens = micro_batches, max_batch_tokens
         self.batching: str | None = None  # why a stage runs one session per pass (its report's), or None
+        # The KV rows the plan sized every stage's memory for (sessions x context): sessions beyond
+        # wait in the queue rather than push a stage past its budget.
+        self.max_kv_rows = max_kv_rows
         self.timeout = timeout
         self.repair, self.max_recoveries, self.probe_timeout = repair, max_recoveries, probe_timeout
         # Exact: replay in the steps first fed (bit-identical caches; one step per generated token).
@@ -216,7 +220,8 @@ class Coordinator:
         self._check_generative()
         requests = list(requests)
         check_requests(requests)
-        sched = Scheduler(max_batch_tokens=max_batch_tokens or self.max_batch_tokens, max_sessions=max_in_flight)
+        sched = Scheduler(max_batch_tokens=max_batch_tokens or self.max_batch_tokens, max_sessions=max_in_flight,
+                          max_kv_rows=self.max_kv_rows)
         for req in requests:
             self._admit(sched, req)
         slots = micro_batches or self.micro_batches
@@ -233,7 +238,7 @@ class Coordinator:
             flight.step = self._next_step()
             kind = "decode" if all(len(w.tokens) == 1 and w.pos for w in works) else "prefill"
             run.submitted(flight.step, [w.session for w in works], kind, sum(len(w.tokens) for w in works),
-                          time.time(), queued=len(sched.waiting))
+                          time.time(), queued=len(sched.waiting), slot=len(inflight))
             flight.broken = None
             try:
                 flight.handle = self.channel.submit(self._batch_message(works, flight.step))

@@ -43,6 +43,12 @@ def context_limit(metadata: dict, default: int = DEFAULT_CONTEXT) -> int:
     return min([default, *known])
 
 
+def kv_rows(plan) -> int | None:
+    """The KV rows a plan sized the stages' memory for: its sessions times its context."""
+    sessions, context = plan.request.get("sessions"), plan.request.get("max_context")
+    return sessions * context if isinstance(sessions, int) and isinstance(context, int) else None
+
+
 def placement_micro_batches(reports: list[dict], asked: int | None) -> tuple[int, str]:
     """How many passes travel at once, and why: one per stage when every stage has a machine of
     its own (stage k computes pass i while k+1 computes i-1); one when stages share a machine,
@@ -93,7 +99,7 @@ class Pipeline:
             self.micro_batches, self.micro_batches_reason = placement_micro_batches(self.reports, micro_batches)
             self.coordinator = Coordinator(self.stages, self.actors, self.channel, timeout=timeout,
                                            repair=self.repair, micro_batches=self.micro_batches,
-                                           max_batch_tokens=max_batch_tokens)
+                                           max_batch_tokens=max_batch_tokens, max_kv_rows=kv_rows(self.plan))
             self.coordinator.batching = next((r["batching"] for r in self.reports if r.get("batching")), None)
             self.coordinator.warm_up()
         except BaseException:

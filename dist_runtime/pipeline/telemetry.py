@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Hashable
 
+from ..partitioner.svg import fit, text_width
 from .header import StageRecord
 
 
@@ -47,6 +48,7 @@ class StepRecord:
     rows: int  # tokens in the step
     submit: float
     queued: int = 0  # sessions waiting for admission when it was submitted
+    slot: int = 0  # passes already in flight when it was submitted (its micro-batch)
     done: float | None = None
     sample: float = 0.0  # seconds the driver spent choosing the tokens
     sampled: int = 0  # tokens it produced
@@ -84,8 +86,8 @@ class RunTelemetry:
         self._idle_from: dict[tuple[int, int], float] = {}  # (stage, step) -> end of its previous call
 
     # -- recording -----------------------------------------------------------------------------
-    def submitted(self, step: int, sessions, kind: str, rows: int, at: float, queued: int = 0) -> None:
-        self.steps[step] = StepRecord(step, tuple(sessions), kind, rows, at, queued)
+    def submitted(self, step: int, sessions, kind: str, rows: int, at: float, queued: int = 0, slot: int = 0) -> None:
+        self.steps[step] = StepRecord(step, tuple(sessions), kind, rows, at, queued, slot)
         for session in sessions:
             self.session_start.setdefault(session, at)
         if len(self.steps) > self.max_steps:
@@ -233,18 +235,25 @@ def _colour(i: int) -> str:
 
 
 def timeline_svg(run: RunTelemetry, width: int = 1100) -> str:
-    """Per-stage lanes, one bar per step coloured by session; the driver's lane shows sampling.
-
-    Hand-written SVG (no plotting dependency); each bar has a tooltip with its timings.
-    """
+    """Per-stage lanes, one bar per step coloured by who it carried (a session, or a batch by its
+    micro-batch slot, so that passes travelling together are told apart); the driver's lane shows
+    sampling.  Hand-written SVG (no plotting dependency); each bar has a tooltip with its timings;
+    the legend wraps and every label fits the canvas."""
     t0, t1 = run.window()
     span = max(t1 - t0, 1e-9)
-    left, right, lane, gap, top = 90, 20, 26, 8, 40
+    left, right, lane, gap, top, entry = 90, 20, 26, 8, 40, 140
     lanes = ["driver"] + [f"stage {k}" for k in range(run.num_stages)]
-    sessions = list(dict.fromkeys(r.session for r in run.steps.values()))
-    colour = {s: _colour(i) for i, s in enumerate(sessions)}
-    height = top + len(lanes) * (lane + gap) + 60
+    keys = list(dict.fromkeys(_key(r) for r in run.steps.values()))
+    keys.sort(key=lambda k: not str(k).startswith("micro-batch"))  # the legend names those first
+    colour = {k: _colour(i) for i, k in enumerate(keys)}
+    shown = keys[:24]
+    per_row = max(1, (width - left - right) // entry)
+    legend_rows = -(-len(shown) // per_row) + (len(keys) > len(shown))
+    height = top + len(lanes) * (lane + gap) + 40 + 18 * legend_rows
     scale = (width - left - right) / span
+    title = (f"Pipeline timeline: {run.num_stages} stage(s), {len(run.session_start)} session(s), "
+             f"{run.micro_batches} micro-batch(es) in flight, {1e3 * span:.1f} ms (bars: busy)")
+    width = max(width, int(left + text_width(title, 14) + 10))
 
     def x(t: float) -> float:
         return left + (t - t0) * scale
@@ -252,18 +261,17 @@ def timeline_svg(run: RunTelemetry, width: int = 1100) -> str:
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="sans-serif" font-size="12">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left}" y="20" font-size="14">Pipeline timeline: {run.num_stages} stage(s), '
-           f'{len(sessions)} session(s), {1e3 * span:.1f} ms (bars: busy; colour: session)</text>']
+           f'<text x="{left}" y="20" font-size="14">{escape(title)}</text>']
     for i, name in enumerate(lanes):
         y = top + i * (lane + gap)
         out.append(f'<text x="8" y="{y + lane * 0.7:.1f}">{name}</text>')
         out.append(f'<rect x="{left}" y="{y}" width="{width - left - right}" height="{lane}" fill="#f2f2f2"/>')
     for rec in run.steps.values():
+        fill = colour[_key(rec)]
         if rec.done is not None and rec.error is None:
-            y = top
             w = max(rec.sample * scale, 1.0)
-            out.append(f'<rect x="{x(rec.done):.2f}" y="{y}" width="{w:.2f}" height="{lane}" '
-                       f'fill="{colour[rec.session]}"><title>{escape(_who(rec))} step '
+            out.append(f'<rect x="{x(rec.done):.2f}" y="{top}" width="{w:.2f}" height="{lane}" '
+                       f'fill="{fill}"><title>{escape(_who(rec))} step '
                        f'{rec.step}: sampling {1e3 * rec.sample:.3f} ms</title></rect>')
         for t in rec.stages:
             y = top + (t.stage + 1) * (lane + gap)
@@ -272,7 +280,7 @@ def timeline_svg(run: RunTelemetry, width: int = 1100) -> str:
                    f"queue {1e3 * t.queue:.3f} ms, transfer {1e3 * t.transfer:.3f} ms, decode "
                    f"{1e3 * t.decode:.3f} ms, compute {1e3 * t.compute:.3f} ms, encode {1e3 * t.encode:.3f} ms")
             out.append(f'<rect x="{x(t.start):.2f}" y="{y}" width="{w:.2f}" height="{lane}" '
-                       f'fill="{colour[rec.session]}" stroke="white" stroke-width="0.5">'
+                       f'fill="{fill}" stroke="white" stroke-width="0.5">'
                        f'<title>{escape(tip)}</title></rect>')
     axis_y = top + len(lanes) * (lane + gap) + 4
     out.append(f'<line x1="{left}" y1="{axis_y}" x2="{width - right}" y2="{axis_y}" stroke="black"/>')
@@ -283,13 +291,19 @@ def timeline_svg(run: RunTelemetry, width: int = 1100) -> str:
         out.append(f'<line x1="{tx:.2f}" y1="{axis_y}" x2="{tx:.2f}" y2="{axis_y + 5}" stroke="black"/>')
         out.append(f'<text x="{tx:.2f}" y="{axis_y + 18}" text-anchor="middle">{tick:g} ms</text>')
         tick += step_ms
-    lx = left
-    for s in sessions[:16]:
-        out.append(f'<rect x="{lx}" y="{axis_y + 28}" width="12" height="12" fill="{colour[s]}"/>')
-        out.append(f'<text x="{lx + 16}" y="{axis_y + 38}">{escape(_label(s))}</text>')
-        lx += 110
+    for i, k in enumerate(shown):
+        lx, ly = left + (i % per_row) * entry, axis_y + 28 + 18 * (i // per_row)
+        out.append(f'<rect x="{lx}" y="{ly}" width="12" height="12" fill="{colour[k]}"/>')
+        out.append(f'<text x="{lx + 16}" y="{ly + 10}">{escape(fit(_label(k), entry - 22, 12))}</text>')
+    if len(keys) > len(shown):
+        out.append(f'<text x="{left}" y="{axis_y + 38 + 18 * (legend_rows - 1)}">and {len(keys) - len(shown)} more</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _key(rec: StepRecord):
+    """What a step's colour stands for: its session, or its micro-batch slot for a batch."""
+    return rec.sessions[0] if len(rec.sessions) == 1 else f"micro-batch {rec.slot}"
 
 
 def _who(rec: StepRecord) -> str:
@@ -299,7 +313,7 @@ def _who(rec: StepRecord) -> str:
 
 
 def _label(key) -> str:
-    return key if isinstance(key, str) and key.startswith("batch of") else f"session {key}"
+    return key if isinstance(key, str) and key.startswith("micro-batch") else f"session {key}"
 
 
 def _tick(span_ms: float) -> float:
