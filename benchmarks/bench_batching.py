@@ -13,7 +13,8 @@ configurations alternating within a round, and ratios within one run:
 4. chunked prefill: 4 prompts of 512 tokens arrive while 8 sessions decode; inter-token latency of
    the decoding sessions (p50/p99) next to a plain decode step's time;
 5. per-step overhead: the share of a batched pass not spent inside the executor (one process:
-   driver, scheduler, sampling; stages: transport and driver, from the telemetry);
+   driver, scheduler, sampling; stages with one micro-batch: transport and driver, from the
+   telemetry: 1 - the stages' compute per step / the wall time per step);
 6. ceilings: weight bytes per step / measured memory bandwidth, FLOPs per step / measured peak.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/bench_batching.py
@@ -92,6 +93,31 @@ def local(path: Path, sessions: int, args, engine_cache: dict) -> tuple[float, d
     for r in reqs:
         engine.executor.close_session(r.session)
     return rate, tokens
+
+
+def local_overhead(path: Path, args, engine_cache: dict) -> float:
+    """The share of one process's run with 8 sessions spent outside the executor's passes (the
+    scheduler, sampling, building the batches)."""
+    engine = engine_cache[path]
+    run_batch, inside = engine.executor.run_batch, [0.0]
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return run_batch(*a, **kw)
+        finally:
+            inside[0] += time.perf_counter() - t0
+
+    engine.executor.run_batch = timed
+    reqs = requests(8, args.prompt, args.tokens)
+    t0 = time.perf_counter()
+    for _ in engine.stream(reqs):
+        pass
+    wall = time.perf_counter() - t0
+    del engine.executor.run_batch
+    for r in reqs:
+        engine.executor.close_session(r.session)
+    return 1 - inside[0] / wall
 
 
 def chunked_prefill(path: Path, args, engine_cache: dict) -> dict:
@@ -185,6 +211,8 @@ def main() -> None:
         print(f"ceilings {kind}: weights {c['weight_bytes'] / 1e6:.0f} MB per step / {c['bandwidth'] / 1e9:.1f} GB/s "
               f"= {c['step_floor_ms']:.2f} ms; 8 rows' FLOPs / {c['peak'] / 1e9:.0f} GFLOP/s = "
               f"{c['flop_floor_ms']:.2f} ms")
+    print(f"one process, 8 sessions: {100 * local_overhead(files['F32'], args, engines):.1f}% of the run "
+          f"outside the executor's passes (scheduler, sampling, batching)")
     prefill = chunked_prefill(files["F32"], args, engines)
     step = 1e3 / med[("F32", 8)] * 8
     print(f"chunked prefill (4 x 512-token prompts arriving while 8 sessions decode): inter-token "
@@ -199,9 +227,9 @@ def main() -> None:
             rate, tokens, summary = pipeline_rate(files["F32"], stages, micro, args)
             compute = sum(s["compute"] for s in summary["stages"])
             step_ms = 1e3 * summary["wall_s"] / max(summary["steps"], 1)
-            overhead = max(0.0, 1 - compute / step_ms) if micro == 1 else float("nan")
+            overhead = f"{100 * max(0.0, 1 - compute / step_ms):.0f}%" if micro == 1 else "-"
             print(f"| {stages} stages | {micro} | {rate:.1f} | {rate / med[('F32', 8)]:.2f}x | "
-                  f"{tokens == alone['F32']} | {100 * overhead:.0f}% |")
+                  f"{tokens == alone['F32']} | {overhead} |")
 
 
 if __name__ == "__main__":
