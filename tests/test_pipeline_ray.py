@@ -271,3 +271,21 @@ def test_sessions_beyond_the_kv_budget_wait_in_the_queue_and_lose_nothing(pipe2,
     summary = co.last_run.summary()
     assert summary["queue_max"] == 1 and summary["errors"] == 0 and summary["batch_sessions_max"] == 2
     assert got == {r.session: generate(LocalEngine(reference), [r]).tokens[r.session] for r in _requests()}
+
+
+def test_arrivals_mid_stream_get_the_tokens_they_get_alone(pipe2, reference):
+    """Requests arrive while others decode (an Inbox), with random prompts and sampling; each
+    session's tokens on 2 stages equal its tokens alone in one process."""
+    from dist_runtime.generation import Inbox
+
+    rng = np.random.default_rng(4)
+    reqs = [Request(f"r{i}", rng.integers(0, 96, int(rng.integers(1, 20))).tolist(), int(rng.integers(5, 9)),
+                    Sampling(temperature=float(rng.choice([0.0, 0.9])), top_k=int(rng.integers(0, 12)), seed=i))
+            for i in range(6)]
+    alone = {r.session: generate(LocalEngine(reference), [r]).tokens[r.session] for r in reqs}
+    inbox, got, later = Inbox(), {}, reqs[2:]
+    for event in pipe2.coordinator.stream(reqs[:2], inbox=inbox, max_batch_tokens=8):
+        got.setdefault(event.session, []).append(event.token)
+        if later:  # one more arrives after each token, while the first ones decode
+            inbox.put(later.pop(0))
+    assert got == alone
