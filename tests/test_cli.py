@@ -102,7 +102,7 @@ def test_inspect_plan_lists_every_node_with_backend_and_reason(tmp_path, capsys)
 def test_inspect_plan_says_which_compiled_product_runs_a_quantized_weight_and_why(tmp_path, capsys):
     """The CPU path (vector or portable) is chosen at import; the plan names it and its reason."""
     pytest.importorskip("numba")
-    from dist_runtime.backends.compiled import cpu
+    from dist_runtime.backends.compiled import cpu, threads
     from dist_runtime.dtypes import DType
     from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
     from dist_runtime.kernels.quant import quantize
@@ -114,5 +114,5 @@ def test_inspect_plan_says_which_compiled_product_runs_a_quantized_weight_and_wh
     code, out, _ = run(capsys, "inspect", str(tmp_path / "q8.model"), "--plan", "--no-fuse", "--json")
     reasons = {p["reason"] for p in json.loads(out)["plan"] if p["op"] == "Matmul"}
     assert code == 0
-    assert f"default; compiled Q8_0 product ({cpu.REASON}), f32 activations" in reasons
-    assert f"default; compiled F32 product ({cpu.REASON}), f32 activations" in reasons  # lm_head, batch-invariant
+    assert f"default; compiled Q8_0 product ({cpu.REASON}; {threads.REASON}), f32 activations" in reasons
+    assert f"default; compiled F32 product ({cpu.REASON}; {threads.REASON}), f32 activations" in reasons  # lm_head, batch-invariant

@@ -5,9 +5,11 @@ F16 and BF16 bit pattern, ``K`` not a multiple of the 8 lanes, and every tile sh
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,14 +102,21 @@ def test_the_registered_kernels_take_the_cpus_path():
     assert np.array_equal(linear(x, w), product(x, w, "f16", cpu.PATH))
 
 
-def test_the_workqueue_layer_holds_when_numba_was_imported_first():
-    """numba reads NUMBA_THREADING_LAYER once, at its own import: the package must still choose
-    workqueue when another module imported numba before it (and the threaded driver must run)."""
+def test_the_chosen_layer_holds_when_numba_was_imported_first():
+    """numba reads NUMBA_THREADING_LAYER once, at its own import: the package must still choose its
+    layer (TBB when installed, else workqueue) when another module imported numba before it, and
+    the threaded driver must run; a layer the user names wins."""
     code = ("import numba, numpy as np\n"
-            "from dist_runtime.backends.compiled import cpu, floats, simd\n"
+            "from dist_runtime.backends.compiled import cpu, floats, simd, threads\n"
             "x, w, out = np.ones(64, np.float32), np.ones(6400, np.float32), np.empty(100, np.float32)\n"
             "floats._threaded(simd.Static(('f32', cpu.PATH)), x, w, out, 1, 100, 64)\n"
-            "print(numba.threading_layer(), out[0])\n")
+            "print(numba.threading_layer(), threads.LAYER, out[0])\n")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.stdout.split() == ["workqueue", "64.0"], done.stderr
+    layer, chosen, value = done.stdout.split()
+    assert layer == chosen and layer in ("tbb", "workqueue") and value == "64.0", done.stderr
+    if importlib.util.find_spec("tbb") is not None or (Path(sys.prefix) / "lib" / "libtbb.so.12").exists():
+        assert layer == "tbb"  # installed (a dependency on x86-64 Linux): numba's cheap launches
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**env, "NUMBA_THREADING_LAYER": "workqueue"})
+    assert done.stdout.split() == ["workqueue", "workqueue", "64.0"], done.stderr

@@ -14,7 +14,7 @@ from dist_runtime.executor import GraphExecutor
 from dist_runtime.ir import Graph, Node, Relu, TensorSpec
 from dist_runtime.tensor import QuantizedArray
 from dist_runtime.kernels.quant import quantize
-from dist_runtime.backends.compiled import cpu as compiled_cpu
+from dist_runtime.backends.compiled import cpu as compiled_cpu, threads
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48)
 
@@ -211,7 +211,7 @@ def test_plan_names_backend_and_reason():
 
     plan = executor(backends=[NumbaBackend(invariant=True)]).plan()
     assert {p["reason"] for p in plan if p["op"] == "Matmul"} == {
-        f"default; compiled F32 product ({compiled_cpu.REASON}), f32 activations"}
+        f"default; compiled F32 product ({compiled_cpu.REASON}; {threads.REASON}), f32 activations"}
     for op in ("TokenEmbed", "KvCache", "Sample"):
         assert by_op[op] == {("cpu", "default numba does not support it; fallback to cpu")}, op
     plan = executor(backends=["cpu"]).plan()

@@ -440,7 +440,8 @@ class NumbaBackend(TableBackend):
         types = sorted({input_specs[i].dtype.name for i in WEIGHT_SLOTS[type(op)] if i < len(input_specs)})
         if types == ["F32"] and not self.invariant:
             return "F32 product on BLAS (one session per pass: no batch invariance needed)"
-        return f"compiled {'/'.join(types)} product ({compiled.cpu.REASON}), {self.activations} activations"
+        return (f"compiled {'/'.join(types)} product ({compiled.cpu.REASON}; {compiled.threads.REASON}), "
+                f"{self.activations} activations")
 
     def linear(self, x: np.ndarray, w: Array) -> np.ndarray:
         """``x [..., K] @ W[N, K]^T`` in F32: the compiled product (batch-invariant), or BLAS for

@@ -6,8 +6,9 @@ for a batched step or a prefill chunk) and ``W [N, K]`` stored as F32, F16, BF16
 
 - reads the stored blocks in place: no dequantized copy of a weight, ever;
 - loads each weight block once per call and uses it for all ``M`` rows;
-- splits the output rows ``N`` over threads (numba's ``workqueue`` layer, as many threads as
-  the stage's CPU share: :func:`set_threads`), never the reduction over ``K``;
+- splits the output rows ``N`` over threads (numba's TBB layer when installed, else its
+  ``workqueue``: :mod:`.threads`; as many threads as the stage's CPU share: :func:`set_threads`),
+  never the reduction over ``K``;
 - is **batch-invariant**: row ``m`` of the result is bitwise what the same row gives alone, for
   any ``M`` and thread count, because every ``(m, n)`` is the same fixed sequence of operations
   (block by block in order; within a block, fixed lanes combined in a fixed order).
@@ -27,10 +28,11 @@ import os
 
 import numpy as np
 
-# Before numba compiles anything parallel: workqueue is numba's own pool with no spinning
-# workers, so two stage processes on one machine do not fight (OpenMP's layer, measured here,
-# made 2 threads beside a busy core 2x slower than 1; docs/architecture.md).
-os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+# Before numba compiles anything parallel: the layer of .threads (TBB when installed, else
+# numba's own workqueue; never OpenMP's spinning pool).
+from .threads import LAYER  # noqa: E402
+
+os.environ.setdefault("NUMBA_THREADING_LAYER", LAYER)
 
 import numba  # noqa: E402
 
@@ -38,7 +40,7 @@ import numba  # noqa: E402
 # script) may have done without it: then set the layer itself, which counts until the first
 # parallel launch.
 if numba.config.THREADING_LAYER == "default":
-    numba.config.THREADING_LAYER = "workqueue"
+    numba.config.THREADING_LAYER = LAYER
 
 from ...dtypes import DType  # noqa: E402
 from ...tensor import Array, QuantizedArray  # noqa: E402

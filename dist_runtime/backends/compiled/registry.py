@@ -24,12 +24,13 @@ def kernel(*dtypes: DType):
     return register
 
 
-#: Below this many weight bytes times rows a product runs on the calling thread: launching numba's
-#: pool costs 40-100 us a call here, longer than a 125M model's 768 x 768 Q8_0 product takes
-#: alone (13-36 us); in F32, 768 x 768 took 40 us alone and 113 threaded, 2048 x 768 96 and 165,
-#: and the 125M model's compiled F32 decode step took 24.8 ms at this threshold, 28.9 at 1 MB and
-#: 37.7 at 256 KB.  Same bits either way: threads never split a row's sum.
-SERIAL_BYTES = 8 << 20
+#: Below this many weight bytes times rows a product runs on the calling thread.  With TBB's
+#: threads (a launch ~2 us; threads.py) the 125M model's decode step, median of 3 rounds, F32 /
+#: Q8_0 at M = 1: 21.8 / 10.0 ms with 8 MB, 16.1 / 8.3 with 1 MB, 16.6 / 9.7 with 256 KB, 20.6 /
+#: 10.5 with 64 KB; at M = 8: 32.0 / 26.0, 30.5 / 23.0, 31.1 / 35.3, 52.7 / 39.6.  (numba's
+#: workqueue pool, ~50 us a launch, wanted 8 MB.)  Same bits either way: threads never split a
+#: row's sum.
+SERIAL_BYTES = 1 << 20
 #: Chunks of weight rows a threaded product hands out (a multiple of any thread count here).
 CHUNKS = 64
 

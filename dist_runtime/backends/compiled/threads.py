@@ -1,0 +1,51 @@
+"""Which threading layer runs the compiled products' threads, chosen once at import, with the
+reason (``inspect --plan``).
+
+TBB when its library is installed (the ``tbb`` wheel, a dependency on x86-64 Linux): a parallel
+launch costs ~1.6 us here against ~51 us for numba's own ``workqueue`` pool, which is what kept
+every product under 8 MB on one core (a 125M model's are all but the lm_head), and its idle
+workers sleep rather than spin for long, so two stage processes on one machine do not fight
+(OpenMP's layer, measured here, made two threads beside a busy core 2x slower than one).
+``NUMBA_THREADING_LAYER`` set by the user wins.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+
+def _load_tbb() -> str | None:
+    """Load the tbb wheel's library where numba's TBB pool finds it; returns why not, or None.
+
+    The wheel puts ``libtbb.so.12`` in the environment's ``lib/``, which is not on the loader's
+    path and not in the pool's rpath: loaded first, globally, it satisfies the pool by name."""
+    for folder in (Path(sys.prefix) / "lib", Path(sys.base_prefix) / "lib"):
+        lib = folder / "libtbb.so.12"
+        if lib.exists():
+            try:
+                ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+                import numba.np.ufunc.tbbpool  # noqa: F401 -- the pool's extension loads against it
+            except (OSError, ImportError) as e:
+                return f"TBB found but not loadable ({e})"
+            return None
+    try:
+        import numba.np.ufunc.tbbpool  # noqa: F401 -- a system-wide TBB
+    except ImportError:
+        return "no TBB library (pip install tbb)"
+    return None
+
+
+def _choose() -> tuple[str, str]:
+    asked = os.environ.get("NUMBA_THREADING_LAYER")
+    if asked:
+        return asked, f"NUMBA_THREADING_LAYER={asked}"
+    problem = _load_tbb()
+    if problem is None:
+        return "tbb", "TBB threads (a launch costs ~2 us)"
+    return "workqueue", f"numba's workqueue threads ({problem}; a launch costs ~50 us)"
+
+
+LAYER, REASON = _choose()
