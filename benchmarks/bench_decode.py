@@ -50,12 +50,14 @@ CFG = LlamaConfig(vocab=32000, hidden=768, layers=12, heads=12, kv_heads=4, ffn=
 PROMPT = np.arange(1, 17)
 
 
-def our_executor(weights, fuse: bool, backends=None) -> GraphExecutor:
-    """The executor as a user gets it (``backends=None``: numba, then the CPU library)."""
+def our_executor(weights, fuse: bool, backends=None, invariant: bool = False) -> GraphExecutor:
+    """The executor as a user gets it (``backends=None``: numba, then the CPU library);
+    ``invariant``: as generation runs it (batch-invariant: the compiled products for F32 too)."""
     g = llama_graph(CFG)
     specs = {n: TensorSpec(w.shape, w.dtype if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype))
              for n, w in weights.items()}
-    return GraphExecutor((Graph(g.nodes, g.inputs, g.outputs, specs), weights), backends, fuse=fuse)
+    return GraphExecutor((Graph(g.nodes, g.inputs, g.outputs, specs), weights), backends, fuse=fuse,
+                         batch_invariant=invariant)
 
 
 def time_ours(ex: GraphExecutor, tokens: int) -> list[float]:
@@ -254,7 +256,9 @@ def main() -> None:
             return
         rows.append((name, statistics.median(statistics.median(r) for r in per_run)))
 
-    ours = {"ours f32 (fused)": our_executor(w, True), "ours f32 (unfused)": our_executor(w, False),
+    ours = {"ours f32 (fused)": our_executor(w, True),
+            "ours f32 (compiled, invariant)": our_executor(w, True, invariant=True),
+            "ours f32 (unfused)": our_executor(w, False),
             "ours f32 (CPU library)": our_executor(w, True, ["cpu"]),
             "ours Q8_0 (fused)": our_executor(q8, True),
             "ours Q8_0 (q8 activations)": our_executor(q8, True, ["numba-q8"])}
@@ -286,24 +290,25 @@ def main() -> None:
     ref = dict(rows).get("PyTorch eager f32")
     cpp = dict(rows).get("llama.cpp F32")
     print(f"decode, {CFG.layers} layers x hidden {CFG.hidden}, prompt {len(PROMPT)}, {args.tokens} steps, median of {args.repeat}")
-    print(f"{'engine':<24} {'ms/token':>9} {'tok/s':>8} {'vs PyTorch':>11} {'vs llama.cpp F32':>17}")
+    print(f"{'engine':<32} {'ms/token':>9} {'tok/s':>8} {'vs PyTorch':>11} {'vs llama.cpp F32':>17}")
     for name, sec in rows:
         if sec is None:
-            print(f"{name:<24} {'(not installed)':>30}")
+            print(f"{name:<32} {'(not installed)':>30}")
             continue
         ratio = f"{ref / sec:.2f}x" if ref else "-"
         ratio_cpp = f"{cpp / sec:.2f}x" if cpp else "-"
-        print(f"{name:<24} {sec * 1e3:9.2f} {1 / sec:8.1f} {ratio:>11} {ratio_cpp:>17}")
+        print(f"{name:<32} {sec * 1e3:9.2f} {1 / sec:8.1f} {ratio:>11} {ratio_cpp:>17}")
     for name, err in agreement.items():
         print(f"llama.cpp {name.upper()} vs ours f32, logits of the prompt's last position: max |diff| / max |logit| = {err:.1e}")
     timed = dict(rows)
-    for ours_name, theirs in (("ours f32 (fused)", "llama.cpp F32"), ("ours Q8_0 (fused)", "llama.cpp Q8_0"),
+    for ours_name, theirs in (("ours f32 (fused)", "llama.cpp F32"), ("ours f32 (compiled, invariant)", "llama.cpp F32"),
+                              ("ours Q8_0 (fused)", "llama.cpp Q8_0"),
                               ("ours Q8_0 (q8 activations)", "llama.cpp Q8_0"),
                               ("ours Q4_K_M (its GGUF)", "llama.cpp Q4_K_M"),
                               ("ours Q4_K_M (q8 activations)", "llama.cpp Q4_K_M")):
         if timed.get(ours_name) and timed.get(theirs):
             print(f"{ours_name} / {theirs}: {timed[theirs] / timed[ours_name]:.2f}x llama.cpp's speed")
-    for name in ("ours f32 (fused)", "ours Q8_0 (fused)", "ours Q8_0 (q8 activations)"):
+    for name in ("ours f32 (fused)", "ours f32 (compiled, invariant)", "ours Q8_0 (fused)", "ours Q8_0 (q8 activations)"):
         one, eight = rows_step(ours[name], 1), rows_step(ours[name], 8)
         print(f"{name}: a step of 8 rows takes {eight / one:.2f}x the time of 1 row ({eight * 1e3:.2f} / {one * 1e3:.2f} ms)")
 
@@ -311,8 +316,10 @@ def main() -> None:
     print(f"\nper-token Python overhead (fused f32): {(per_token - in_kernels) * 1e3:.2f} ms of "
           f"{per_token * 1e3:.2f} ms ({100 * (1 - in_kernels / per_token):.0f}%), "
           f"{len(ours['ours f32 (fused)'].graph.nodes)} nodes")
-    c32, c1024 = context_ratio(ours["ours f32 (fused)"])
-    print(f"decode step at context 1024 / context 32: {c1024 * 1e3:.2f} / {c32 * 1e3:.2f} ms = {c1024 / c32:.2f}x")
+    for name in ("ours f32 (fused)", "ours f32 (compiled, invariant)"):
+        c32, c1024 = context_ratio(ours[name])
+        print(f"{name}: decode step at context 1024 / context 32: {c1024 * 1e3:.2f} / {c32 * 1e3:.2f} ms = "
+              f"{c1024 / c32:.2f}x")
 
 
 if __name__ == "__main__":

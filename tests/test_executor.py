@@ -206,7 +206,8 @@ def test_plan_names_backend_and_reason():
     for op in ("RmsNorm", "Rope", "Sdpa"):  # by default, numba first (when installed)
         assert by_op[op] == {("numba", "default")}, op
     (matmul,) = by_op["Matmul"]  # a product also says how it runs: the compiled path and its numerics
-    assert matmul == ("numba", "default; F32 product on BLAS (one session per pass: no batch invariance needed)")
+    assert matmul == ("numba", f"default; F32 product compiled below 128 rows, on BLAS from 128 (one session per "
+                               f"pass: no batch invariance needed; {threads.REASON})")
     from dist_runtime.backends.numba import NumbaBackend
 
     plan = executor(backends=[NumbaBackend(invariant=True)]).plan()

@@ -1,4 +1,4 @@
-"""``numba``: the small ops of a decode step compiled, and the F32 matmul family on BLAS.
+"""``numba``: the small ops of a decode step and the matmul family compiled (F32 prefills on BLAS).
 
 A decode step of a Llama-family model is mostly matrix-vector products, which BLAS runs at memory
 bandwidth; between them come ~10 small ops per layer, on which numpy spends its dispatch and
@@ -33,9 +33,9 @@ library would reject) is run by the CPU library's kernel, which gives the same r
 error.  Each op it takes is one entry of :attr:`NumbaBackend.ops`.
 Results agree with the CPU library within float rounding (``tests/test_backends_numba.py``).
 
-The small ops use no threads.  The products use numba's ``workqueue`` pool (no spinning workers;
-OpenMP's, beside OpenBLAS's on the same 2 cores, made the next matrix-vector product 60x slower),
-as many threads as the stage's CPU share (``NUMBA_NUM_THREADS``, set per stage actor).  numba compiles each kernel on
+The small ops use no threads.  The products use numba's TBB threads when installed, else its
+``workqueue`` pool (:mod:`.compiled.threads`; OpenMP's spinning workers, beside OpenBLAS's on the
+same 2 cores, made the next matrix-vector product 60x slower), as many threads as the stage's CPU share (``NUMBA_NUM_THREADS``, set per stage actor).  numba compiles each kernel on
 first use and caches the machine code beside this file (8 s for all of them in a new checkout,
 0.6 s to load them in a later process).  With numba installed, ``GraphExecutor(model)`` uses this
 backend by default (:func:`dist_runtime.backends.default_backends`), and a node hinted ``numba``
@@ -71,6 +71,11 @@ F32 = np.dtype(np.float32)
 #: faster than the CPU library on two at 2048-8192 keys (0.45 / 0.9 / 1.8 ms against 0.78 / 1.2 /
 #: 2.4); beyond 8192 it was not measured.
 SMALL_ATTENTION = 1024
+
+#: From this many rows an F32 product goes to BLAS when invariance is not asked for.  The 125M
+#: model's prefill with BLAS / compiled (TBB threads), one session: 16 rows 54.9 / 38.3 ms, 128
+#: rows 182.8 / 179.2, 512 rows 687.6 / 885.6; its decode step 18.3 / 16.9 ms.
+BLAS_ROWS = 128
 DECODE_KEYS = 8192
 
 
@@ -415,10 +420,9 @@ class NumbaBackend(TableBackend):
             raise ValueError(f"activations must be one of {compiled.ACTIVATIONS}, got {activations!r}")
         self.hint = BackendHint(hint)
         self.activations = activations
-        # F32 weights go to BLAS unless every product must be batch-invariant (a pass mixing
-        # sessions' rows): BLAS is faster on the small weights of a decode step (the 125M model
-        # decodes in 15.5 ms a token with BLAS, 26.4 with the compiled F32 product here), and one
-        # session per pass needs no invariance.
+        # invariant: every row computed as it would be alone (passes mixing sessions' rows, a
+        # prompt fed in chunks): the compiled products and attention always.  Otherwise an F32
+        # product of BLAS_ROWS rows or more (one session's long prefill) goes to BLAS.
         self.invariant = invariant
         self.name = "numba" if activations == "f32" else "numba-q8"
         self._cpu = CpuBackend()
@@ -439,15 +443,16 @@ class NumbaBackend(TableBackend):
             return None
         types = sorted({input_specs[i].dtype.name for i in WEIGHT_SLOTS[type(op)] if i < len(input_specs)})
         if types == ["F32"] and not self.invariant:
-            return "F32 product on BLAS (one session per pass: no batch invariance needed)"
+            return (f"F32 product compiled below {BLAS_ROWS} rows, on BLAS from {BLAS_ROWS} (one session per pass: "
+                    f"no batch invariance needed; {compiled.threads.REASON})")
         return (f"compiled {'/'.join(types)} product ({compiled.cpu.REASON}; {compiled.threads.REASON}), "
                 f"{self.activations} activations")
 
     def linear(self, x: np.ndarray, w: Array) -> np.ndarray:
         """``x [..., K] @ W[N, K]^T`` in F32: the compiled product (batch-invariant), or BLAS for
-        an F32 weight unless :attr:`invariant`."""
+        an F32 weight and at least :data:`BLAS_ROWS` rows unless :attr:`invariant`."""
         x2 = x.reshape(-1, x.shape[-1])
-        if not self.invariant and isinstance(w, np.ndarray) and w.dtype == F32:
+        if not self.invariant and x2.shape[0] >= BLAS_ROWS and isinstance(w, np.ndarray) and w.dtype == F32:
             y = x2 @ w.T
         else:
             y = compiled.linear(x2, w, activations=self.activations)
