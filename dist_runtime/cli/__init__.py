@@ -14,6 +14,7 @@ from ..commands import handle_sigterm, positive_int, run_command, size
 from ..errors import DistRuntimeError
 from ..importers import DTYPES
 from ..partitioner.cli import register as register_partition
+from ..serve.cli import register as register_serve
 from ..units import format_bytes
 from .generate import register as register_generate
 
@@ -291,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_generate(sub)
     register_partition(sub)
+    register_serve(sub)
     return parser
 
 
