@@ -4,7 +4,8 @@ The engines (``LocalEngine``, the pipeline's coordinator) batch continuously: ``
 inbox=...)`` takes requests and cancellations from an :class:`~dist_runtime.requests.Inbox`
 before every pass and returns when no session is left.  The engine thread waits until the inbox
 has something, streams until it is empty again, and hands each token to the asyncio queue of the
-request that owns the session (``call_soon_threadsafe``).  Encoders run one call at a time on a
+request that owns the session (``call_soon_threadsafe``); a finished session is closed at once
+(its KV caches freed: a server sees an unbounded number of sessions).  Encoders run one call at a time on a
 thread of their own.
 """
 
@@ -135,6 +136,8 @@ class EngineBridge:
             try:
                 for event in self.engine.stream([], inbox=self.inbox, **self.stream_options):
                     self._route(event)
+                    if event.done:  # every request is a new session: its KV caches are no use now
+                        self.engine.close_session(event.session)
                     if self._stopping:
                         return
             except Exception as e:  # noqa: BLE001 -- the engine is broken: every request hears why
