@@ -13,7 +13,7 @@ METRICS = {
     "queued_sessions": ("gauge", "sessions waiting for their first token (queued or in prefill)"),
     "running_sessions": ("gauge", "sessions generating: the batch the engine runs"),
     "stage_busy_seconds": ("counter", "seconds each pipeline stage spent computing"),
-    "recoveries": ("counter", "pipeline stages replaced after a failure"),
+    "recoveries": ("counter", "sessions rebuilt on a pipeline stage that replaced a failed one"),
 }
 
 
