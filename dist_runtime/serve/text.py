@@ -37,7 +37,10 @@ def _read_template(path: Path) -> str | None:
         raise DistRuntimeError(f"cannot read chat template {path}: {e.strerror}") from None
     if path.suffix != ".json":
         return text
-    template = json.loads(text).get("chat_template")
+    try:
+        template = json.loads(text).get("chat_template")
+    except (ValueError, AttributeError):
+        raise DistRuntimeError(f"{path} is not a JSON object (a tokenizer_config.json)") from None
     if isinstance(template, list):  # named templates: Hugging Face uses "default"
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return template if isinstance(template, str) else None
