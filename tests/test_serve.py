@@ -183,6 +183,22 @@ def test_stop_text_holds_back_possible_prefixes():
     assert s.flush() == ""
 
 
+def test_logprobs(client):
+    r = client.completions.create(model="tiny", prompt="w40", max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == r.choices[0].text.split() and len(lp.token_logprobs) == 4  # word-level: one word a token
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and chosen == max(top.values()) <= 0  # greedy takes the most likely
+    streamed = client.completions.create(model="tiny", prompt="w40", max_tokens=4, temperature=0, logprobs=2,
+                                         stream=True)
+    assert [x for c in streamed if c.choices and c.choices[0].logprobs
+            for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w40"}],
+                                          max_tokens=3, seed=5, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
 # -- errors -----------------------------------------------------------------------------------------
 def _error(response) -> dict:
     body = response.json()

@@ -85,11 +85,9 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
         _check_model(model, body.model)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) \
             else [body.prompt]
-        if body.logprobs is not None:
-            raise APIError(400, "logprobs are not supported yet", param="logprobs")
         ids = [_encode(model, p) for p in prompts]
         return await _generate(request, model, backend, metrics, body, ids, body.max_tokens or 16,
-                               chat=False, keep_alive=keep_alive)
+                               chat=False, keep_alive=keep_alive, logprobs=body.logprobs)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatRequest, request: Request):
@@ -99,15 +97,15 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
             raise APIError(400, f"model {model.id!r} has no chat template (no tokenizer_config.json with a "
                                 f"chat_template beside its tokenizer; see `dist-runtime serve --chat-template`): "
                                 f"use /v1/completions", param="messages", code="no_chat_template")
-        if body.logprobs:
-            raise APIError(400, "logprobs are not supported yet", param="logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         text = render_chat(model.chat_template, [m.rendered() for m in body.messages], model.special_tokens())
         ids = model.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
         max_tokens = body.max_tokens or body.max_completion_tokens
         if max_tokens is None:
             max_tokens = max(model.context - len(ids), 1) if model.context else 16
-        return await _generate(request, model, backend, metrics, body, [ids], max_tokens,
-                               chat=True, keep_alive=keep_alive)
+        return await _generate(request, model, backend, metrics, body, [ids], max_tokens, chat=True,
+                               keep_alive=keep_alive, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
     @app.post("/v1/embeddings", dependencies=auth)
     async def embeddings(body: EmbeddingRequest):
@@ -184,9 +182,11 @@ class _Choice:
     """One generated sequence: its text so far (cut at a stop string) and how it ended."""
 
     def __init__(self, index: int, model: ServedModel, stops: list[str]) -> None:
-        self.index, self.stop_ids = index, model.stop
+        self.index, self.stop_ids, self.tokenizer = index, model.stop, model.tokenizer
         self.text, self.stops = TokenText(model.tokenizer), StopText(stops)
         self.tokens, self.finish_reason, self.error = 0, None, None
+        self.logprobs: list = []  # (token, TokenLogprobs) not yet sent
+        self.offset = 0  # of the next token's text, for completions' text_offset
 
     def take(self, event) -> str:
         """The text ``event`` adds (empty while it may be the start of a stop string)."""
@@ -194,6 +194,8 @@ class _Choice:
             self.error, self.finish_reason = event.error, "error"
             return ""
         self.tokens += 1
+        if event.logprobs is not None:
+            self.logprobs.append((event.token, event.logprobs))
         piece, stopped = self.stops.add(self.text.add(event.token))
         if not stopped and event.done:
             rest, stopped = self.stops.add(self.text.finish())
@@ -203,14 +205,36 @@ class _Choice:
             self.finish_reason = "stop"
         return piece
 
+    def sent_logprobs(self, chat: bool) -> dict | None:
+        """The log-probabilities of the tokens taken since the last call, in OpenAI's shape for
+        chat or for completions (None when the request asked for none)."""
+        if not self.logprobs:
+            return None
+        taken, self.logprobs = self.logprobs, []
+        text = self._token_text
+        if chat:
+            def entry(t, lp):
+                return {"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}
+            return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(i, p) for i, p in lp.top]}
+                                for t, lp in taken]}
+        offsets = []
+        for t, _ in taken:
+            offsets.append(self.offset)
+            self.offset += len(text(t))
+        return {"tokens": [text(t) for t, _ in taken], "token_logprobs": [lp.logprob for _, lp in taken],
+                "top_logprobs": [{text(i): p for i, p in lp.top} for _, lp in taken], "text_offset": offsets}
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
 
 async def _generate(request: Request, model: ServedModel, bridge: EngineBridge, metrics: Metrics,
                     body: _Generation, prompts: list[list[int]], max_tokens: int, *, chat: bool,
-                    keep_alive: float):
+                    keep_alive: float, logprobs: int | None):
     sampling = _sampling(body)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     requests = [EngineRequest(f"{rid}-{i}", ids, max_tokens, sampling.with_seed(sampling.seed + i % body.n),
-                              model.stop)
+                              model.stop, logprobs=logprobs)
                 for i, ids in enumerate(p for p in prompts for _ in range(body.n))]
     try:
         check_requests(requests, vocab=model.vocab, context=model.context)
@@ -253,7 +277,7 @@ async def _generate(request: Request, model: ServedModel, bridge: EngineBridge, 
     if failed is not None:
         raise APIError(503 if isinstance(failed, ShuttingDown) else 500, f"generation failed: {failed}",
                        type="server_error")
-    out = [{"index": c.index, "logprobs": None, "finish_reason": c.finish_reason,
+    out = [{"index": c.index, "logprobs": c.sent_logprobs(chat), "finish_reason": c.finish_reason,
             **({"message": {"role": "assistant", "content": texts[c.index]}} if chat else {"text": texts[c.index]})}
            for c in choices.values()]
     return {**head, "object": "chat.completion" if chat else "text_completion", "choices": out, "usage": usage()}
@@ -296,9 +320,10 @@ async def _sse(sub: Subscription, choices: dict, head: dict, chat: bool, usage):
     def chunk(choice, piece: str, finish: str | None, first: bool = False) -> str:
         if chat:
             delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece or first else {})
-            item = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            item = {"index": choice.index, "delta": delta, "logprobs": choice.sent_logprobs(True), "finish_reason": finish}
         else:
-            item = {"index": choice.index, "text": piece, "logprobs": None, "finish_reason": finish}
+            item = {"index": choice.index, "text": piece, "logprobs": choice.sent_logprobs(False),
+                    "finish_reason": finish}
         return _data({**head, "choices": [item], **({"usage": None} if usage else {})})
 
     if chat:

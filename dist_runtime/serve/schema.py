@@ -37,7 +37,7 @@ class _Generation(_Body):
 
 class CompletionRequest(_Generation):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None  # not supported yet: refused when given
+    logprobs: int | None = Field(None, ge=0, le=20)  # this many alternatives per token
 
 
 class ChatMessage(_Body):
@@ -56,7 +56,8 @@ class ChatMessage(_Body):
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
-    logprobs: bool | None = None  # not supported yet: refused when true
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token, with logprobs
 
 
 class EmbeddingRequest(_Body):
