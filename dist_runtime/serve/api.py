@@ -25,7 +25,7 @@ from ..errors import DistRuntimeError
 from ..requests import Request as EngineRequest, check_requests
 from .bridge import EngineBridge, Encoder, QueueFull, ShuttingDown, Subscription
 from .metrics import Metrics
-from .schema import ChatRequest, CompletionRequest, EmbeddingRequest, _Generation
+from .schema import ChatRequest, CompletionRequest, EmbeddingRequest, GenerationRequest
 from .served import ServedModel
 from .text import StopText, TokenText, render_chat
 
@@ -162,7 +162,7 @@ def _encode(model: ServedModel, prompt: str | list[int]) -> list[int]:
     return model.tokenizer.encode(prompt)
 
 
-def _sampling(body: _Generation):
+def _sampling(body: GenerationRequest):
     """OpenAI's defaults: temperature 1; temperature 0 is greedy, whatever filters are given."""
     from ..errors import SamplingError
     from ..sampling import Sampling, fresh_seed
@@ -229,7 +229,7 @@ class _Choice:
 
 
 async def _generate(request: Request, model: ServedModel, bridge: EngineBridge, metrics: Metrics,
-                    body: _Generation, prompts: list[list[int]], max_tokens: int, *, chat: bool,
+                    body: GenerationRequest, prompts: list[list[int]], max_tokens: int, *, chat: bool,
                     keep_alive: float, logprobs: int | None):
     sampling = _sampling(body)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -335,8 +335,7 @@ async def _sse(sub: Subscription, choices: dict, head: dict, chat: bool, usage):
             continue
         choice, piece = item
         if choice.error is not None:
-            status = "server_error"
-            yield _data({"error": {"message": f"generation failed: {choice.error}", "type": status,
+            yield _data({"error": {"message": f"generation failed: {choice.error}", "type": "server_error",
                                    "param": None, "code": None}})
             break
         finish = choice.finish_reason

@@ -50,14 +50,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     metrics = Metrics()
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    model = ServedModel.open(args.model, context=args.max_context, tokenizer=args.tokenizer,
+                             chat_template=args.chat_template, name=args.name)
     if wants_pipeline(args):
         from ..pipeline.launch import context_limit
-        from ..model import load_model
 
-        with load_model(args.model, tensors=[]) as m:  # the stages' KV caches are sized for this
-            context = args.max_context or context_limit(m.metadata)
-        model = ServedModel.open(args.model, context=context, tokenizer=args.tokenizer,
-                                 chat_template=args.chat_template, name=args.name)
+        if args.max_context is None:  # the stages' KV caches are sized for what the Pipeline plans
+            model.context = context_limit(model.metadata)
         pipe = open_pipeline(args, min(args.max_queue, MAX_SESSIONS))
         try:
             backend = pipeline_backend(model, pipe, metrics, max_queue=args.max_queue,
@@ -69,8 +68,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise
         where = f"{len(pipe.stages)} pipeline stages"
     else:
-        model = ServedModel.open(args.model, context=args.max_context, tokenizer=args.tokenizer,
-                                 chat_template=args.chat_template, name=args.name)
         backend = local_backend(model, metrics, max_batch_tokens=args.max_batch_tokens,
                                 max_queue=args.max_queue, fuse=not args.no_fuse)
         server = Server(model, backend, metrics, host=args.host, port=args.port, api_key=api_key,

@@ -17,7 +17,9 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Generation(_Body):
+class GenerationRequest(_Body):
+    """What completions and chat share."""
+
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
@@ -35,7 +37,7 @@ class _Generation(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class CompletionRequest(_Generation):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)  # this many alternatives per token
 
@@ -53,7 +55,7 @@ class ChatMessage(_Body):
         return self.model_dump(exclude_none=True) | {"content": content or ""}
 
 
-class ChatRequest(_Generation):
+class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = None
