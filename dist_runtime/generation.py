@@ -72,7 +72,7 @@ class LocalEngine:
                 add(arrived)
                 for session in cancelled:
                     if sched.cancel(session):
-                        self.executor.close_session(session)
+                        self.close_session(session)
             if sched.done:
                 return
             batch = sched.next_batch(None if self.batches else 1)
@@ -86,6 +86,10 @@ class LocalEngine:
                         yield sched.fail(work, e)
                 continue
             yield from sched.complete(batch, rows)
+
+    def close_session(self, session: Hashable) -> None:
+        """Forget ``session`` and free its KV caches (as the pipeline's coordinator does)."""
+        self.executor.close_session(session)
 
     def _pass(self, batch: Sequence[Work]) -> list[np.ndarray]:
         """One pass over the batch's rows; the last logits row of each session."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 from .errors import DistRuntimeError
-from .sampling import Sampling
+from .sampling import Sampling, TokenLogprobs
 
 
 @dataclass
@@ -17,7 +17,9 @@ class Request:
 
     ``stop`` holds token ids that end the generation (the model's end-of-sequence); the stop token
     is part of the output.  ``resume=True`` continues the session's conversation from its position
-    (the prompt is the new turn); otherwise the session starts afresh at position 0.
+    (the prompt is the new turn); otherwise the session starts afresh at position 0.  ``logprobs``
+    asks every token event for the token's log-probability and the ``logprobs`` most likely
+    alternatives (:func:`~dist_runtime.sampling.token_logprobs`).
     """
 
     session: Hashable
@@ -26,6 +28,7 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     stop: frozenset[int] = frozenset()
     resume: bool = False
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class TokenEvent:
     index: int  # 0 for the first generated token
     done: bool
     error: BaseException | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 def check_requests(requests: Sequence[Request], *, vocab: int | None = None, context: int | None = None) -> None:

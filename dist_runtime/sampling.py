@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -94,3 +95,21 @@ class Sampling:
 def fresh_seed() -> int:
     """A seed for a run that was given none (reported with the results, so it can be repeated)."""
     return secrets.randbits(31)
+
+
+class TokenLogprobs(NamedTuple):
+    """A chosen token's log-probability and the most likely tokens' (id, log-probability), most
+    likely first; of the model's distribution (the logits before temperature and filters)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
+    """:class:`TokenLogprobs` of ``token`` and the ``k`` most likely tokens (ties: lower id first)
+    from the last row of ``logits [..., V]``."""
+    row = np.asarray(logits, np.float64).reshape(-1, np.shape(logits)[-1])[-1]
+    shifted = row - row.max()
+    logp = shifted - np.log(np.exp(shifted).sum())
+    top = np.argsort(-logp, kind="stable")[:k]
+    return TokenLogprobs(float(logp[token]), tuple((int(i), float(logp[i])) for i in top))

@@ -27,6 +27,7 @@ import numpy as np
 from .errors import DistRuntimeError
 from .pipeline.options import DEFAULT_BATCH_TOKENS, IDLE_PREFILL_TOKENS
 from .requests import Request, TokenEvent
+from .sampling import token_logprobs
 
 @dataclass
 class Live:
@@ -178,7 +179,8 @@ class Scheduler:
             s.feed = [] if done else [token]
             if done:
                 self.drop(s.session)
-            events.append(TokenEvent(s.session, token, len(s.generated) - 1, done))
+            logprobs = None if s.req.logprobs is None else token_logprobs(row, token, s.req.logprobs)
+            events.append(TokenEvent(s.session, token, len(s.generated) - 1, done, logprobs=logprobs))
         return events
 
     def fail(self, work: Work, error: BaseException) -> TokenEvent:

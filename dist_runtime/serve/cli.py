@@ -1,0 +1,85 @@
+"""``dist-runtime serve``: the command line of the server (argparse only at import: ``--help``
+imports neither numpy, Ray nor FastAPI)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..commands import positive_float, positive_int
+from ..pipeline.options import DEFAULT_BATCH_TOKENS, MAX_SESSIONS, add_deployment_options, wants_pipeline
+
+API_KEY_ENV = "DIST_RUNTIME_API_KEY"
+
+
+def register(sub) -> None:
+    help_ = "Serve a model over an OpenAI-compatible HTTP API (completions, chat, embeddings, streaming)."
+    sv = sub.add_parser("serve", help=help_, description=help_ + " Requests join the running batch as they "
+                        "come; with --stages, --budgets or --plan the model runs split into pipeline stages "
+                        "on Ray. A web page at / tries it out. See docs/serving.md.")
+    sv.add_argument("model", metavar="MODEL", help="path to a .model file (a generative model or a "
+                                                   "sentence-transformers encoder)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s: this "
+                                                        "machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0: any free one, printed)")
+    sv.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: the "
+                                                    f"{API_KEY_ENV} environment variable, else no key)")
+    sv.add_argument("--name", default=None, help="the model's name in the API (default: the file's name "
+                                                 "without .model)")
+    sv.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json, or a directory holding it and "
+                                                        "tokenizer_config.json (default: the one beside the model)")
+    sv.add_argument("--chat-template", metavar="FILE", help="a .jinja chat template or a tokenizer_config.json "
+                                                            "(default: one beside the tokenizer)")
+    sv.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
+                    help="sessions running or queued at most; beyond, 429 with Retry-After (default: %(default)s)")
+    sv.add_argument("--max-batch-tokens", type=positive_int, default=DEFAULT_BATCH_TOKENS, metavar="N",
+                    help="rows of one pass: every decoding session's next token, then chunks of prompts "
+                         "(default: %(default)s)")
+    sv.add_argument("--keep-alive", type=positive_float, default=10.0, metavar="SECONDS",
+                    help="SSE comment interval while a stream waits for a token (default: %(default)g)")
+    sv.add_argument("--no-fuse", action="store_true", help="run without the fusion pre-pass")
+    add_deployment_options(sv)
+    sv.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..cli.generate import open_pipeline
+    from .metrics import Metrics
+    from .served import ServedModel
+    from .server import Server, local_backend, pipeline_backend
+
+    metrics = Metrics()
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    model = ServedModel.open(args.model, context=args.max_context, tokenizer=args.tokenizer,
+                             chat_template=args.chat_template, name=args.name)
+    if wants_pipeline(args):
+        from ..pipeline.launch import context_limit
+
+        if args.max_context is None:  # the stages' KV caches are sized for what the Pipeline plans
+            model.context = context_limit(model.metadata)
+        pipe = open_pipeline(args, min(args.max_queue, MAX_SESSIONS))
+        try:
+            backend = pipeline_backend(model, pipe, metrics, max_queue=args.max_queue,
+                                       max_in_flight=args.max_in_flight)
+            server = Server(model, backend, metrics, host=args.host, port=args.port, api_key=api_key,
+                            keep_alive=args.keep_alive, health=lambda: _dead(pipe), on_close=pipe.close)
+        except BaseException:
+            pipe.close()
+            raise
+        where = f"{len(pipe.stages)} pipeline stages"
+    else:
+        backend = local_backend(model, metrics, max_batch_tokens=args.max_batch_tokens,
+                                max_queue=args.max_queue, fuse=not args.no_fuse)
+        server = Server(model, backend, metrics, host=args.host, port=args.port, api_key=api_key,
+                        keep_alive=args.keep_alive)
+        where = "this process"
+    what = "embeddings" if model.kind == "embed" else "completions" + (", chat" if model.chat_template else "")
+    print(f"serving {model.id!r} ({what}) on {where} at {server.url}/v1"
+          f"{' (API key required)' if api_key else ''}; web page at {server.url}/", flush=True)
+    server.serve()
+    return 0
+
+
+def _dead(pipe) -> str | None:
+    dead = pipe.coordinator.dead_stages()
+    return f"stage(s) {', '.join(map(str, dead))} do not answer" if dead else None

@@ -1,0 +1,132 @@
+"""A served model: its backend (engine thread or encoder, in this process or on pipeline stages),
+the app, and uvicorn serving it -- in the foreground (``dist-runtime serve``) or on a thread (the
+demo, the tests).
+
+The socket is bound before uvicorn starts, so the URL (and an ephemeral port, ``port=0``) is known
+at once.  Stopping (SIGTERM, Ctrl-C, :meth:`Server.stop`) first ends every running stream with an
+error event, so that uvicorn's graceful shutdown does not wait on them, then closes the engine
+thread and whatever ``on_close`` names (a pipeline: its actors and an embedded Ray).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Callable
+
+import uvicorn
+
+from .api import create_app
+from .bridge import EngineBridge, Encoder
+from .metrics import Metrics
+from .served import ServedModel
+
+
+def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int, max_queue: int,
+                  fuse: bool = True) -> EngineBridge | Encoder:
+    """The model in this process: a continuously batched ``LocalEngine``, or an encoder."""
+    from ..executor import GraphExecutor
+    from ..generation import LocalEngine
+
+    if model.kind == "embed":
+        executor = GraphExecutor(model.path, fuse=fuse)
+        return Encoder(lambda batches: [executor.run(b) for b in batches])
+    engine = LocalEngine(GraphExecutor(model.path, fuse=fuse, batch_invariant=True), max_batch_tokens=max_batch_tokens)
+    return EngineBridge(engine, metrics, max_queue=max_queue)
+
+
+def pipeline_backend(model: ServedModel, pipe, metrics: Metrics, *, max_queue: int,
+                     max_in_flight: int | None = None) -> EngineBridge | Encoder:
+    """The model on a deployed ``Pipeline``'s stages; after every stream the stages' busy time
+    and the recoveries go into the metrics."""
+    coordinator = pipe.coordinator
+    if model.kind == "embed":
+        return Encoder(coordinator.run_many)
+    recovered = [0]
+
+    def record() -> None:
+        run = coordinator.last_run
+        if run is not None and run.steps:
+            for k, seconds in enumerate(_stage_busy(run)):
+                metrics.count("stage_busy_seconds", seconds, stage=k)
+        metrics.count("recoveries", len(coordinator.recoveries) - recovered[0])
+        recovered[0] = len(coordinator.recoveries)
+
+    return EngineBridge(coordinator, metrics, max_queue=max_queue, after_stream=record,
+                        stream_options={"max_in_flight": max_in_flight})
+
+
+def _stage_busy(run) -> list[float]:
+    """Seconds each stage computed during ``run`` (its telemetry's busy share of the wall time)."""
+    summary = run.summary()
+    return [s["busy_pct"] / 100 * summary["wall_s"] for s in summary["stages"]]
+
+
+class Server:
+    """``backend`` served as ``model`` on ``host:port`` (see the module docstring)."""
+
+    def __init__(self, model: ServedModel, backend: EngineBridge | Encoder, metrics: Metrics, *,
+                 host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 keep_alive: float = 10.0, health: Callable[[], str | None] | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
+        self.model, self.backend, self.on_close = model, backend, on_close
+        self.app = create_app(model, backend, metrics, api_key=api_key, keep_alive=keep_alive, health=health)
+        self.socket = socket.create_server((host, port))
+        bound = self.socket.getsockname()[1]
+        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=10)
+        self.uvicorn = _Uvicorn(config, on_exit=backend.stop)
+        self._thread: threading.Thread | None = None
+
+    def serve(self) -> None:
+        """Serve until SIGTERM or Ctrl-C (in the main thread) or :meth:`stop`; then close."""
+        try:
+            self.uvicorn.run(sockets=[self.socket])
+        finally:
+            self.close()
+
+    def start(self, timeout: float = 30.0) -> Server:
+        """Serve on a thread; returns once requests are answered."""
+        self._thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.socket]},
+                                        name="dist-runtime server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """End the streams, stop serving (the thread of :meth:`start`), close."""
+        self.backend.stop()
+        self.uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(30)
+        self.close()
+
+    def close(self) -> None:
+        self.backend.close()
+        self.socket.close()
+        if self.on_close is not None:
+            on_close, self.on_close = self.on_close, None
+            on_close()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, ending the running streams as soon as it is told to exit (a signal)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self.on_exit()
+        super().handle_exit(sig, frame)

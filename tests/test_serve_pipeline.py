@@ -1,0 +1,76 @@
+"""``dist-runtime serve`` on pipeline stages (Ray): the same tokens as one process, the stages'
+busy time in the metrics, and a stage killed mid-stream recovered with the stream going on as a
+fault-free run would have."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+ray = pytest.importorskip("ray")
+
+from conftest import wait_dead  # noqa: E402
+
+from dist_runtime.pipeline import Pipeline, StageOptions  # noqa: E402
+from dist_runtime.serve.metrics import Metrics  # noqa: E402
+from dist_runtime.serve.served import ServedModel  # noqa: E402
+from dist_runtime.serve.server import Server, local_backend, pipeline_backend  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("local_ray")  # Ray once for the module (conftest)
+ASK = {"model": "tiny4", "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 4, "n": 3}
+
+
+def _texts(url: str, stream: bool = False) -> list[str]:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    if not stream:
+        return [ch.text for ch in c.completions.create(**ASK).choices]
+    out = [""] * ASK["n"]
+    for chunk in c.completions.create(**ASK, stream=True):
+        for ch in chunk.choices:
+            out[ch.index] += ch.text
+    return out
+
+
+def _eventually(check, seconds: float = 30.0) -> bool:
+    """The pipeline's telemetry reaches the metrics when the engine's stream has ended, just
+    after the last answer."""
+    deadline = time.monotonic() + seconds
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return check()
+
+
+@pytest.fixture(scope="module")
+def reference(pipeline_model) -> list[str]:
+    model = ServedModel.open(pipeline_model, context=64)
+    metrics = Metrics()
+    with Server(model, local_backend(model, metrics, max_batch_tokens=32, max_queue=8), metrics, port=0) as s:
+        return _texts(s.url)
+
+
+def test_stages_give_the_tokens_of_one_process_and_survive_a_killed_stage(pipeline_model, reference):
+    model = ServedModel.open(pipeline_model, context=64)
+    metrics = Metrics()
+    pipe = Pipeline(pipeline_model, stages=2, max_context=64, options=StageOptions(cpus=0.5))
+    backend = pipeline_backend(model, pipe, metrics, max_queue=8)
+    with Server(model, backend, metrics, port=0, health=lambda: None, on_close=pipe.close) as s:
+        assert _texts(s.url) == reference
+        assert _eventually(lambda: metrics.get("stage_busy_seconds", stage=1) > 0)
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        out = [""] * ASK["n"]
+        stream = c.completions.create(**ASK, stream=True)
+        for i, chunk in enumerate(stream):
+            for ch in chunk.choices:
+                out[ch.index] += ch.text
+            if i == 3:  # mid-stream: a stage dies
+                actor, pid = pipe.actors[1], pipe.reports[1]["pid"]
+                ray.kill(actor)
+                wait_dead(actor, pid)
+        assert out == reference
+        assert _eventually(lambda: metrics.get("recoveries") == ASK["n"])  # each session was rebuilt
+        assert httpx.get(s.url + "/health").json()["status"] == "ok"
+    assert pipe.actors == []  # closed with the server
