@@ -40,9 +40,11 @@ def _load_tbb() -> str | None:
 
 def _choose() -> tuple[str, str]:
     asked = os.environ.get("NUMBA_THREADING_LAYER")
+    # Loaded whenever TBB may be used: a process started by one that chose TBB (a stage actor)
+    # inherits the variable, not the loaded library.
+    problem = _load_tbb() if asked in (None, "", "tbb") else None
     if asked:
-        return asked, f"NUMBA_THREADING_LAYER={asked}"
-    problem = _load_tbb()
+        return asked, f"NUMBA_THREADING_LAYER={asked}" + (f" ({problem})" if problem else "")
     if problem is None:
         return "tbb", "TBB threads (a launch costs ~2 us)"
     return "workqueue", f"numba's workqueue threads ({problem}; a launch costs ~50 us)"
