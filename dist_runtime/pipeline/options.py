@@ -13,9 +13,10 @@ MAX_SESSIONS = 4096
 
 #: Rows per pass when the caller does not say (the scheduler's, dist_runtime/scheduling.py; here,
 #: where the command line reads it without importing numpy).  Measured (benchmarks/
-#: bench_batching.py, 125M Llama, F32): with 8 sessions decoding and 4 prompts of 512 tokens arriving, 32 rows a pass
-#: kept the decoding sessions' p99 inter-token time at 1.98 decode steps, 64 rows let it reach 5.4.
-DEFAULT_BATCH_TOKENS = 32
+#: bench_batching.py, 125M Llama, F32, TBB threads): with 8 sessions decoding and 4 prompts of 512
+#: tokens arriving, the decoding sessions' p99 inter-token time was 1.61 decode steps at 16 rows a
+#: pass, 1.84 at 24, 2.54 at 32 (and 5.4 at 64 in an earlier run): 24 keeps it within 2 steps.
+DEFAULT_BATCH_TOKENS = 24
 #: Prompt rows a pass may take while no session is generating (no one waits between tokens).
 IDLE_PREFILL_TOKENS = 512
 
