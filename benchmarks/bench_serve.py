@@ -1,0 +1,159 @@
+"""``dist-runtime serve`` under load, next to the offline batched ``generate`` of the same requests.
+
+The server runs in this process on 127.0.0.1 (an ephemeral port) over the ~125M-parameter random
+Llama (hidden 768, 12 layers, F32; written once to the temporary directory, as
+``bench_batching.py`` does), one continuously batched ``LocalEngine``.  Printed:
+
+1. ``--clients`` (32) concurrent streaming clients (httpx, SSE), ``--requests`` (64) requests of
+   ``--prompt`` (16) prompt ids and ``--tokens`` (32) greedy new tokens: aggregate tokens/s next to
+   the offline batched generate of the same requests (same engine settings), their ratio (target
+   >= 0.9x), p50/p99 time to first token and inter-token latency, and the server's overhead per
+   token (the extra wall time per token) against a batched decode step (target <= 10%);
+2. the server process's resident memory over ``--memory-requests`` (10,000) short requests, 32 at a
+   time, after 200 to warm up (target: < 20 MB growth).
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/bench_serve.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab, length).tolist() for _ in range(n)]
+
+
+async def one_stream(client, url: str, prompt: list[int], tokens: int) -> dict:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    stamps, usage = [], None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                stamps.append(time.perf_counter())
+    return {"start": start, "stamps": stamps, "tokens": usage["completion_tokens"] if usage else len(stamps)}
+
+
+async def load(url: str, all_prompts: list[list[int]], clients: int, tokens: int) -> tuple[float, list[dict]]:
+    import httpx
+
+    queue = list(all_prompts)
+    results: list[dict] = []
+
+    async def client_loop(client):
+        while queue:
+            results.append(await one_stream(client, url, queue.pop(), tokens))
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+        return time.perf_counter() - t0, results
+
+
+async def short_requests(url: str, n: int, clients: int, vocab: int) -> None:
+    import httpx
+
+    left = [n]
+
+    async def client_loop(client):
+        while left[0] > 0:
+            left[0] -= 1
+            r = await client.post(f"{url}/v1/completions", json={"model": "bench", "prompt": [left[0] % vocab, 1],
+                                                                   "max_tokens": 1, "temperature": 0})
+            r.raise_for_status()
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--memory-requests", type=int, default=10_000)
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    args = parser.parse_args()
+
+    from bench_batching import CFG, model_files
+
+    from dist_runtime.executor import GraphExecutor
+    from dist_runtime.generation import LocalEngine, Request, generate
+    from dist_runtime.pipeline.options import DEFAULT_BATCH_TOKENS
+    from dist_runtime.serve.metrics import Metrics
+    from dist_runtime.serve.served import ServedModel
+    from dist_runtime.serve.server import Server, local_backend
+
+    path = model_files(args.dir)["F32"]
+    asks = prompts(args.requests, args.prompt, CFG.vocab)
+    engine = LocalEngine(GraphExecutor(path, batch_invariant=True), max_batch_tokens=DEFAULT_BATCH_TOKENS)
+    generate(engine, [Request("warm", asks[0], 2)])
+    reqs = [Request(i, p, args.tokens) for i, p in enumerate(asks)]
+    engine.max_sessions = args.clients  # as many at once as the server will see
+    offline = generate(engine, reqs)
+    offline_rate = offline.generated / offline.seconds
+
+    model = ServedModel.open(path, name="bench")
+    metrics = Metrics()
+    backend = local_backend(model, metrics, max_batch_tokens=DEFAULT_BATCH_TOKENS, max_queue=4 * args.clients)
+    with Server(model, backend, metrics, port=0) as server:
+        asyncio.run(load(server.url, asks[:4], 4, 2))  # warm-up
+        wall, results = asyncio.run(load(server.url, asks, args.clients, args.tokens))
+        tokens = sum(r["tokens"] for r in results)
+        rate = tokens / wall
+        ttft = [r["stamps"][0] - r["start"] for r in results if r["stamps"]]
+        itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
+        # a batched decode step, at most: the offline run's wall time over the fewest passes it
+        # could have taken (every pass full, DEFAULT_BATCH_TOKENS rows)
+        step = offline.seconds / -(-offline.generated // DEFAULT_BATCH_TOKENS)
+        overhead = max(0.0, wall - offline.seconds) / tokens
+        print(f"\n{args.requests} requests ({args.prompt} prompt ids, {args.tokens} new tokens), {args.clients} "
+              f"concurrent streaming clients, 125M Llama F32, one process")
+        print("| run | tokens | wall s | tokens/s | vs offline |\n|---|---|---|---|---|")
+        print(f"| offline batched generate | {offline.generated} | {offline.seconds:.2f} | {offline_rate:.1f} | 1.00x |")
+        print(f"| serve, SSE clients | {tokens} | {wall:.2f} | {rate:.1f} | {rate / offline_rate:.2f}x |")
+        print(f"time to first token p50 {1e3 * pct(ttft, 0.5):.1f} ms, p99 {1e3 * pct(ttft, 0.99):.1f} ms; "
+              f"inter-token p50 {1e3 * pct(itl, 0.5):.1f} ms, p99 {1e3 * pct(itl, 0.99):.1f} ms")
+        print(f"server overhead per token {1e3 * overhead:.3f} ms against a batched decode step of at most {1e3 * step:.1f} ms "
+              f"({100 * overhead / step:.1f}%)")
+        if args.memory_requests:
+            asyncio.run(short_requests(server.url, 200, args.clients, CFG.vocab))
+            before = rss_mb()
+            t0 = time.perf_counter()
+            asyncio.run(short_requests(server.url, args.memory_requests, args.clients, CFG.vocab))
+            after = rss_mb()
+            print(f"memory over {args.memory_requests} requests ({time.perf_counter() - t0:.0f} s): RSS "
+                  f"{before:.0f} -> {after:.0f} MB ({after - before:+.1f} MB)")
+
+
+if __name__ == "__main__":
+    main()
