@@ -36,12 +36,23 @@ def handle_sigterm() -> None:
 
 def positive_int(text: str) -> int:
     """argparse type: a whole number >= 1."""
+    return _whole(text, 1)
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free one) to 65535."""
+    return _whole(text, 0, 65535)
+
+
+def _whole(text: str, low: int, high: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} must be at least {low}")
+    if high is not None and value > high:
+        raise argparse.ArgumentTypeError(f"{value} must be at most {high}")
     return value
 
 

@@ -57,6 +57,12 @@ NO_RAY = [
     ("example without layers", ["example", "-o", "{dir}/x.model", "--layers", "0"], {}, 2, "must be at least 1"),
     ("negative deadline", ["pipeline", "{tiny}", "--stages", "2", "--connect-timeout", "-1"], {}, 2,
      "must be a finite number above 0"),
+    ("no rows a pass", ["generate", "{tiny}", "--ids", "1", "--max-batch-tokens", "0"], {}, 2, "must be at least 1"),
+    ("no micro-batch", ["pipeline", "{tiny}", "--stages", "2", "--micro-batches", "0"], {}, 2, "must be at least 1"),
+    ("trace unwritable", ["pipeline", "{tiny}", "--stages", "2", "--trace", "{dir}/no/such/t.json"], {}, 1, "--trace"),
+    ("serve on no port", ["serve", "{tiny}", "--port", "70000"], {}, 2, "must be at most 65535"),
+    ("serve on no address", ["serve", "{tiny}", "--host", "256.1.1.1", "--port", "0"], {}, 1,
+     "cannot listen on 256.1.1.1:0"),
 ]
 NEEDS_RAY = [
     ("more CPUs than a node has", ["pipeline", "{tiny}", "--stages", "2", "--cpus-per-stage", "4",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..commands import positive_float, positive_int
+from ..commands import port, positive_float, positive_int
 from ..pipeline.options import DEFAULT_BATCH_TOKENS, MAX_SESSIONS, add_deployment_options, wants_pipeline
 
 API_KEY_ENV = "DIST_RUNTIME_API_KEY"
@@ -21,7 +21,7 @@ def register(sub) -> None:
                                                    "sentence-transformers encoder)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s: this "
                                                         "machine only)")
-    sv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0: any free one, printed)")
+    sv.add_argument("--port", type=port, default=8000, help="port (default: %(default)s; 0: any free one, printed)")
     sv.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: the "
                                                     f"{API_KEY_ENV} environment variable, else no key)")
     sv.add_argument("--name", default=None, help="the model's name in the API (default: the file's name "

@@ -17,6 +17,7 @@ from typing import Callable
 
 import uvicorn
 
+from ..errors import DistRuntimeError
 from .api import create_app
 from .bridge import EngineBridge, Encoder
 from .metrics import Metrics
@@ -72,7 +73,10 @@ class Server:
                  on_close: Callable[[], None] | None = None) -> None:
         self.model, self.backend, self.on_close = model, backend, on_close
         self.app = create_app(model, backend, metrics, api_key=api_key, keep_alive=keep_alive, health=health)
-        self.socket = socket.create_server((host, port))
+        try:
+            self.socket = socket.create_server((host, port))
+        except OSError as e:  # in use, not ours, not an address: one line, before anything starts
+            raise DistRuntimeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         bound = self.socket.getsockname()[1]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=10)
