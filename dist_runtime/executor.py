@@ -215,7 +215,9 @@ class GraphExecutor:
             s.pos = pos
         values: dict[str, Array] = {**self._constants, **self._check_inputs(inputs)}
         values[POS] = np.array([s.pos], np.float32)
-        self._walk(values, lambda step: self._call(step, values, s), observe)
+        plain = KernelContext(rng=s.rng, pos=s.pos)  # one per run: only a KvCache step needs its own
+        self._walk(values, lambda step: step.fn([values[n] for n in step.reads],
+                                                plain if step.kv_cache is None else self._context(step, s)), observe)
         self._advance(s)
         return {name: values[name] for name in self.graph.outputs}
 
@@ -269,9 +271,6 @@ class GraphExecutor:
                     observe(self.graph.nodes[step.index], outs, values.keys())
         except Exception as e:  # noqa: BLE001 -- re-raised as the project's error, naming the node
             raise self._node_error(e, step, values) from e
-
-    def _call(self, step: _Step, values: Mapping[str, Array], s: Session) -> tuple:
-        return step.fn([values[n] for n in step.reads], self._context(step, s))
 
     def _call_segments(self, step: _Step, values: Mapping[str, Array], sessions: list[Session],
                        cuts: list[slice]) -> tuple:
