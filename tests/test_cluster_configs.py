@@ -56,6 +56,13 @@ def offline(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", refuse)
 
 
+def test_offline_means_no_cloud_and_no_network(offline):
+    with pytest.raises(ImportError):  # what the AWS provider's bootstrap is made of
+        importlib.import_module("ray.autoscaler._private.aws.config")
+    with pytest.raises(AssertionError, match="network"):
+        socket.create_connection(("127.0.0.1", 9))
+
+
 def _load(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 

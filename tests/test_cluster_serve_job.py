@@ -253,3 +253,67 @@ def test_serve_job_waiting_for_nodes_that_never_join_gives_up_in_one_line(ray_he
     assert done.stderr.strip().splitlines()[-1] == (
         "error: ClusterError: 1 of the 2 nodes asked for (--wait-for-nodes) joined the cluster within 1 s: see the "
         "launcher's log (`ray monitor CONFIG`) for the rest"), done.stderr[-3000:]
+
+
+def test_the_configs_serve_deployment_starts_and_the_next_ray_up_stops_it(ray_head, pipeline_model, tmp_path):
+    """cluster/local.yaml's own head commands, run by bash as ``ray up`` runs them, on the private
+    head.  HOME is a scratch directory holding what the config's file_mounts and setup commands
+    put in ~ (the project, the venv, the token file); only the placeholder model path, the port
+    (8000 may be taken on this machine) and the node count (this cluster has one) are replaced."""
+    yaml = pytest.importorskip("yaml")
+    _, env, _ = ray_head
+    starts = yaml.safe_load((REPO / "cluster" / "local.yaml").read_text())["head_start_ray_commands"]
+    stop_old = starts[0]
+    [serve] = [c for c in starts if "~/dist-runtime/cluster/jobs/serve.py" in c]
+    assert "dist-runtime-serve.pid" in stop_old and starts.index(serve) == len(starts) - 1
+    for placeholder, value in (("/models/EDIT-ME.model", str(pipeline_model)), ("--port 8000", "--port 0"),
+                               ("--wait-for-nodes 3", "--wait-for-nodes 1")):
+        assert placeholder in serve
+        serve = serve.replace(placeholder, value)
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / "dist-runtime").symlink_to(REPO)
+    (home / "dist-runtime-venv").symlink_to(sys.prefix)
+    (home / ".ray" / "auth_token").write_text(env["RAY_AUTH_TOKEN"])  # the command names the file
+    run_env = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"} | {"HOME": str(home)}
+    pid_file, log = home / "dist-runtime-serve.pid", home / "dist-runtime-serve.log"
+
+    def sh(command: str) -> int:
+        return subprocess.run(["bash", "-c", command], env=run_env, timeout=60).returncode
+
+    shell = subprocess.Popen(["bash", "-c", serve], env=run_env, start_new_session=True)
+    other = None
+    try:
+        assert shell.wait(15) == 0  # at once: the server runs on in the background
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 60  # (the shell may not have opened the log yet)
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and \
+                "serving " not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.2)
+        assert "cluster/jobs/serve.py" in Path(f"/proc/{pid}/cmdline").read_text()  # the pid is the server's
+        line = next((x for x in log.read_text().splitlines() if x.startswith("serving ")), None)
+        assert line, log.read_text()[-3000:]
+        url = line.split(" at ")[1].split("/v1")[0]
+        assert httpx.get(url + "/health", timeout=30).json()["status"] == "ok"
+
+        assert sh(stop_old) == 0  # the next `ray up`: the server ends (SIGTERM) before `ray stop`
+        assert not Path(f"/proc/{pid}").exists() and not pid_file.exists()
+        assert log.read_text().rstrip().endswith("dist-runtime serve: terminated"), log.read_text()[-3000:]
+        assert sh(stop_old) == 0  # no pid file (the first `ray up`): nothing to do
+
+        other = subprocess.Popen(["sleep", "60"])  # a pid file naming something else (a reused pid)
+        pid_file.write_text(f"{other.pid}\n")
+        assert sh(stop_old) == 0
+        assert other.poll() is None and not pid_file.exists()
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait()
+        if _session_members(shell.pid):  # the background server, had a check above failed
+            os.killpg(shell.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            while _session_members(shell.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if _session_members(shell.pid):
+                os.killpg(shell.pid, signal.SIGKILL)
+    assert _session_members(shell.pid) == []
