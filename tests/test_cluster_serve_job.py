@@ -210,6 +210,19 @@ def test_serve_job_without_the_model_on_the_node_says_so_in_one_line(tmp_path):
                                                    f"this node ({socket.gethostname()})"), done.stderr
 
 
+def test_serve_job_without_the_servers_packages_says_so_in_one_line(pipeline_model):
+    blocked = ("import runpy, sys; sys.modules['uvicorn'] = sys.modules['jinja2'] = None; "
+               f"sys.argv = [{str(JOB)!r}, {str(pipeline_model)!r}, '--stages', '2']; "
+               f"runpy.run_path({str(JOB)!r}, run_name='__main__')")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_ADDRESS": "127.0.0.1:1"}
+    done = subprocess.run([sys.executable, "-c", blocked], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"error: DistRuntimeError: uvicorn, jinja2 not installed for {sys.executable} on this node: run the job with "
+        f"the python of the cluster's venv, where the project is installed with its [serve] extra (cluster/*.yaml's "
+        f"head_setup_commands)"], done.stderr
+
+
 def test_serve_job_wants_stages(pipeline_model):
     done = _job(str(pipeline_model))
     assert done.returncode == 1

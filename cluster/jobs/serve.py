@@ -32,6 +32,7 @@ the cluster keeps running.  Two options of the job itself:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import sys
@@ -83,6 +84,11 @@ def check(job: argparse.Namespace, args: argparse.Namespace) -> None:
     from dist_runtime.errors import ClusterError, DistRuntimeError
     from dist_runtime.pipeline.options import wants_pipeline
 
+    missing = [name for name in ("ray", "fastapi", "uvicorn", "jinja2") if not _importable(name)]
+    if missing:  # else a traceback from deep in serve; the job's `python` is whichever PATH names
+        raise DistRuntimeError(f"{', '.join(missing)} not installed for {sys.executable} on this node: run the job "
+                               f"with the python of the cluster's venv, where the project is installed with its "
+                               f"[serve] extra (cluster/*.yaml's head_setup_commands)")
     if not wants_pipeline(args):
         raise DistRuntimeError("a cluster job serves the model split into pipeline stages: give --stages N, "
                                "--budgets SIZES or --plan PLAN.json (without them `dist-runtime serve` runs "
@@ -94,6 +100,13 @@ def check(job: argparse.Namespace, args: argparse.Namespace) -> None:
                            f"the node the job runs on (the head), or give the path where it is")
     if job.wait_for_nodes:
         _wait_for_nodes(args, job.wait_for_nodes, job.wait_timeout)
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ValueError:  # a module set to None in sys.modules: blocked
+        return False
 
 
 def _wait_for_nodes(args: argparse.Namespace, want: int, timeout: float) -> None:
