@@ -21,6 +21,7 @@ import importlib.util
 import re
 import shlex
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -162,3 +163,18 @@ def test_the_serve_deployment_parses_and_fits_the_cluster(path, monkeypatch):
         assert set(args.stage_resources.split(",")) <= given
     head_setup = (config.get("setup_commands") or []) + (config.get("head_setup_commands") or [])
     assert any(f'{PROJECT}"[serve]"' in c for c in head_setup), "the head needs FastAPI and uvicorn"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_python_on_the_nodes_is_the_venvs(path, tmp_path):
+    """``ray submit`` runs ``python SCRIPT`` in a shell that sources ~/.bashrc: the setup command
+    that activates the venv there, run twice (``ray up`` again), in bash with a scratch HOME."""
+    [command] = [c for c in _load(path)["setup_commands"] if ".bashrc" in c]
+    (tmp_path / "dist-runtime-venv").symlink_to(sys.prefix)  # what the setup commands make
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    for _ in range(2):
+        subprocess.run(["bash", "-c", command], env=env, check=True, timeout=30)
+    assert (tmp_path / ".bashrc").read_text().count("activate") == 1
+    found = subprocess.run(["bash", "-c", "source ~/.bashrc && command -v python"], env=env, capture_output=True,
+                           text=True, timeout=30).stdout.strip()
+    assert found == str(Path(sys.prefix) / "bin" / "python")  # the venv's, not the system's

@@ -6,8 +6,11 @@ Three ways to run it::
     # the cluster launcher copies this file to the head node and runs it there
     ray submit cluster/local.yaml cluster/jobs/serve.py -- /models/llama.model --stages 2
 
-    # the jobs API uploads the working directory (the project) and runs it on the cluster
-    ray job submit --working-dir . -- python cluster/jobs/serve.py /models/llama.model --stages 2
+    # the jobs API uploads the working directory (the project) and runs it on the cluster; --no-wait
+    # since a server does not finish; the venv's python by its full path (whatever PATH the job
+    # inherits; `ray job submit` quotes each word, so a `~` would not expand)
+    ray job submit --no-wait --working-dir . -- /home/ubuntu/dist-runtime-venv/bin/python \
+        cluster/jobs/serve.py /models/llama.model --stages 2
 
     # from the head's start commands (cluster/local.yaml, cluster/aws.yaml): up with the cluster
     python ~/dist-runtime/cluster/jobs/serve.py /models/llama.model --stages 2 --wait-for-nodes 3
