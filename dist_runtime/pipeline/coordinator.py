@@ -373,7 +373,9 @@ class Coordinator:
         since = time.monotonic()
 
         def phase(name: str, stages: list[int]) -> None:
-            self._recovering = Recovering(tuple(stages), name, since, attempts, f"{type(cause).__name__}: {cause}")
+            # Ray's errors run to many lines (a traceback): /health gets the first, bounded.
+            text = (str(cause).splitlines() or [""])[0][:200]
+            self._recovering = Recovering(tuple(stages), name, since, attempts, f"{type(cause).__name__}: {text}")
 
         try:
             while True:
