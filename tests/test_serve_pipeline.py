@@ -18,7 +18,7 @@ from conftest import wait_dead  # noqa: E402
 from dist_runtime.pipeline import Pipeline, StageOptions  # noqa: E402
 from dist_runtime.serve.metrics import Metrics  # noqa: E402
 from dist_runtime.serve.served import ServedModel  # noqa: E402
-from dist_runtime.serve.server import Server, local_backend, pipeline_backend  # noqa: E402
+from dist_runtime.serve.server import Server, local_backend, pipeline_backend, pipeline_health  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # Ray once for the module (conftest)
 ASK = {"model": "tiny4", "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 4, "n": 3}
@@ -74,3 +74,69 @@ def test_stages_give_the_tokens_of_one_process_and_survive_a_killed_stage(pipeli
         assert _eventually(lambda: metrics.get("recoveries") == ASK["n"])  # each session was rebuilt
         assert httpx.get(s.url + "/health").json()["status"] == "ok"
     assert pipe.actors == []  # closed with the server
+
+
+def test_health_says_recovering_while_a_killed_stage_is_replaced_then_ok(pipeline_model, reference):
+    """/health as a client sees it at each point: ok; recovering (which stage, 200) from the
+    moment the engine noticed the dead stage until the replacement has answered; ok after, with
+    the stream's text that of a fault-free run.  The recovery is observed from inside it -- the
+    coordinator's ``repair`` asks /health before and after placing the new actor, and again when
+    the first replayed step's reply is awaited -- so the test does not race it.  Then a stage killed while idle is down (503) until a request replaces it."""
+    model = ServedModel.open(pipeline_model, context=64)
+    metrics = Metrics()
+    pipe = Pipeline(pipeline_model, stages=2, max_context=64, options=StageOptions(cpus=0.5))
+    backend = pipeline_backend(model, pipe, metrics, max_queue=8)
+    co = pipe.coordinator
+    with Server(model, backend, metrics, port=0, health=pipeline_health(pipe), on_close=pipe.close) as s:
+        def health() -> tuple[int, dict]:
+            r = httpx.get(s.url + "/health", timeout=30)
+            return r.status_code, r.json()
+
+        assert health() == (200, {"status": "ok", "model": "tiny4"})
+        seen: list = []
+        real_repair = co.repair
+
+        def observed_repair(dead):
+            seen.append(("before", co.recovering(), health()))
+            actors, channel = real_repair(dead)
+            seen.append(("after", co.recovering(), health()))
+            real_get = channel.get
+
+            def observed_get(handle, timeout=None):  # the replacement's first reply: a replayed step
+                if len(seen) == 2:
+                    seen.append(("replay", co.recovering(), health()))
+                return real_get(handle, timeout)
+
+            channel.get = observed_get
+            return actors, channel
+
+        co.repair = observed_repair
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        out = [""] * ASK["n"]
+        for i, chunk in enumerate(c.completions.create(**ASK, stream=True)):
+            for ch in chunk.choices:
+                out[ch.index] += ch.text
+            if i == 3:
+                actor, pid = pipe.actors[1], pipe.reports[1]["pid"]
+                ray.kill(actor)
+                wait_dead(actor, pid)
+        assert out == reference  # the stream went on as a fault-free run
+        assert [when for when, _, _ in seen] == ["before", "after", "replay"]  # one recovery, one attempt
+        for (when, state, (code, body)), phase in zip(seen, ["replacing", "replacing", "replaying"]):
+            assert state is not None and state.stages == (1,) and state.phase == phase, (when, state)
+            assert code == 200 and body["status"] == "recovering" and body["model"] == "tiny4", (when, body)
+            assert body["stages"] == [1] and body["phase"] == phase and body["attempt"] == 1, (when, body)
+            assert "stage 1" in body["message"] and body["seconds"] >= 0, (when, body)
+        assert co.recovering() is None
+        assert health() == (200, {"status": "ok", "model": "tiny4"})
+
+        # Idle, nothing notices a dead stage but /health's ping: down, until a request comes.
+        co.repair = real_repair
+        actor, pid = pipe.actors[0], pipe.reports[0]["pid"]
+        ray.kill(actor)
+        wait_dead(actor, pid)
+        code, body = health()
+        assert code == 503 and body == {"status": "down", "message": "stage(s) 0 do not answer"}
+        assert _texts(s.url) == reference
+        assert health() == (200, {"status": "ok", "model": "tiny4"})
+    assert pipe.actors == []

@@ -19,7 +19,9 @@ steps as the first time (so every stage computes bit for bit what it computed th
 steps that were lost, and goes on.  Sessions not in flight are replayed when they next resume.
 The tokens are those of a run without the fault; each recovery is logged and kept in
 ``recoveries``.  A stage that hangs gives ``StageUnavailableError`` after ``timeout`` seconds; a
-stage that keeps dying, after ``max_recoveries`` attempts in a row.
+stage that keeps dying, after ``max_recoveries`` attempts in a row.  While a recovery is under way
+(from the failed step to the replacement having answered every replayed step), ``recovering()``
+says so, from any thread and without a call to the stages: what a server's /health reports.
 """
 
 from __future__ import annotations
@@ -86,6 +88,27 @@ class RecoveryEvent:
     cause: str
 
 
+@dataclass(frozen=True)
+class Recovering:
+    """A recovery under way (``Coordinator.recovering()``): a snapshot, never updated in place."""
+
+    stages: tuple[int, ...]  # being replaced; empty while the failed stage is being found
+    phase: str  # "probing" (which stage failed?), "replacing" (new actors), "replaying" (sessions' KV)
+    since: float  # time.monotonic() when the failed step was noticed
+    attempt: int  # 1, then more if a replacement fails too
+    cause: str
+
+    def describe(self) -> dict:
+        """As /health reports it."""
+        which = ", ".join(map(str, self.stages))
+        what = {"probing": "finding the stage that failed",
+                "replacing": f"placing a new actor for stage {which}" if which else "reconnecting the stages",
+                "replaying": f"rebuilding the sessions' caches on stage {which}" if which
+                else "rebuilding the sessions' caches"}[self.phase]
+        return {"stages": list(self.stages), "phase": self.phase, "attempt": self.attempt,
+                "seconds": round(time.monotonic() - self.since, 3), "message": f"{what} (after {self.cause})"}
+
+
 @dataclass
 class _Flight:
     """A batch travelling through the pipeline."""
@@ -121,6 +144,9 @@ class Coordinator:
         # equal within float rounding, so a later token may differ where two logits nearly tie.
         self.exact_replay = exact_replay
         self.recoveries: list[RecoveryEvent] = []
+        # Written by the engine thread only, read by any (a server's /health): each write binds a
+        # new frozen snapshot, and binding an attribute is atomic, so readers need no lock.
+        self._recovering: Recovering | None = None
         # A graph with one token input and logits can generate; any graph can ``run``.
         first, last = stages[0], stages[-1]
         self.input_name = first.receives[0] if len(first.receives) == 1 else None
@@ -344,20 +370,33 @@ class Coordinator:
         """Replace the dead stages and replay the lost sessions' histories, retrying while stages
         keep failing; returns the attempts made since the last token.  Raises when out of tries."""
         t0 = time.perf_counter()
-        while True:
-            attempts += 1
-            if self.repair is None or attempts > self.max_recoveries:
-                raise cause
-            dead = self.dead_stages()
-            log.warning("pipeline step failed (%s); replacing stage(s) %s", cause, dead or "none (links only)")
-            try:
-                self.actors, self.channel = self.repair(dead)
-                for state in self.sessions.values():
-                    state.stale = state.stale or state.pos > 0
-                self._replay(lost)
-                break
-            except StageUnavailableError as again:
-                cause = again
+        since = time.monotonic()
+
+        def phase(name: str, stages: list[int]) -> None:
+            # Ray's errors run to many lines (a traceback): /health gets the first, bounded.
+            text = (str(cause).splitlines() or [""])[0][:200]
+            self._recovering = Recovering(tuple(stages), name, since, attempts, f"{type(cause).__name__}: {text}")
+
+        try:
+            while True:
+                attempts += 1
+                if self.repair is None or attempts > self.max_recoveries:
+                    raise cause
+                phase("probing", [])
+                dead = self.dead_stages()
+                log.warning("pipeline step failed (%s); replacing stage(s) %s", cause, dead or "none (links only)")
+                try:
+                    phase("replacing", dead)
+                    self.actors, self.channel = self.repair(dead)
+                    for state in self.sessions.values():
+                        state.stale = state.stale or state.pos > 0
+                    phase("replaying", dead)
+                    self._replay(lost)
+                    break
+                except StageUnavailableError as again:
+                    cause = again
+        finally:
+            self._recovering = None  # recovered, or given up (a dead stage then shows as down)
         seconds = time.perf_counter() - t0
         for state in lost:
             for k in dead or [-1]:
@@ -366,6 +405,10 @@ class Coordinator:
                 log.warning("recovered session %r: stage %s, %d positions replayed, %.3f s",
                             event.session, event.stage, event.position, event.seconds)
         return attempts
+
+    def recovering(self) -> Recovering | None:
+        """The recovery under way, or None: cheap (no call to the stages) and safe from any thread."""
+        return self._recovering
 
     def dead_stages(self) -> list[int]:
         """Stages whose actor does not answer a ping within ``probe_timeout`` seconds."""

@@ -48,7 +48,8 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
                api_key: str | None = None, keep_alive: float = 10.0, health=None) -> FastAPI:
     """The app.  ``api_key``: required as ``Authorization: Bearer`` on /v1 and /metrics;
     ``keep_alive``: seconds between SSE comments while a stream waits for a token; ``health``:
-    a callable saying what is down (a message), or None when all is well."""
+    a callable saying what is down (a message), or a state that is not a failure (a dict with its
+    ``status``, e.g. a stage being recovered), or None when all is well."""
     app = FastAPI(title="dist-runtime", summary="OpenAI-compatible API of one dist-runtime model")
     _errors(app)
     auth = [Depends(_authorizer(api_key))]
@@ -59,11 +60,15 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
 
     @app.get("/health")
     async def health_check():
-        down = await asyncio.to_thread(health) if health is not None else None  # may ping stages
-        if down is None and not backend.alive:
-            down = "the engine has stopped"
-        if down:
-            return JSONResponse({"status": "down", "message": down}, 503)
+        state = await asyncio.to_thread(health) if health is not None else None  # may ping stages
+        if not isinstance(state, str) and not backend.alive:
+            state = "the engine has stopped"
+        if state:
+            if isinstance(state, str):
+                return JSONResponse({"status": "down", "message": state}, 503)
+            # Recovering: requests are accepted and wait for the replacement, none fails, so 200
+            # (docs/serving.md): a liveness probe must not restart a server that is healing.
+            return {"model": model.id, **state}
         return {"status": "ok", "model": model.id}
 
     @app.get("/metrics", dependencies=auth, response_class=PlainTextResponse)

@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..cli.generate import open_pipeline
     from .metrics import Metrics
     from .served import ServedModel
-    from .server import Server, local_backend, pipeline_backend
+    from .server import Server, local_backend, pipeline_backend, pipeline_health
 
     metrics = Metrics()
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -62,7 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             backend = pipeline_backend(model, pipe, metrics, max_queue=args.max_queue,
                                        max_in_flight=args.max_in_flight)
             server = Server(model, backend, metrics, host=args.host, port=args.port, api_key=api_key,
-                            keep_alive=args.keep_alive, health=lambda: _dead(pipe), on_close=pipe.close)
+                            keep_alive=args.keep_alive, health=pipeline_health(pipe), on_close=pipe.close)
         except BaseException:
             pipe.close()
             raise
@@ -79,7 +79,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.serve()
     return 0
 
-
-def _dead(pipe) -> str | None:
-    dead = pipe.coordinator.dead_stages()
-    return f"stage(s) {', '.join(map(str, dead))} do not answer" if dead else None

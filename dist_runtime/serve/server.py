@@ -58,6 +58,25 @@ def pipeline_backend(model: ServedModel, pipe, metrics: Metrics, *, max_queue: i
                         stream_options={"max_in_flight": max_in_flight})
 
 
+def pipeline_health(pipe) -> Callable[[], str | dict | None]:
+    """/health of a deployed ``Pipeline``: a recovery under way (the coordinator's snapshot, read
+    without calling the stages), else the stages that do not answer a ping (down), else None."""
+    coordinator = pipe.coordinator
+
+    def health() -> str | dict | None:
+        recovering = coordinator.recovering()
+        if recovering is None:
+            dead = coordinator.dead_stages()
+            # The engine thread may have noticed the same dead stage while the pings were out:
+            # then it is being replaced, not down.
+            recovering = coordinator.recovering()
+            if recovering is None:
+                return f"stage(s) {', '.join(map(str, dead))} do not answer" if dead else None
+        return {"status": "recovering", **recovering.describe()}
+
+    return health
+
+
 def _stage_busy(run) -> list[float]:
     """Seconds each stage computed during ``run`` (its telemetry's busy share of the wall time)."""
     summary = run.summary()
@@ -69,7 +88,7 @@ class Server:
 
     def __init__(self, model: ServedModel, backend: EngineBridge | Encoder, metrics: Metrics, *,
                  host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 keep_alive: float = 10.0, health: Callable[[], str | None] | None = None,
+                 keep_alive: float = 10.0, health: Callable[[], str | dict | None] | None = None,
                  on_close: Callable[[], None] | None = None) -> None:
         self.model, self.backend, self.on_close = model, backend, on_close
         self.app = create_app(model, backend, metrics, api_key=api_key, keep_alive=keep_alive, health=health)
