@@ -133,8 +133,10 @@ class Scheduler:
         """The rows of the next pass (empty when no session is ready): a decode row of every ready
         generating session, then prompt chunks, up to ``max_batch_tokens`` rows and
         ``max_sessions`` sessions.  While prompts wait, decode rows leave a quarter of the budget
-        to them (new sessions always progress); while no session is generating, nobody waits
-        between tokens, so prompts take up to ``IDLE_PREFILL_TOKENS``.  Its sessions are busy
+        to them (new sessions always progress), and prompts take at most as many rows as the
+        decoders or that quarter (a decoder's next token waits for a pass of at most about twice
+        its rows); while no session is generating, nobody waits between tokens, so prompts take up
+        to ``IDLE_PREFILL_TOKENS``.  Its sessions are busy
         until :meth:`complete` or :meth:`abort`."""
         self._admit()
         ready = [s for s in self.live.values() if not s.busy and s.feed][:max_sessions]
@@ -143,12 +145,19 @@ class Scheduler:
         generating = any(s.generated for s in self.live.values())
         budget = self.max_batch_tokens if generating else max(self.max_batch_tokens, IDLE_PREFILL_TOKENS)
         decode = decode[:budget - budget // 4] if prompts else decode[:budget]
+        # Once rows are many a pass costs about its rows (the products turn compute-bound), so
+        # prompt rows beside D decode rows are held to D (or a quarter of the budget, so that few
+        # decoders do not starve the prompts): the decoders then wait ~1.5 decode-only passes for
+        # their next token, where filling the budget made it 2-3 (measured: bench_batching.py).
+        prompt_rows = max(len(decode), budget // 4) if generating else budget
         batch = []
         for s in decode + prompts:
-            take = min(len(s.feed), budget)
+            take = min(len(s.feed), budget if s.generated else min(budget, prompt_rows))
             if take == 0:
                 break
             budget -= take
+            if not s.generated:
+                prompt_rows -= take
             batch.append(Work(s, tuple(s.feed[:take]), s.pos, s.reset, take == len(s.feed)))
             s.busy = True
         return batch
