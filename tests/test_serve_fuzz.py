@@ -88,6 +88,14 @@ def _post(server: Server, path: str, raw: str) -> httpx.Response:
                       timeout=30)
 
 
+def test_method_not_allowed_keeps_its_allow_header(generative):
+    # The 405 became an error object without the Allow header Starlette gave it (RFC 9110 requires it).
+    r = httpx.delete(generative.url + "/v1/models", headers=AUTH)
+    assert _error(r, 405)["message"] == "Method Not Allowed" and r.headers["allow"] == "GET"
+    r = httpx.get(generative.url + "/v1/completions", headers=AUTH)
+    assert _error(r, 405) and r.headers["allow"] == "POST"
+
+
 def _no_422(spec: dict) -> None:
     operations = [op for methods in spec["paths"].values() for op in methods.values()]
     assert not [op for op in operations if "422" in op["responses"]]

@@ -392,7 +392,7 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()  # 405's Allow
 
     @app.exception_handler(DistRuntimeError)
     async def refused(request, exc: DistRuntimeError):
