@@ -121,3 +121,24 @@ def test_the_schema_documents_what_the_server_sends(generative, tiny):
     _no_422(spec)
     assert "securitySchemes" not in spec["components"] and "security" not in spec["paths"]["/v1/models"]["get"]
     assert "4XX" not in spec["paths"]["/v1/models"]["get"]["responses"]
+
+
+def test_an_unexpected_exception_is_a_500_error_object(tiny):
+    # A bug anywhere still answers OpenAI's error object, not Starlette's plain-text 500.
+    model = ServedModel.open(tiny[0], context=CONTEXT, tokenizer=tiny[1])
+
+    class Broken:
+        def encode(self, text, **kw):
+            raise RuntimeError("tokenizer broke")
+
+    model.tokenizer = Broken()
+    server = _start(model, None, max_queue=4)
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", "max_tokens": 2})
+        error = _error(r, 500)
+        assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+        assert "tokenizer broke" not in error["message"]  # the log has it; clients get no internals
+        assert server.backend.metrics.get("requests", endpoint="/v1/completions", status=500) == 1  # was 499
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()

@@ -398,6 +398,13 @@ def _errors(app: FastAPI) -> None:
     async def refused(request, exc: DistRuntimeError):
         return APIError(400, str(exc)).response()
 
+    @app.exception_handler(Exception)
+    async def unexpected(request, exc: Exception):
+        # A bug, but clients still get an error object they can parse; Starlette logs the
+        # traceback after this answers.
+        return APIError(500, f"internal error ({type(exc).__name__}); see the server's log",
+                        type="server_error").response()
+
 
 class _Counted:
     """ASGI middleware: counts answered requests by route and status (unknown paths as one)."""
@@ -417,6 +424,9 @@ class _Counted:
 
         try:
             await self.app(scope, receive, sending)
+        except Exception:
+            status.setdefault("code", 500)  # answered by Starlette's outermost middleware, after this one
+            raise
         finally:
             route = getattr(scope.get("route"), "path", "other")
             self.metrics.count("requests", endpoint=route, status=status.get("code", 499))
