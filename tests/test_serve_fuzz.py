@@ -88,6 +88,22 @@ def _post(server: Server, path: str, raw: str) -> httpx.Response:
                       timeout=30)
 
 
+def test_integral_floats_are_integers(generative):
+    # The schema says "integer", which JSON Schema (and the fuzzer) reads as any whole number,
+    # 2.0 too; strict validation refused every float (a 400 for a body the schema allows).
+    whole = _post(generative, "/v1/completions", '{"model": "tiny", "prompt": [5.0, 6], "max_tokens": 3.0, '
+                                                 '"n": 2.0, "seed": 7.0, "logprobs": 1.0}')
+    ints = _post(generative, "/v1/completions", '{"model": "tiny", "prompt": [5, 6], "max_tokens": 3, '
+                                                '"n": 2, "seed": 7, "logprobs": 1}')
+    assert whole.status_code == ints.status_code == 200, whole.text
+    assert [c["text"] for c in whole.json()["choices"]] == [c["text"] for c in ints.json()["choices"]]
+    assert whole.json()["usage"] == ints.json()["usage"]
+    for field in ("max_tokens", "n", "seed"):  # a fraction, a string, a boolean: still refused
+        for value in ("2.5", '"2"', "true"):
+            r = _post(generative, "/v1/completions", f'{{"model": "tiny", "prompt": "w5", "{field}": {value}}}')
+            assert _error(r, 400)["param"] == field, (field, value)
+
+
 def test_method_not_allowed_keeps_its_allow_header(generative):
     # The 405 became an error object without the Allow header Starlette gave it (RFC 9110 requires it).
     r = httpx.delete(generative.url + "/v1/models", headers=AUTH)

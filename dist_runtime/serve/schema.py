@@ -4,9 +4,21 @@ not use are accepted and ignored, so that clients sending their defaults work.""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _whole(value):
+    # JSON has one number type: 2.0 is the integer 2 to JSON Schema (and to the OpenAPI schema's
+    # readers), so strict mode, which refuses any float, would refuse what the schema allows.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _int(**bounds):
+    """An integer field's type: strict (no strings, no booleans) but 2.0 is 2.  The bounds go
+    before the validator: after it, pydantic still checks them but the schema no longer states them."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
 
 
 class _Body(BaseModel):
@@ -21,14 +33,14 @@ class GenerationRequest(_Body):
     """What completions and chat share."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: _int(ge=1) | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: _int(ge=0) | None = None
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0)
+    seed: _int(ge=0) | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=16)
+    n: _int(ge=1, le=16) = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -38,8 +50,8 @@ class GenerationRequest(_Body):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)  # this many alternatives per token
+    prompt: str | list[_int()] | list[str] | list[list[_int()]]
+    logprobs: _int(ge=0, le=20) | None = None  # this many alternatives per token
 
 
 class ChatMessage(_Body):
@@ -57,9 +69,9 @@ class ChatMessage(_Body):
 
 class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    max_completion_tokens: _int(ge=1) | None = None  # the newer name of max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token, with logprobs
+    top_logprobs: _int(ge=0, le=20) | None = None  # alternatives per token, with logprobs
 
 
 class EmbeddingRequest(_Body):
