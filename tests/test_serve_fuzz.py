@@ -104,6 +104,18 @@ def test_integral_floats_are_integers(generative):
             assert _error(r, 400)["param"] == field, (field, value)
 
 
+def test_empty_embedding_input_is_refused_as_the_schema_says(encoder):
+    # The schema put minLength beside the anyOf, where it bounds strings only: [] was valid to
+    # it, and a 400 from the server.
+    spec = httpx.get(encoder.url + "/openapi.json").json()["components"]["schemas"]["EmbeddingRequest"]
+    bounds = {alt["type"]: alt for alt in spec["properties"]["input"]["anyOf"]}
+    assert bounds["string"]["minLength"] == 1 and bounds["array"]["minItems"] == 1
+    for empty in ('""', "[]"):
+        r = httpx.post(encoder.url + "/v1/embeddings", content=f'{{"model": "minilm", "input": {empty}}}'.encode(),
+                       headers={"Content-Type": "application/json"})
+        assert _error(r, 400)["param"] == "input"
+
+
 def test_method_not_allowed_keeps_its_allow_header(generative):
     # The 405 became an error object without the Allow header Starlette gave it (RFC 9110 requires it).
     r = httpx.delete(generative.url + "/v1/models", headers=AUTH)

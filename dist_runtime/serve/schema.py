@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 
 def _whole(value):
@@ -76,5 +76,9 @@ class ChatRequest(GenerationRequest):
 
 class EmbeddingRequest(_Body):
     model: str
-    input: str | list[str] = Field(min_length=1)
+    # The schema by hand: pydantic writes min_length beside the anyOf, where JSON Schema bounds
+    # only strings, so [] looked valid (and was a 400).
+    input: Annotated[str | list[str], Field(min_length=1), WithJsonSchema(
+        {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string"}, "minItems": 1}],
+         "title": "Input"})]
     encoding_format: Literal["float", "base64"] = "float"
