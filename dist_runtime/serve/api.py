@@ -383,6 +383,8 @@ def _errors(app: FastAPI) -> None:
     async def invalid(request, exc: RequestValidationError):
         first = exc.errors()[0]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "invalid_unicode":  # a model's whole input is checked: ctx names the field
+            loc.append(first["ctx"]["field"])
         if first.get("type") == "json_invalid":
             return APIError(400, f"the body is not valid JSON: {first.get('msg')}").response()
         where = ".".join(loc) or None

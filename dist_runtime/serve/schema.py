@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
 
 
 def _whole(value):
@@ -21,8 +22,48 @@ def _int(**bounds):
     return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
 
 
+def _lone_surrogate(value) -> str | None:
+    """Where in ``value`` (decoded JSON) a string or key holds half of a UTF-16 surrogate pair
+    (``"\\ud800"`` in JSON), as ``messages.0.content``; None when every string is Unicode text."""
+    if not isinstance(value, (str, dict, list)):
+        return None
+    todo = [((), value)]
+    while todo:  # not recursive: the JSON decoder allows deeper nesting than Python's stack
+        path, value = todo.pop()
+        if isinstance(value, str):
+            if not _unicode(value):
+                return ".".join(map(str, path)) or "body"
+            continue
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(key, str) and not _unicode(key):
+                return ".".join(map(str, path)) or "body"  # the object holding it: the key cannot be shown
+            if isinstance(item, (str, dict, list)):  # ids by the thousand are neither
+                todo.append((path + (key,), item))
+    return None
+
+
+def _unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data):
+        # JSON can escape half a surrogate pair, and Python decodes it to a str with no UTF-8
+        # form, on which the tokenizers fail: refused here, for any field (a chat template may
+        # render any of them), before it gets that far.
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError("invalid_unicode", "not Unicode text: it holds half of a UTF-16 surrogate "
+                                      "pair (an escape such as \\ud800 without its other half)", {"field": where})
+        return data
 
 
 class StreamOptions(_Body):
