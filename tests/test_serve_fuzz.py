@@ -1,7 +1,24 @@
-"""``dist-runtime serve``: what fuzzing it from its own OpenAPI schema found, a regression test
-each, against real servers on 127.0.0.1 (ephemeral port): the small random Llama of
-``conftest.save_example`` with an API key, and the demo's MiniLM without one (skipped when its
-wheel is not installed)."""
+"""``dist-runtime serve`` fuzzed from its own OpenAPI schema: schemathesis generates requests for
+every operation the live server's ``/openapi.json`` lists, valid ones (positive) and, where the
+operation takes a body, invalid ones (negative), sent to a real server on 127.0.0.1 (ephemeral
+port).  Every answer must be no 5xx and conform to the schema (status code, content type, body:
+errors are OpenAI error objects, streams server-sent events); invalid bodies must be refused with
+a 4xx and the API key enforced; a body the schema calls valid must pass the server's own
+validation.  After every case ``/health`` must still answer 200, and after every operation no
+session may be left in the engine.  Then a regression test for each bug the fuzzing found.
+
+Two servers: the small random Llama of ``conftest.save_example`` with an API key (completions,
+chat), and the demo's MiniLM without one (embeddings; skipped when its wheel is not installed).
+
+Bounded and deterministic: schemathesis' coverage cases (a fixed list per operation), then
+``MAX_EXAMPLES`` random cases per operation and mode from hypothesis, derandomized (each
+operation's cases derive from its test, so every run sends the same ones); ``_bound`` caps the
+tokens a case may ask for.
+
+schemathesis' pytest integration (``@schema.parametrize``, ``from_fixture``) is not used: it fails
+on pytest 9.2 (it sets ``Node._nodeid``, which pytest no longer has), and pyproject.toml turns
+its plugin off (see ``_import_schemathesis``).  ``APIOperation.as_strategy`` under hypothesis'
+``@given`` and ``schema.iter_coverage_cases`` are all this needs."""
 
 from __future__ import annotations
 
@@ -17,10 +34,48 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("tokenizers")
 
+
+def _import_schemathesis():
+    """schemathesis, with the hypothesis internals that importing it replaces put back.  It
+    swaps hypothesis' example printer (every falsifying example of every test in the process
+    then prints as nothing) and its buffer size (which changes what the other derandomized
+    tests draw, so they would draw differently alone and in the whole suite), for its own speed;
+    this file needs neither."""
+    from hypothesis import core
+    from hypothesis.internal import entropy
+    from hypothesis.internal.conjecture import engine
+    from hypothesis.strategies._internal import collections, core as strategies
+
+    replaced = [(core, "RepresentationPrinter"), (core, "BUFFER_SIZE"), (engine, "BUFFER_SIZE"),
+                (collections, "BUFFER_SIZE"), (strategies, "is_first_param_referenced_in_function"),
+                (entropy, "register_random")]
+    saved = [(module, name, getattr(module, name)) for module, name in replaced if hasattr(module, name)]
+    try:
+        module = pytest.importorskip("schemathesis")
+        from schemathesis.generation.hypothesis import setup
+
+        setup()  # applies them now if the import did not: it never applies them twice
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+    return module
+
+
+schemathesis = _import_schemathesis()
+
 from conftest import save_example  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
+from schemathesis import GenerationMode  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.specs.openapi.checks import (  # noqa: E402
+    allow_header_conformance, content_type_conformance, ignored_auth, negative_data_rejection,
+    response_headers_conformance, response_schema_conformance, status_code_conformance, unsupported_method)
 
 from dist_runtime.examples import LlamaConfig  # noqa: E402
+from dist_runtime.serve.bridge import EngineBridge  # noqa: E402
 from dist_runtime.serve.metrics import Metrics  # noqa: E402
+from dist_runtime.serve.schema import ChatRequest, CompletionRequest, EmbeddingRequest  # noqa: E402
 from dist_runtime.serve.served import ServedModel  # noqa: E402
 from dist_runtime.serve.server import Server, local_backend  # noqa: E402
 
@@ -31,6 +86,25 @@ KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 #: Small, so that a chat without max_tokens (the rest of the context) stays a few dozen tokens.
 CONTEXT = 64
+#: Tokens a fuzzed case may ask for: enough to run the whole path (stop strings, logprobs,
+#: streams), few enough that generation never dominates the run.
+MAX_TOKENS = 4
+MAX_EXAMPLES = 40
+#: schemathesis' positive_data_acceptance is left out: the server rightly answers 400 to some
+#: bodies no schema can rule out (an empty prompt, an id outside the vocabulary, a prompt over
+#: the context), so instead a valid body must pass the server's validation (BODIES) and every
+#: operation must get some 2xx (_fuzz).
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance, negative_data_rejection, ignored_auth, unsupported_method,
+          allow_header_conformance]
+#: The models that validate each body.
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
+          "/v1/embeddings": EmbeddingRequest}
+
+GENERATIVE_OPERATIONS = ["GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}",
+                         "POST /v1/completions", "POST /v1/chat/completions"]
+ENCODER_OPERATIONS = ["GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}",
+                      "POST /v1/embeddings"]
 
 
 # -- the servers ----------------------------------------------------------------------------------
@@ -74,6 +148,118 @@ def encoder(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+def _schema(server: Server, api_key: str | None):
+    # with-security-parameters off: the key is not a generated header, so negative cases break
+    # the body rather than spending half of themselves on a 401; ignored_auth probes the key.
+    config = {"seed": 17, "request-timeout": 30, "generation": {"with-security-parameters": False}}
+    if api_key is not None:  # the scheme the server declares
+        config["auth"] = {"openapi": {"HTTPBearer": {"bearer": api_key}}}
+    return schemathesis.openapi.from_url(server.url + "/openapi.json", config=schemathesis.Config.from_dict(config))
+
+
+@pytest.fixture(scope="module")
+def generative_schema(generative):
+    return _schema(generative, KEY)
+
+
+@pytest.fixture(scope="module")
+def encoder_schema(encoder):
+    return _schema(encoder, None)
+
+
+# -- fuzzing ------------------------------------------------------------------------------------------
+def _bound(case, model_id: str) -> None:
+    """What the generated case may cost, capped in place.  A string ``model`` becomes the served
+    one, or nearly every case would stop at the 404 for an unknown model (which
+    ``GET /v1/models/{model_id}`` fuzzes); a token count over ``MAX_TOKENS`` becomes
+    ``MAX_TOKENS``.  Both replace a valid value with a valid one, so a negative case stays
+    negative (schemathesis revalidates edited cases anyway)."""
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    if isinstance(body.get("model"), str):
+        body["model"] = model_id
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_TOKENS:
+            body[name] = MAX_TOKENS
+
+
+def _idle(server: Server, timeout: float = 10.0) -> bool:
+    """Whether the engine holds no session (a cancellation is applied by its next pass); an
+    encoder keeps none."""
+    if not isinstance(server.backend, EngineBridge):
+        return True
+    metrics = server.backend.metrics
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (server.backend.engine.executor.sessions() == [] and metrics.get("running_sessions") == 0
+                and metrics.get("queued_sessions") == 0):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _fuzz(server: Server, schema, label: str) -> None:
+    method, path = label.split(" ")
+    operation = schema[path][method]
+    statuses: dict[GenerationMode, list[int]] = {mode: [] for mode in GenerationMode}
+    # one client: a new one per request would load the CA certificates each time (a third of the run)
+    client = httpx.Client(base_url=server.url, timeout=10)
+
+    def run(case) -> None:
+        _bound(case, server.model.id)
+        mode = case.meta.generation.mode
+        if path in BODIES and mode.is_positive and case.method.upper() == method:
+            try:
+                BODIES[path].model_validate(case.body)
+            except ValidationError as e:
+                pytest.fail(f"the schema allows a body that the server's validation refuses: {e}")
+        response = case.call_and_validate(checks=CHECKS)
+        statuses[mode].append(response.status_code)
+        health = client.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+
+    with client:
+        # schemathesis' coverage cases: every bound of the schema at and past its edge, every
+        # property of a wrong type or missing, every method the path does not take
+        for case in schema.iter_coverage_cases(operation, generation_modes=list(GenerationMode),
+                                               generation_config=schema.config.generation_for(operation=operation)):
+            run(case)
+        # then random ones; no body: nothing can be made invalid (hypothesis would find no case)
+        for mode in [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.body else []):
+            settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                            HealthCheck.data_too_large])(
+                given(case=operation.as_strategy(generation_mode=mode))(run))()
+    assert _idle(server), f"sessions left in the engine after fuzzing {label}"
+    if method == "POST":  # else no case got past validation to the model
+        assert any(200 <= s < 300 for s in statuses[GenerationMode.POSITIVE]), statuses
+
+
+def _labels(schema) -> list[str]:
+    return sorted(op.ok().label for op in schema.get_all_operations())
+
+
+def test_schema_lists_what_the_generative_model_offers(generative_schema):
+    # so the parametrization below is every operation; embeddings are not offered (they answer a 400)
+    assert _labels(generative_schema) == sorted(GENERATIVE_OPERATIONS)
+
+
+def test_schema_lists_what_the_encoder_offers(encoder_schema):
+    assert _labels(encoder_schema) == sorted(ENCODER_OPERATIONS)
+
+
+@pytest.mark.parametrize("label", GENERATIVE_OPERATIONS)
+def test_fuzz_generative(generative, generative_schema, label):
+    _fuzz(generative, generative_schema, label)
+
+
+@pytest.mark.parametrize("label", ENCODER_OPERATIONS)
+def test_fuzz_encoder(encoder, encoder_schema, label):
+    _fuzz(encoder, encoder_schema, label)
 
 
 # -- what the fuzzing found -------------------------------------------------------------------------
