@@ -18,13 +18,16 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException
 
 from ..errors import DistRuntimeError
 from ..requests import Request as EngineRequest, check_requests
 from .bridge import EngineBridge, Encoder, QueueFull, ShuttingDown, Subscription
 from .metrics import Metrics
+from .responses import (ChatCompletion, Completion, EmbeddingList, Health, HealthDown, ModelCard, ModelList,
+                        answers)
 from .schema import ChatRequest, CompletionRequest, EmbeddingRequest, GenerationRequest
 from .served import ServedModel
 from .text import StopText, TokenText, render_chat
@@ -52,13 +55,16 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
     ``status``, e.g. a stage being recovered), or None when all is well."""
     app = FastAPI(title="dist-runtime", summary="OpenAI-compatible API of one dist-runtime model")
     _errors(app)
-    auth = [Depends(_authorizer(api_key))]
+    auth = [Depends(_authorizer(api_key))] if api_key is not None else []
+    keyed = api_key is not None  # only then can a route answer 401
+    # The schema lists what this model offers; the other routes stay, to say why they refuse.
+    generates, embeds = model.kind == "generate", model.kind == "embed"
 
     @app.get("/", include_in_schema=False)
     async def page():
         return FileResponse(PAGE, media_type="text/html")
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": Health}, 503: {"model": HealthDown}})
     async def health_check():
         state = await asyncio.to_thread(health) if health is not None else None  # may ping stages
         if not isinstance(state, str) and not backend.alive:
@@ -71,20 +77,25 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
             return {"model": model.id, **state}
         return {"status": "ok", "model": model.id}
 
-    @app.get("/metrics", dependencies=auth, response_class=PlainTextResponse)
+    # response_class=Response: no media type of its own, so the 200 is text only and errors are JSON
+    @app.get("/metrics", dependencies=auth, response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus' text exposition format"},
+                        **answers(client_errors=keyed)})
     async def metrics_text():
         return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth, responses=answers(ModelList, client_errors=keyed))
     async def list_models():
         return {"object": "list", "data": [_model_card(model)]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    @app.get("/v1/models/{model_id:path}", dependencies=auth, responses=answers(ModelCard))
     async def get_model(model_id: str):
         _check_model(model, model_id, param=None)
         return _model_card(model)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=auth, include_in_schema=generates,
+              responses=answers(Completion, stream=True, server_errors=True))
     async def completions(body: CompletionRequest, request: Request):
         _require(model, "generate", "/v1/completions")
         _check_model(model, body.model)
@@ -94,7 +105,9 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
         return await _generate(request, model, backend, metrics, body, ids, body.max_tokens or 16,
                                chat=False, keep_alive=keep_alive, logprobs=body.logprobs)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth,
+              include_in_schema=generates and model.chat_template is not None,
+              responses=answers(ChatCompletion, stream=True, server_errors=True))
     async def chat_completions(body: ChatRequest, request: Request):
         _require(model, "generate", "/v1/chat/completions")
         _check_model(model, body.model)
@@ -112,7 +125,8 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
         return await _generate(request, model, backend, metrics, body, [ids], max_tokens, chat=True,
                                keep_alive=keep_alive, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
-    @app.post("/v1/embeddings", dependencies=auth)
+    @app.post("/v1/embeddings", dependencies=auth, include_in_schema=embeds,
+              responses=answers(EmbeddingList, server_errors=True))
     async def embeddings(body: EmbeddingRequest):
         _require(model, "embed", "/v1/embeddings")
         _check_model(model, body.model)
@@ -134,10 +148,13 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
 
 
 # -- requests in ---------------------------------------------------------------------------------
-def _authorizer(api_key: str | None):
-    def check(request: Request) -> None:
-        if api_key is None:
-            return
+#: Declares the scheme in the OpenAPI schema (so clients and the fuzz test know to send the key);
+#: the check itself is ``_authorizer``'s, to answer OpenAI's 401 rather than FastAPI's 403.
+_BEARER = HTTPBearer(auto_error=False, description="the server's --api-key")
+
+
+def _authorizer(api_key: str):
+    def check(request: Request, _=Depends(_BEARER)) -> None:
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
@@ -371,6 +388,8 @@ def _errors(app: FastAPI) -> None:
     async def invalid(request, exc: RequestValidationError):
         first = exc.errors()[0]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "invalid_unicode":  # a model's whole input is checked: ctx names the field
+            loc.append(first["ctx"]["field"])
         if first.get("type") == "json_invalid":
             return APIError(400, f"the body is not valid JSON: {first.get('msg')}").response()
         where = ".".join(loc) or None
@@ -380,11 +399,18 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()  # 405's Allow
 
     @app.exception_handler(DistRuntimeError)
     async def refused(request, exc: DistRuntimeError):
         return APIError(400, str(exc)).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, exc: Exception):
+        # A bug, but clients still get an error object they can parse; Starlette logs the
+        # traceback after this answers.
+        return APIError(500, f"internal error ({type(exc).__name__}); see the server's log",
+                        type="server_error").response()
 
 
 class _Counted:
@@ -405,6 +431,9 @@ class _Counted:
 
         try:
             await self.app(scope, receive, sending)
+        except Exception:
+            status.setdefault("code", 500)  # answered by Starlette's outermost middleware, after this one
+            raise
         finally:
             route = getattr(scope.get("route"), "path", "other")
             self.metrics.count("requests", endpoint=route, status=status.get("code", 499))

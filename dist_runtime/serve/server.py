@@ -94,6 +94,11 @@ class Server:
         self.app = create_app(model, backend, metrics, api_key=api_key, keep_alive=keep_alive, health=health)
         try:
             self.socket = socket.create_server((host, port))
+            # Accepted connections inherit it.  asyncio sets it only on sockets whose proto is
+            # IPPROTO_TCP, and create_server's is 0: without it, Nagle held each answer after
+            # the first on a kept-alive connection (and each streamed token) for the client's
+            # delayed ACK, ~40 ms.
+            self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as e:  # in use, not ours, not an address: one line, before anything starts
             raise DistRuntimeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         bound = self.socket.getsockname()[1]
