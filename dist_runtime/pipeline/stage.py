@@ -244,6 +244,7 @@ class StageWorker:
             "resident_file_bytes": resident_file_bytes(path) if path is not None else None,
             "threads": self.threads, "thread_limit": self.thread_limit,
             "blas_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
+            "compiled_threads": _compiled_threads(),
             "sessions": len(self.sessions()), "steps": self.steps, "errors": self.errors,
             "warmup": self.warmup,
             # why this stage runs one session per pass, or None when sessions share passes
@@ -271,6 +272,15 @@ class StageWorker:
     def ping(self, payload=None):
         """A plain round trip (the benchmark's baseline)."""
         return payload
+
+
+def _compiled_threads() -> str:
+    """numba's threads for the compiled products here: how many, and which layer and why."""
+    import numba
+
+    from ..backends.compiled.threads import LAYER, REASON
+
+    return f"{numba.get_num_threads()} on {LAYER}: {REASON}"
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
