@@ -28,7 +28,7 @@ def filter_logits(logits, *, method: int, temperature: float = 1.0, p: float = 1
     ``MinPLogitsWarper`` with ``min_tokens_to_keep=1``; Python-float parameters stay weak (NEP 50),
     so every comparison is in f32 as in their torch code.
     """
-    x = as_compute(logits, compute_dtype(logits)) / temperature
+    x = _scaled(as_compute(logits, compute_dtype(logits)), temperature)
     if method == TOP_K:
         n = min(k, x.shape[-1]) - 1  # the k-th largest sits at index n of the descending order
         kth = -np.partition(-x, n, axis=-1)[..., n:n + 1]
@@ -47,6 +47,18 @@ def filter_logits(logits, *, method: int, temperature: float = 1.0, p: float = 1
     elif method != TEMPERATURE:
         raise fail("Sample", f"method={method} is not 0 (greedy), 1, 2, 3 or 4")
     return x
+
+
+def _scaled(x: np.ndarray, temperature: float) -> np.ndarray:
+    """``x / temperature``; where a tiny temperature overflows finite logits to +-inf (whose
+    softmax is NaN), the logits are shifted by their row's maximum first -- the same distribution
+    (softmax and every filter are shift-invariant), which then tends to greedy as it should."""
+    with np.errstate(over="ignore"):
+        out = x / temperature
+    if np.isinf(out[np.isfinite(x)]).any():
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = (x - np.max(x, axis=-1, keepdims=True)) / temperature
+    return out
 
 
 def draw(filtered: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -123,6 +123,21 @@ def test_same_seed_same_tokens_and_the_session_generator():
     assert first.tolist() != second.tolist()  # the session's generator advances
 
 
+@pytest.mark.parametrize("method", [G.TEMPERATURE, G.TOP_K, G.TOP_P, G.MIN_P])
+def test_a_vanishing_temperature_tends_to_greedy_without_overflow(method):
+    """logits / 1e-45 overflows f32 to +-inf (a NaN softmax, a garbage draw): the shifted logits
+    give the limit, the most likely token, with no warning; a masked token stays masked."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(4, 50)).astype(np.float32)
+    logits[:, 0] = -np.inf
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        for t in (1e-45, 1e-30):
+            got = G.sample(logits, 3, method=method, temperature=t, p=0.5, k=5)
+            assert got.tolist() == np.argmax(logits, axis=-1).tolist()
+    ordinary = G.filter_logits(logits, method=G.TEMPERATURE, temperature=0.7)
+    assert np.array_equal(ordinary, logits / np.float32(0.7))  # bits kept where nothing overflows
+
+
 def test_f16_logits_and_errors():
     (ids,) = run(sample_op("top_k5"), LOGITS.astype(np.float16), np.array(3, np.int64))
     assert ids.dtype == np.int64 and ids.shape == (5,)
