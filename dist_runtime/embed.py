@@ -88,13 +88,14 @@ def sentence_tokenizer(path: Path, model, override: str | Path | None = None) ->
     return tok
 
 
-def token_batches(tokenizer: Path, texts: Sequence[str], size: int,
+def token_batches(tokenizer, texts: Sequence[str], size: int,
                   metadata: Mapping) -> list[dict[str, np.ndarray]]:
     """``texts`` tokenized (truncated at the model's ``max_seq_length``, if its ``metadata`` has
-    one) and padded into graph inputs, ``size`` texts a batch."""
+    one) and padded into graph inputs, ``size`` texts a batch.  ``tokenizer``: a ``tokenizer.json``
+    path, or a ``Tokenizer`` made with that truncation (a server's, read once)."""
     from .importers.tokenizer import Tokenizer
 
-    tok = Tokenizer(tokenizer, metadata.get("max_seq_length"))
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer, metadata.get("max_seq_length"))
     ids = [tok.encode(t) for t in texts]
     return [pad_batch(ids[i:i + size]) for i in range(0, len(ids), size)]
 

@@ -229,11 +229,33 @@ def test_errors_are_openai_error_objects(server, client):
     assert "/v1/embeddings is not available" in e.value.body["message"]
 
 
-def test_queue_full_is_429_with_retry_after(server):
+def test_more_choices_than_the_queue_holds_is_400_not_429(server):
     r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", "n": 9},
                    headers={"Authorization": f"Bearer {KEY}"})
-    assert r.status_code == 429 and r.headers["retry-after"] == "1"
-    assert _error(r)["type"] == "rate_limit_error"
+    assert r.status_code == 400 and _error(r)["param"] == "n" and "--max-queue" in _error(r)["message"]
+
+
+def test_queue_full_is_429_with_retry_after(files):
+    """A slow stream holds all 8 sessions (0.2 s a token: at most one can have ended when its first
+    token arrives): 2 more are refused with 429; once the stream's client leaves, they are served."""
+    s = _server(files, engine_wrapper=lambda e: _Slow(e, 0.2), api_key=None)
+    try:
+        body = {"model": "tiny", "prompt": "w5", "max_tokens": 40, "n": 8, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as held:
+            lines = held.iter_lines()  # kept: a dropped line iterator closes the stream, and the server cancels it
+            while not next(lines).startswith("data: {"):  # running once its first token came
+                pass
+            r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", "n": 2})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert _error(r)["type"] == "rate_limit_error" and _error(r)["code"] == "queue_full"
+        deadline = time.monotonic() + 20  # the client left: its sessions are cancelled, the queue frees
+        while (ok := httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", "n": 2,
+                                                                 "max_tokens": 1}, timeout=30)).status_code == 429:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+    finally:
+        s.stop()
 
 
 # -- health, metrics, page ----------------------------------------------------------------------------

@@ -133,7 +133,7 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
         from ..embed import token_batches
 
         texts = [body.input] if isinstance(body.input, str) else body.input
-        batches = token_batches(model.tokenizer_path, texts, 32, model.metadata)
+        batches = token_batches(model.tokenizer, texts, 32, model.metadata)  # read once, truncating
         used = int(sum(b["attention_mask"].sum() for b in batches))
         vectors = await backend.embed(batches)
         metrics.count("prompt_tokens", used)
@@ -263,6 +263,9 @@ async def _generate(request: Request, model: ServedModel, bridge: EngineBridge, 
     except DistRuntimeError as e:
         raise APIError(400, str(e), param="max_tokens" if "context" in str(e) else "prompt",
                        code="context_length_exceeded" if "context" in str(e) else None) from None
+    if len(requests) > bridge.max_queue:  # could never fit: a 429 would have the client retry forever
+        raise APIError(400, f"{len(requests)} choices (n x prompts) exceed the {bridge.max_queue} sessions this "
+                            f"server holds at once (--max-queue)", param="n")
     try:
         sub = bridge.subscribe(requests, keep_alive)
     except QueueFull as e:
