@@ -15,7 +15,8 @@ MAX_SESSIONS = 4096
 #: where the command line reads it without importing numpy).  Measured (benchmarks/
 #: bench_batching.py, 125M Llama, F32, TBB threads): with 8 sessions decoding and 4 prompts of 512
 #: tokens arriving, the decoding sessions' p99 inter-token time was 1.61 decode steps at 16 rows a
-#: pass, 1.84 at 24, 2.54 at 32 (and 5.4 at 64 in an earlier run): 24 keeps it within 2 steps.
+#: pass, 1.84 at 24, 2.54 at 32 when prompts filled the budget; now that prompts beside D decode
+#: rows take at most max(D, a quarter of it), 24 gives ~1.6 (the decoders' pass at most doubles).
 DEFAULT_BATCH_TOKENS = 24
 #: Prompt rows a pass may take while no session is generating (no one waits between tokens).
 IDLE_PREFILL_TOKENS = 512
