@@ -128,3 +128,39 @@ PIPELINE_CFG = LlamaConfig(vocab=96, hidden=32, layers=4, heads=4, kv_heads=2, f
 def pipeline_model(tmp_path_factory):
     """``PIPELINE_CFG`` with seeded weights, written once per test module."""
     return save_example(tmp_path_factory.mktemp("pipeline") / "tiny4.model", PIPELINE_CFG, seed=3)
+
+
+def job_script(name: str):
+    """``cluster/jobs/NAME`` loaded as a module, as running it would: with its folder first on
+    ``sys.path`` (the scripts share ``cluster/jobs/_project.py``)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    jobs = Path(__file__).resolve().parents[1] / "cluster" / "jobs"
+    if str(jobs) not in sys.path:
+        sys.path.insert(0, str(jobs))
+    spec = importlib.util.spec_from_file_location(f"cluster_jobs_{Path(name).stem}", jobs / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def processes_of(sid: int) -> list[tuple[int, str]]:
+    """Live processes whose process group or session is ``sid`` (pid, command name): what a test
+    that started a process tree in a session of its own checks is gone."""
+    import os
+    from pathlib import Path
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state ppid pgrp session ...
+        if fields[0] != "Z" and sid in (int(fields[2]), int(fields[3])):
+            found.append((int(entry), stat[stat.index("(") + 1:stat.rindex(")")]))
+    return found

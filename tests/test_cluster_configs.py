@@ -33,6 +33,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
 
+from conftest import job_script  # noqa: E402
 from dist_runtime.pipeline.options import wants_pipeline  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,10 +123,7 @@ def test_commands_name_only_files_of_the_project(path):
 
 
 def _job_script():
-    spec = importlib.util.spec_from_file_location("cluster_jobs_serve", REPO / "cluster" / "jobs" / "serve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return job_script("serve.py")
 
 
 def serve_argv(command: str) -> list[str]:

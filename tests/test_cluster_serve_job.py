@@ -32,6 +32,7 @@ pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from conftest import job_script, processes_of  # noqa: E402
 from dist_runtime.cli import build_parser  # noqa: E402
 from dist_runtime.commands import run_command  # noqa: E402
 
@@ -45,22 +46,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _session_members(sid: int) -> list[tuple[int, str]]:
-    """Live processes whose session is ``sid`` (pid, command name)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state ppid pgrp session ...
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            found.append((int(entry), stat[stat.index("(") + 1:stat.rindex(")")]))
-    return found
-
-
 def _stop(proc: subprocess.Popen, grace: float) -> None:
     """SIGTERM, then SIGKILL to its whole session if it is still there after ``grace`` seconds."""
     if proc.poll() is None:
@@ -70,9 +55,9 @@ def _stop(proc: subprocess.Popen, grace: float) -> None:
         except subprocess.TimeoutExpired:
             pass
     deadline = time.monotonic() + 15  # what it started ends shortly after it (Ray's reaper)
-    while _session_members(proc.pid) and time.monotonic() < deadline:
+    while processes_of(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if _session_members(proc.pid):
+    if processes_of(proc.pid):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
@@ -126,7 +111,7 @@ def ray_head():
         yield f"127.0.0.1:{port}", env, proc
     finally:
         _stop(proc, 40)  # a head drains on SIGTERM for up to 30 s (usually well under one)
-        assert _session_members(proc.pid) == []
+        assert processes_of(proc.pid) == []
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -178,7 +163,7 @@ def test_serve_job_on_a_cluster_it_joins_and_leaves_running(ray_head, pipeline_m
         assert job.wait(30) == 128 + 15
     finally:
         _stop(job, 10)
-    assert _session_members(job.pid) == []
+    assert processes_of(job.pid) == []
     stderr = err.text()
     assert "dist-runtime serve: terminated" in stderr and "Traceback" not in stderr, stderr[-3000:]
 
@@ -212,6 +197,7 @@ def test_serve_job_without_the_model_on_the_node_says_so_in_one_line(tmp_path):
 
 def test_serve_job_without_the_servers_packages_says_so_in_one_line(pipeline_model):
     blocked = ("import runpy, sys; sys.modules['uvicorn'] = sys.modules['jinja2'] = None; "
+               f"sys.path.insert(0, {str(JOB.parent)!r}); "  # as `python JOB` puts it
                f"sys.argv = [{str(JOB)!r}, {str(pipeline_model)!r}, '--stages', '2']; "
                f"runpy.run_path({str(JOB)!r}, run_name='__main__')")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_ADDRESS": "127.0.0.1:1"}
@@ -234,12 +220,7 @@ def test_serve_job_wants_stages(pipeline_model):
 
 def load_job_script():
     """cluster/jobs/serve.py as a module (it is a script, not part of the package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("cluster_jobs_serve", JOB)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return job_script("serve.py")
 
 
 def test_serve_job_joins_the_cluster_of_its_node_unless_told_otherwise(monkeypatch):
@@ -322,11 +303,11 @@ def test_the_configs_serve_deployment_starts_and_the_next_ray_up_stops_it(ray_he
         if other is not None:
             other.kill()
             other.wait()
-        if _session_members(shell.pid):  # the background server, had a check above failed
+        if processes_of(shell.pid):  # the background server, had a check above failed
             os.killpg(shell.pid, signal.SIGTERM)
             deadline = time.monotonic() + 20
-            while _session_members(shell.pid) and time.monotonic() < deadline:
+            while processes_of(shell.pid) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            if _session_members(shell.pid):
+            if processes_of(shell.pid):
                 os.killpg(shell.pid, signal.SIGKILL)
-    assert _session_members(shell.pid) == []
+    assert processes_of(shell.pid) == []

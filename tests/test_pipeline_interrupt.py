@@ -22,28 +22,11 @@ import pytest
 
 pytest.importorskip("ray")
 
-from conftest import save_example  # noqa: E402
+from conftest import processes_of, save_example  # noqa: E402
 from dist_runtime.examples import LlamaConfig  # noqa: E402
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64)
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _members(sid: int) -> list[tuple[int, str]]:
-    """Processes whose process group or session is ``sid`` (pid, command name)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:  # gone meanwhile
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()  # state ppid pgrp session ...
-        if fields[0] != "Z" and sid in (int(fields[2]), int(fields[3])):
-            found.append((int(entry), name))
-    return found
 
 
 @pytest.mark.parametrize("how, code, word", [("ctrl-c", 130, "interrupted"), ("sigterm", 143, "terminated")])
@@ -77,7 +60,7 @@ def test_ctrl_c_or_sigterm_stops_the_run_and_leaves_nothing_behind(tmp_path, how
         t.start()
     try:
         assert first_token.wait(60), f"no token within 60 s; stdout {stdout_lines[-5:]}"
-        started = _members(pgid)
+        started = processes_of(pgid)
         names = {name for _, name in started}
         # The embedded Ray runs in the command's group/session: the check below covers it.
         assert any("raylet" in n for n in names) and len(started) >= 4, started
@@ -105,8 +88,8 @@ def test_ctrl_c_or_sigterm_stops_the_run_and_leaves_nothing_behind(tmp_path, how
     assert 1 <= len(tokens) < 8000
     # Nothing left in its process group or session (Ray's reaper may need a moment).
     deadline = time.monotonic() + 10
-    while _members(pgid) and time.monotonic() < deadline:
+    while processes_of(pgid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _members(pgid) == []
+    assert processes_of(pgid) == []
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)
