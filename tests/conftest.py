@@ -131,15 +131,11 @@ def pipeline_model(tmp_path_factory):
 
 
 def job_script(name: str):
-    """``cluster/jobs/NAME`` loaded as a module, as running it would: with its folder first on
-    ``sys.path`` (the scripts share ``cluster/jobs/_project.py``)."""
+    """``cluster/jobs/NAME`` loaded as a module (a script, not part of the package)."""
     import importlib.util
-    import sys
     from pathlib import Path
 
     jobs = Path(__file__).resolve().parents[1] / "cluster" / "jobs"
-    if str(jobs) not in sys.path:
-        sys.path.insert(0, str(jobs))
     spec = importlib.util.spec_from_file_location(f"cluster_jobs_{Path(name).stem}", jobs / name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

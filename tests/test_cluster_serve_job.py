@@ -197,7 +197,6 @@ def test_serve_job_without_the_model_on_the_node_says_so_in_one_line(tmp_path):
 
 def test_serve_job_without_the_servers_packages_says_so_in_one_line(pipeline_model):
     blocked = ("import runpy, sys; sys.modules['uvicorn'] = sys.modules['jinja2'] = None; "
-               f"sys.path.insert(0, {str(JOB.parent)!r}); "  # as `python JOB` puts it
                f"sys.argv = [{str(JOB)!r}, {str(pipeline_model)!r}, '--stages', '2']; "
                f"runpy.run_path({str(JOB)!r}, run_name='__main__')")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_ADDRESS": "127.0.0.1:1"}

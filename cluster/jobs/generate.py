@@ -21,11 +21,24 @@ import os
 import sys
 from pathlib import Path
 
-from _project import import_project
+
+def _import_project() -> None:
+    """Under ``ray job submit --working-dir .`` the project is the working directory, but Python
+    puts this script's own directory first on sys.path, not the working directory.  (Each job
+    script has its own copy: ``ray submit`` uploads the script alone.)"""
+    try:
+        import dist_runtime  # noqa: F401 -- installed on the node
+    except ImportError:
+        root = Path(__file__).resolve().parents[2]
+        if (root / "dist_runtime").is_dir():
+            sys.path.insert(0, str(root))
+        else:
+            sys.exit("error: dist_runtime is not installed on this node: run the cluster's setup "
+                     "commands (cluster/local.yaml), or submit with --working-dir pointing at the project")
 
 
 def main(argv: list[str]) -> int:
-    import_project()
+    _import_project()
     from dist_runtime.cli import main as cli_main
 
     if "--example" in argv:
