@@ -9,7 +9,7 @@ interleaved run), so the reference was not numpy's real speed.  Then the compile
 activations and (block types) Q8_0 activations.  GB/s = the weight's stored bytes / the median
 time; "vs numpy" = our GB/s / the reference's GB/s at the same ``M``.  The runs are interleaved,
 round after round of every product (the reference's turn is a request to the child, which times
-its product alone and answers while this process waits), so a burst of load from elsewhere slows
+its product alone and answers once OpenBLAS's threads stop spinning, while this process waits), so a burst of load from elsewhere slows
 all alike, and each product reads its weight from memory, as in a decode step (run after run
 of one product would find a 9 MB weight still in this CPU's 32 MB L3).  A decode step streams every
 weight once, so GB/s at ``M`` = 1 bounds decoding speed.  The last table
@@ -45,6 +45,19 @@ from dist_runtime.dtypes import DType
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_compiled_linear import weight  # noqa: E402  (the tests' weights of every type, K-quants too)
 
+def settle(limit: float = 1.0) -> None:
+    """Wait until this process's threads are idle (its CPU time grows < 1 ms in 10 ms): worker
+    threads spin a while after a parallel call, and those spinning would slow the next product.
+    (Measured: OpenBLAS's, spinning ~0.1 s after each product, made the compiled F32 product after
+    numpy's turn read 16 GB/s instead of 24 at M = 1.)  Same code as numpy_matvec_child.py's."""
+    end = time.perf_counter() + limit
+    while time.perf_counter() < end:
+        used = time.process_time()
+        time.sleep(0.01)
+        if time.process_time() - used < 0.001:
+            return
+
+
 class NumpyReference:
     """numpy's f32 ``x @ W.T`` in a child process that never loads numba (numpy_matvec_child.py):
     ``reference(m)`` runs one product there and returns the seconds the child measured."""
@@ -61,6 +74,7 @@ class NumpyReference:
             raise RuntimeError("the numpy reference process loaded numba: its numbers would not be numpy's own")
 
     def __call__(self, m: int) -> float:
+        settle()  # numba's workers idle before numpy runs, as the child waits for OpenBLAS's after
         self.proc.stdin.write(f"{m}\n")
         self.proc.stdin.flush()
         return float(self.proc.stdout.readline())

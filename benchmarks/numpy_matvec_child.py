@@ -8,8 +8,8 @@ standard normal, f32), the rows of ``x`` likewise.
 
 Protocol, one line each way: arguments ``n k m1,m2,...``; it answers ``ready <json>`` (numpy's
 version, the BLAS, whether numba got loaded: it must not), then for each line ``<m>`` read from
-stdin runs one product and answers its seconds (``time.perf_counter`` around the product alone);
-an empty line or EOF ends it.
+stdin runs one product and answers its seconds (``time.perf_counter`` around the product alone)
+once OpenBLAS's threads have stopped spinning (:func:`settle`); an empty line or EOF ends it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,18 @@ import sys
 import time
 
 import numpy as np
+
+
+def settle(limit: float = 1.0) -> None:
+    """Wait until this process's threads are idle (CPU time grows < 1 ms in 10 ms): OpenBLAS's
+    workers spin ~0.1 s after a product, which slowed the parent's next product (bench_matvec.py's
+    ``settle``, the same code)."""
+    end = time.perf_counter() + limit
+    while time.perf_counter() < end:
+        used = time.process_time()
+        time.sleep(0.01)
+        if time.process_time() - used < 0.001:
+            return
 
 
 def blas() -> str:
@@ -47,7 +59,9 @@ def main() -> None:
         x = xs[int(line)]
         start = time.perf_counter()
         x @ w.T
-        print(repr(time.perf_counter() - start), flush=True)
+        seconds = time.perf_counter() - start
+        settle()
+        print(repr(seconds), flush=True)
 
 
 if __name__ == "__main__":
