@@ -8,8 +8,9 @@ at a time (8 where the CPU has 32 vector registers, else 4; then :data:`HALF`, t
 all its weight rows, so the span of its weight rows stays in L1 while every row of ``x`` uses it:
 the weight comes from memory once per call whatever ``M``, and each row of ``x`` from L2 once per
 chunk.  Between spans the accumulators wait in a scratch array.  When ``x`` takes at most two tiles
-of rows (a step of 8 rows is one) the chunk walks all of ``K`` at once, and each tile prefetches
-its weight rows :data:`PREFETCH` elements ahead.
+of rows (a step of 8 rows is one) the chunk walks all of ``K`` at once.  Each tile prefetches its
+weight rows ahead of its loads, into L1 and, further ahead, into L2 (:data:`PREFETCH_NEAR`,
+:data:`PREFETCH_FAR`).
 
 Batch invariance: every output ``(m, n)`` is the same sequence of operations in every tile shape,
 span, thread and position: 8 lanes, lane ``j`` a chain of multiply-adds over ``k = j, j + 8, ...``
@@ -51,11 +52,15 @@ CHUNK = 12
 #: rows covers ``x``: nothing to reuse): the span of a chunk's weight rows (12 KB in f32) and of a
 #: tile's rows of ``x`` stay in L1 while every row of ``x`` passes.
 SPAN = 256
-#: Elements ahead of the loads at which a tile prefetches its weight rows into L1 (``llvm.prefetch``;
-#: 512 bytes in f32).  The hardware prefetcher alone left the multiply-adds waiting on memory once
-#: ``M`` > 1: the 125M model's products at M = 8 took 45.0 ms without, 39.3 with 128 and 39.5 with
-#: 192 (64: 40.5) in one run; M = 1 unchanged (29.1 / 28.5 ms; the machine busy).
-PREFETCH = 128
+#: Bytes ahead of its loads at which a tile prefetches each of its weight rows (``llvm.prefetch``,
+#: once per 64-byte line), into L1 (near) and into L2 (far).  The hardware prefetcher alone left the
+#: multiply-adds waiting on memory once ``M`` > 1.  The 125M model's products (2 threads, medians of
+#: 9-11 interleaved rounds, M = 1 / M = 8 in ms): none 16.74 / 25.68; near 512 B alone 16.94 /
+#: 22.06 (256 B and 768 B no better, L2 or non-temporal hints worse, NTA doubled M = 1); near and
+#: far 16 KB, once per line 15.62 / 17.29 (once per 8-element piece 16.42 / 17.85, which also cost
+#: an L1-resident M = 1 product 20%; once per line it costs 4-12%); far 8 KB 17.75 at M = 8, 24 KB
+#: and 64 KB as 16 KB; the far one into L1 18.52, far alone 18.51, against 18.11 for both.
+PREFETCH_NEAR, PREFETCH_FAR = 512, 16384
 
 
 def _tile(rows: int, cols: int):
@@ -91,15 +96,27 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
     prefetch = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
         "llvm.prefetch.p0i8")
-    with cgutils.for_range_slice(builder, k0, k1, i64(LANES)) as (i, _):
-        for row in wrows:  # read, high locality, data cache: a hint, never a fault past the end
-            builder.call(prefetch, [builder.bitcast(at(w, row, builder.add(i, i64(PREFETCH))), ir.IntType(8).as_pointer()),
-                                    *(ir.Constant(ir.IntType(32), v) for v in (0, 3, 1))])
+    size = 4 if fmt == "f32" else 2
+    unroll = max(1, 64 // (LANES * size))  # pieces per 64-byte line of a weight row: one prefetch each
+
+    def piece(i):
         ws = [simd.load(builder, at(w, row, i), fmt, LANES, path) for row in wrows]
         for r, row in enumerate(xrows):
             xs = simd.load(builder, at(x, row, i), "f32", LANES, path)
             for c, wv in enumerate(ws):
                 builder.store(simd.fma(builder, wv, xs, builder.load(lanes[r][c]), path), lanes[r][c])
+
+    step = i64(LANES * unroll)
+    lined = builder.add(k0, builder.mul(builder.sdiv(builder.sub(k1, k0), step), step))
+    with cgutils.for_range_slice(builder, k0, lined, step) as (i, _):
+        for row in wrows:  # a read, into L1 / L2, of data: a hint, never a fault past the end
+            for ahead, locality in ((PREFETCH_NEAR, 3), (PREFETCH_FAR, 2)):
+                ptr = builder.bitcast(at(w, row, builder.add(i, i64(ahead // size))), ir.IntType(8).as_pointer())
+                builder.call(prefetch, [ptr, *(ir.Constant(ir.IntType(32), v) for v in (0, locality, 1))])
+        for u in range(unroll):  # the same pieces in the same order as one at a time
+            piece(builder.add(i, i64(u * LANES)))
+    with cgutils.for_range_slice(builder, lined, k1, i64(LANES)) as (i, _):
+        piece(i)
     whole = builder.and_(k, i64(-LANES))
     with builder.if_else(builder.icmp_signed("==", k1, whole)) as (last, more):
         with last:
