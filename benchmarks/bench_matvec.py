@@ -9,11 +9,12 @@ interleaved run), so the reference was not numpy's real speed.  Then the compile
 activations and (block types) Q8_0 activations.  GB/s = the weight's stored bytes / the median
 time; "vs numpy" = our GB/s / the reference's GB/s at the same ``M``.  The runs are interleaved,
 round after round of every product (the reference's turn is a request to the child, which times
-its product alone and answers once OpenBLAS's threads stop spinning, while this process waits), so a burst of load from elsewhere slows
-all alike, and each product reads its weight from memory, as in a decode step (run after run
-of one product would find a 9 MB weight still in this CPU's 32 MB L3).  A decode step streams every
-weight once, so GB/s at ``M`` = 1 bounds decoding speed.  The last table
-gives each type's time at ``M`` = 8 over its time at ``M`` = 1 (each weight block is read once for
+its product alone and answers once OpenBLAS's threads stop spinning, while this process waits),
+so a burst of load from elsewhere slows all alike, and each product reads its weight after the
+others have read theirs, as in a decode step (run after run of one product would find its weight
+in cache; this VM reports a 480 MiB L3, more than all these weights, so "from memory" is not
+guaranteed here).  A decode step streams every weight once, so GB/s at ``M`` = 1 bounds decoding
+speed.  The last table gives each type's time at ``M`` = 8 over its time at ``M`` = 1 (each weight block is read once for
 all rows, so this stays well under 8 until the arithmetic, not the memory, is the limit).
 
 Run it as::
@@ -60,7 +61,16 @@ def settle(limit: float = 1.0) -> None:
 
 class NumpyReference:
     """numpy's f32 ``x @ W.T`` in a child process that never loads numba (numpy_matvec_child.py):
-    ``reference(m)`` runs one product there and returns the seconds the child measured."""
+    ``reference(m)`` runs one product there and returns the seconds the child measured.
+
+    As in a decode step, every measured product follows another one on another weight in its own
+    process, untimed (:func:`main`'s ``before``, the child's ``flush``), so that the process's
+    threads are awake: this process's sleep during the reference's turn (:func:`settle`), and the
+    compiled F32 product at M = 1, always first after numpy's turn, read 15.4-25.1 GB/s in three
+    runs while its M = 8 read 36-50 (with the untimed product first: 23.8-28.4).  It does not
+    flush the L3: this machine reports 480 MiB of it (lscpu), more than all the weights here, so
+    "from memory" is not guaranteed; a weight's order in the round still decides what stays.
+    """
 
     def __init__(self, n: int, k: int, ms: list[int]):
         child = Path(__file__).resolve().with_name("numpy_matvec_child.py")
@@ -84,16 +94,19 @@ class NumpyReference:
         self.proc.wait(timeout=60)
 
 
-def medians(calls: dict, runs: int) -> dict:
+def medians(calls: dict, runs: int, before=None) -> dict:
     """Each call's median seconds, the calls' runs interleaved (round after round of all of them,
     as bench_decode.py does), so that a burst of load from elsewhere on this shared machine slows
-    every product alike instead of the one measured at that moment.  A call that returns a number
-    (the child's reference) has measured its own seconds."""
+    every product alike instead of the one measured at that moment.  ``before(key)``, if given, runs
+    untimed before each call.  A call that returns a number (the child's reference) has measured
+    its own seconds."""
     for fn in calls.values():
         fn()  # warm up: compile or load the kernel, page in the weight, start the threads
     times: dict = {key: [] for key in calls}
     for _ in range(runs):
         for key, fn in calls.items():
+            if before:
+                before(key)
             start = time.perf_counter()
             own = fn()
             times[key].append(own if isinstance(own, float) else time.perf_counter() - start)
@@ -143,8 +156,15 @@ def main() -> None:
             rows.append((f"compiled {d.name}" + (" q8 act." if mode == "q8_0" else ""), weights[d].nbytes,
                          lambda x, s=weights[d], a=mode: compiled.linear(x, s, activations=a)))
     xs = {m: rng.standard_normal((m, args.k), dtype=np.float32) for m in measured}
+    flush = weight(DType.F32, 2560, args.k, seed=1)  # another weight, 42 MB at K = 4096
+
+    def before(key):
+        if key[0] != rows[0][0]:  # the child flushes its own
+            compiled.linear(xs[1], flush)
+
     try:
-        times = medians({(name, m): (lambda fn=fn, x=xs[m]: fn(x)) for name, _, fn in rows for m in measured}, args.runs)
+        times = medians({(name, m): (lambda fn=fn, x=xs[m]: fn(x)) for name, _, fn in rows for m in measured},
+                        args.runs, before)
     finally:
         numpy_ref.close()
     for name, nbytes, _ in rows:
