@@ -16,7 +16,8 @@ Batch invariance: every output ``(m, n)`` is the same sequence of operations in 
 span, thread and position: 8 lanes, lane ``j`` a chain of multiply-adds over ``k = j, j + 8, ...``
 in order (stored and reloaded exactly between spans), the lanes summed pairwise
 (:func:`simd.hsum`), then the last ``K mod 8`` products in order.  Tiles differ only in how many
-independent chains run side by side.
+independent chains run side by side; the prefetches are hints, and the loop over a line's pieces
+runs them in the same order as one at a time.
 """
 
 from __future__ import annotations
