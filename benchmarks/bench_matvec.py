@@ -1,15 +1,20 @@
 """Products ``x [M, K] @ W[N, K]^T`` on a 4096 x 4096 weight: GB/s of weight bytes, per stored type.
 
 Per ``M`` (1 = one decode step; 4, 16, 64 = batched steps): numpy's ``x @ W.T`` on the f32 weight
-(the reference, measured in the same run: this machine is shared and noisy, compare the ratios),
-then the compiled products (``dist_runtime.backends.compiled.linear``) on the weight stored as
-every type they read, with f32 activations and (block types) Q8_0 activations.  GB/s = the weight's
-stored bytes / the median time; "vs numpy" = our GB/s / the reference's GB/s at the same ``M``.
-The runs are interleaved, round after round of every product, so a burst of load from elsewhere
-slows all alike, and each product reads its weight from memory, as in a decode step (run after run
-of one product would find a 9 MB weight still in this CPU's 32 MB L3).  A decode step streams every
-weight once, so GB/s at ``M`` = 1 bounds decoding speed.  The last table
-gives each type's time at ``M`` = 8 over its time at ``M`` = 1 (each weight block is read once for
+(the reference, measured in the same run: this machine is shared and noisy, compare the ratios) in
+a child process of its own (``numpy_matvec_child.py``), which never loads numba: numba's TBB
+worker threads in the same process as OpenBLAS's slowed numpy down (its M = 1 fell to 9 GB/s in an
+interleaved run), so the reference was not numpy's real speed.  Then the compiled products
+(``dist_runtime.backends.compiled.linear``) on the weight stored as every type they read, with f32
+activations and (block types) Q8_0 activations.  GB/s = the weight's stored bytes / the median
+time; "vs numpy" = our GB/s / the reference's GB/s at the same ``M``.  The runs are interleaved,
+round after round of every product (the reference's turn is a request to the child, which times
+its product alone and answers once OpenBLAS's threads stop spinning, while this process waits),
+so a burst of load from elsewhere slows all alike, and each product reads its weight after the
+others have read theirs, as in a decode step (run after run of one product would find its weight
+in cache; this VM reports a 480 MiB L3, more than all these weights, so "from memory" is not
+guaranteed here).  A decode step streams every weight once, so GB/s at ``M`` = 1 bounds decoding
+speed.  The last table gives each type's time at ``M`` = 8 over its time at ``M`` = 1 (each weight block is read once for
 all rows, so this stays well under 8 until the arithmetic, not the memory, is the limit).
 
 Run it as::
@@ -18,21 +23,22 @@ Run it as::
 
 Trap (shared/notes/performance.md): OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE may be set on these
 machines for old OpenBLAS builds and slow a current numpy's OpenBLAS down; unset them for this
-command alone (as above), never in tests or CI.  The script prints which BLAS numpy uses, the
-compiled path (AVX2 or portable) and the threads.
+command alone (as above), never in tests or CI.  The script prints which BLAS the child's numpy
+uses, the compiled path (AVX2 or portable) and the threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
-
-import sys
-from pathlib import Path
 
 from dist_runtime.backends import compiled
 from dist_runtime.dtypes import DType
@@ -40,34 +46,70 @@ from dist_runtime.dtypes import DType
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_compiled_linear import weight  # noqa: E402  (the tests' weights of every type, K-quants too)
 
-def blas_info() -> str:
-    """Which BLAS numpy calls, and its threads: threadpoolctl if installed, else numpy's config."""
-    try:
-        from threadpoolctl import threadpool_info
-
-        return "; ".join(
-            f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture')}, "
-            f"{i.get('num_threads')} threads)"
-            for i in threadpool_info()
-            if i.get("user_api") == "blas"
-        )
-    except ImportError:
-        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-        return f"{blas.get('name')} {blas.get('version')} ({blas.get('openblas configuration', '')})"
+def settle(limit: float = 1.0) -> None:
+    """Wait until this process's threads are idle (its CPU time grows < 1 ms in 10 ms): worker
+    threads spin a while after a parallel call, and those spinning would slow the next product.
+    (Measured: OpenBLAS's, spinning ~0.1 s after each product, made the compiled F32 product after
+    numpy's turn read 16 GB/s instead of 24 at M = 1.)  Same code as numpy_matvec_child.py's."""
+    end = time.perf_counter() + limit
+    while time.perf_counter() < end:
+        used = time.process_time()
+        time.sleep(0.01)
+        if time.process_time() - used < 0.001:
+            return
 
 
-def medians(calls: dict, runs: int) -> dict:
+class NumpyReference:
+    """numpy's f32 ``x @ W.T`` in a child process that never loads numba (numpy_matvec_child.py):
+    ``reference(m)`` runs one product there and returns the seconds the child measured.
+
+    As in a decode step, every measured product follows another one on another weight in its own
+    process, untimed (:func:`main`'s ``before``, the child's ``flush``), so that the process's
+    threads are awake: this process's sleep during the reference's turn (:func:`settle`), and the
+    compiled F32 product at M = 1, always first after numpy's turn, read 15.4-25.1 GB/s in three
+    runs while its M = 8 read 36-50 (with the untimed product first: 23.8-28.4).  It does not
+    flush the L3: this machine reports 480 MiB of it (lscpu), more than all the weights here, so
+    "from memory" is not guaranteed; a weight's order in the round still decides what stays.
+    """
+
+    def __init__(self, n: int, k: int, ms: list[int]):
+        child = Path(__file__).resolve().with_name("numpy_matvec_child.py")
+        self.proc = subprocess.Popen([sys.executable, str(child), str(n), str(k), ",".join(map(str, ms))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line.startswith("ready "):
+            raise RuntimeError(f"the numpy reference process did not start ({line!r})")
+        self.info = json.loads(line[len("ready "):])
+        if self.info["numba_loaded"]:
+            raise RuntimeError("the numpy reference process loaded numba: its numbers would not be numpy's own")
+
+    def __call__(self, m: int) -> float:
+        settle()  # numba's workers idle before numpy runs, as the child waits for OpenBLAS's after
+        self.proc.stdin.write(f"{m}\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def medians(calls: dict, runs: int, before=None) -> dict:
     """Each call's median seconds, the calls' runs interleaved (round after round of all of them,
     as bench_decode.py does), so that a burst of load from elsewhere on this shared machine slows
-    every product alike instead of the one measured at that moment."""
+    every product alike instead of the one measured at that moment.  ``before(key)``, if given, runs
+    untimed before each call.  A call that returns a number (the child's reference) has measured
+    its own seconds."""
     for fn in calls.values():
         fn()  # warm up: compile or load the kernel, page in the weight, start the threads
     times: dict = {key: [] for key in calls}
     for _ in range(runs):
         for key, fn in calls.items():
+            if before:
+                before(key)
             start = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - start)
+            own = fn()
+            times[key].append(own if isinstance(own, float) else time.perf_counter() - start)
     return {key: statistics.median(t) for key, t in times.items()}
 
 
@@ -78,13 +120,18 @@ def main() -> None:
     parser.add_argument("--ms", default="1,4,16,64", help="rows of x to measure (default: 1,4,16,64)")
     parser.add_argument("--runs", type=int, default=21)
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: numba's, the cores)")
+    parser.add_argument("--numpy-here", action="store_true",
+                        help="also time numpy in this process, beside numba's threads (what the reference was)")
     args = parser.parse_args()
     if args.threads:
         compiled.set_threads(args.threads)
 
     import numba
 
-    print(f"numpy {np.__version__}; BLAS: {blas_info()}")
+    ms = [int(v) for v in args.ms.split(",")]
+    measured = ms + ([8] if 1 in ms and 8 not in ms else [])
+    numpy_ref = NumpyReference(args.n, args.k, measured)
+    print(f"reference: numpy {numpy_ref.info['numpy']} in a child process without numba; BLAS: {numpy_ref.info['blas']}")
     print(f"compiled products: {compiled.cpu.REASON}; {numba.get_num_threads()} thread(s), "
           f"layer {numba.threading_layer() if hasattr(numba, 'threading_layer') else '?'}")
     for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
@@ -92,24 +139,34 @@ def main() -> None:
             print(f"warning: {var}={os.environ[var]} is set; it may slow OpenBLAS (see the docstring)")
 
     rng = np.random.default_rng(0)
-    w = weight(DType.F32, args.n, args.k)
     types = [d for d in (DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0,
                          DType.Q4_K, DType.Q5_K, DType.Q6_K) if d in compiled.KERNELS]
     weights = {d: weight(d, args.n, args.k) for d in types}  # K-quants: random codes, sane scales
-    ms = [int(v) for v in args.ms.split(",")]
     print(f"\nW [{args.n}, {args.k}], median of {args.runs} runs; GB/s of weight bytes (vs numpy f32 at the same M)\n")
     head = f"| {'product':<26} | {'MB':>6} |" + "".join(f" {'M=' + str(m):>15} |" for m in ms)
     print(head)
     print("|" + "-" * 28 + "|" + "-" * 8 + "|" + "".join("-" * 17 + "|" for _ in ms))
-    rows = [("numpy x @ W.T (f32)", w.nbytes, lambda x: x @ w.T)]
+    rows = [("numpy x @ W.T (f32)", args.n * args.k * 4, lambda x: numpy_ref(len(x)))]
+    if args.numpy_here:
+        w = weight(DType.F32, args.n, args.k)
+        rows.append(("numpy, in this process", w.nbytes, lambda x: x @ w.T))
     for d in types:
         modes = ("f32", "q8_0") if d.is_quantized else ("f32",)
         for mode in modes:
             rows.append((f"compiled {d.name}" + (" q8 act." if mode == "q8_0" else ""), weights[d].nbytes,
                          lambda x, s=weights[d], a=mode: compiled.linear(x, s, activations=a)))
-    measured = ms + ([8] if 1 in ms and 8 not in ms else [])
     xs = {m: rng.standard_normal((m, args.k), dtype=np.float32) for m in measured}
-    times = medians({(name, m): (lambda fn=fn, x=xs[m]: fn(x)) for name, _, fn in rows for m in measured}, args.runs)
+    flush = weight(DType.F32, 2560, args.k, seed=1)  # another weight, 42 MB at K = 4096
+
+    def before(key):
+        if key[0] != rows[0][0]:  # the child flushes its own
+            compiled.linear(xs[1], flush)
+
+    try:
+        times = medians({(name, m): (lambda fn=fn, x=xs[m]: fn(x)) for name, _, fn in rows for m in measured},
+                        args.runs, before)
+    finally:
+        numpy_ref.close()
     for name, nbytes, _ in rows:
         cells = []
         for m in ms:

@@ -67,16 +67,19 @@ def test_both_paths_match_float64_for_any_k(fmt, path, m, n, k):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_every_tile_shape_gives_a_row_the_same_bits(path):
-    """M = 1..9 and N across a chunk's edge run a row through all four tile shapes (rows of x by
-    weight rows: ROWS x COLS, 1 x ROW_COLS, ROWS x 1, 1 x 1): each must equal the row alone."""
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("k", [45, 541])  # 541: two spans, a line's pieces left over, the K mod 8 tail
+def test_every_tile_shape_gives_a_row_the_same_bits(path, fmt, k):
+    """M = 1..2 ROWS + 1 and N across a chunk's edge run a row through every tile shape (rows of x
+    by weight rows: ROWS x COLS, HALF x COLS, 1 x ROW_COLS, ROWS x 1, HALF x 1, 1 x 1), in one span
+    or several: each must equal the row alone."""
     rng = np.random.default_rng(5)
     n = floats.CHUNK + floats.COLS + 1
-    x = rng.standard_normal((2 * floats.ROWS + 1, 45)).astype(np.float32)
-    w = rng.standard_normal((n, 45)).astype(np.float32)
-    alone = np.concatenate([product(x[i:i + 1], w, "f32", path) for i in range(len(x))])
+    x = rng.standard_normal((2 * floats.ROWS + 1, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(FORMATS[fmt])
+    alone = np.concatenate([product(x[i:i + 1], w, fmt, path) for i in range(len(x))])
     for m in range(1, len(x) + 1):
-        assert np.array_equal(product(x[:m], w, "f32", path).view(np.uint32), alone[:m].view(np.uint32)), m
+        assert np.array_equal(product(x[:m], w, fmt, path).view(np.uint32), alone[:m].view(np.uint32)), m
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -19,6 +19,10 @@ FEATURES = _features()
 #: ``DIST_RUNTIME_PORTABLE=1`` forces the portable path (its tests run on any machine).
 AVX2 = {"avx2", "fma", "f16c"} <= FEATURES and os.environ.get("DIST_RUNTIME_PORTABLE") != "1"
 PATH = "avx2" if AVX2 else "portable"
+#: 32 vector registers (AVX-512VL gives 256-bit operations the registers 16-31): room for the F32
+#: kernels' tiles of 8 rows of ``x`` (floats.ROWS).  Only the tile shape depends on it, not the bits.
+REGISTERS = 32 if {"avx512f", "avx512vl"} <= FEATURES else 16
 REASON = ("AVX2, FMA and F16C present: vector kernels" if AVX2 else
           "portable kernels: " + ("forced by DIST_RUNTIME_PORTABLE=1" if os.environ.get("DIST_RUNTIME_PORTABLE") == "1"
                                   else f"this CPU lacks {', '.join(sorted({'avx2', 'fma', 'f16c'} - FEATURES))}"))
+REASON += f"; {REGISTERS} vector registers"

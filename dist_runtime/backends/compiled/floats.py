@@ -4,15 +4,20 @@ The work is cut into tiles of ``rows`` rows of ``x`` by ``cols`` rows of ``W``: 
 8-element piece of its weight rows once, widens it to f32 in registers (F16, BF16) and multiplies
 it into the ``rows x cols`` vector accumulators.  Threads take chunks of :data:`CHUNK` weight rows;
 a chunk walks ``K`` in spans of :data:`SPAN` and, within a span, takes :data:`ROWS` rows of ``x``
-at a time against all its weight rows, so the span of its weight rows stays in L1 while every row of
-``x`` uses it: the weight comes from memory once per call whatever ``M``, and each row of ``x`` from
-L2 once per chunk.  Between spans the accumulators wait in a scratch array.
+at a time (8 where the CPU has 32 vector registers, else 4; then :data:`HALF`, then one) against
+all its weight rows, so the span of its weight rows stays in L1 while every row of ``x`` uses it:
+the weight comes from memory once per call whatever ``M``, and each row of ``x`` from L2 once per
+chunk.  Between spans the accumulators wait in a scratch array.  When ``x`` takes at most two tiles
+of rows (a step of 8 rows is one) the chunk walks all of ``K`` at once.  Each tile prefetches its
+weight rows ahead of its loads, into L1 and, further ahead, into L2 (:data:`PREFETCH_NEAR`,
+:data:`PREFETCH_FAR`).
 
 Batch invariance: every output ``(m, n)`` is the same sequence of operations in every tile shape,
 span, thread and position: 8 lanes, lane ``j`` a chain of multiply-adds over ``k = j, j + 8, ...``
 in order (stored and reloaded exactly between spans), the lanes summed pairwise
 (:func:`simd.hsum`), then the last ``K mod 8`` products in order.  Tiles differ only in how many
-independent chains run side by side.
+independent chains run side by side; the prefetches are hints, and the loop over a line's pieces
+runs them in the same order as one at a time.
 """
 
 from __future__ import annotations
@@ -32,18 +37,33 @@ from .registry import Drivers, kernel, run
 
 #: Lanes of one multiply-add (8 f32 = one AVX2 register).
 LANES = 8
-#: Rows of ``x`` and of ``W`` per tile: 4 x 3 accumulators, the 3 loaded weight pieces and one
-#: piece of ``x`` fill AVX2's 16 registers (measured 12-15% faster than 4 x 2 at M = 4..64).
-ROWS, COLS = 4, 3
+#: Rows of ``x`` and of ``W`` per tile.  With 16 vector registers (AVX2), 4 x 3 accumulators, the
+#: 3 loaded weight pieces and one piece of ``x`` fill them (measured 12-15% faster than 4 x 2 at
+#: M = 4..64).  With 32 (AVX-512VL), 8 x 3: a step of 8 rows is one tile, every weight piece loaded
+#: once for all 8 (the 125M model's products at M = 8, 2 threads, with the prefetch below: 39.6 ms
+#: against 42.3 for 4 x 3 and 42.3 for 8 x 2, in one run on the busy machine).
+ROWS, COLS = (8, 3) if cpu.REGISTERS >= 32 else (4, 3)
 #: Weight rows per tile for a lone row of ``x`` (``M`` = 1, and the last ``M mod ROWS``): 6 chains
 #: keep the F16 and BF16 conversions and the multiply-adds busy (8 was no faster at M = 1 and needs
 #: chunks of 24, which made M = 4 40% slower).
 ROW_COLS = 6
 #: Weight rows per thread task: a multiple of ``COLS`` and ``ROW_COLS``.
 CHUNK = 12
-#: Elements of ``K`` per span when ``M`` > 2: the span of a chunk's weight rows (12 KB in f32)
-#: and of a tile's rows of ``x`` (4 KB) stay in L1 while every row of ``x`` passes.
+#: Elements of ``K`` per span when ``M`` > ``ROWS`` (one span, all of ``K``, when a single tile of
+#: rows covers ``x``: nothing to reuse): the span of a chunk's weight rows (12 KB in f32) and of a
+#: tile's rows of ``x`` stay in L1 while every row of ``x`` passes.
 SPAN = 256
+#: Bytes ahead of its loads at which a tile prefetches each of its weight rows (``llvm.prefetch``,
+#: once per 64-byte line), into L1 (near) and into L2 (far).  The hardware prefetcher alone left the
+#: multiply-adds waiting on memory once ``M`` > 1.  The 125M model's products (2 threads, medians of
+#: 9-11 interleaved rounds, M = 1 / M = 8 in ms): none 16.74 / 25.68; near 512 B alone 16.94 /
+#: 22.06 (256 B and 768 B no better, L2 or non-temporal hints worse, NTA doubled M = 1); near and
+#: far 16 KB, once per line 15.62 / 17.29 (once per 8-element piece 16.42 / 17.85, which also cost
+#: an L1-resident M = 1 product 20%; once per line it costs 4-12%); far 8 KB 17.75 at M = 8, 24 KB
+#: and 64 KB as 16 KB; the far one into L1 18.52, far alone 18.51, against 18.11 for both.
+PREFETCH_NEAR, PREFETCH_FAR = 512, 16384
+
+
 def _tile(rows: int, cols: int):
     """The intrinsic ``tile(spec, x, w, out, acc, m0, n0, lo, n, k, k0, k1)`` for the products of
     rows ``m0 + r`` of ``x`` and ``n0 + c`` of ``W`` (``r < rows``, ``c < cols``; arrays flat,
@@ -74,12 +94,30 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
     slots = [[builder.bitcast(at(acc, row, builder.mul(builder.sub(col, lo), i64(LANES)), i64(CHUNK * LANES)), vec)
               for col in wrows] for row in xrows]
     lanes = [[cgutils.alloca_once_value(builder, builder.load(slot, align=4)) for slot in line] for line in slots]
-    with cgutils.for_range_slice(builder, k0, k1, i64(LANES)) as (i, _):
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
+        "llvm.prefetch.p0i8")
+    size = 4 if fmt == "f32" else 2
+    unroll = max(1, 64 // (LANES * size))  # pieces per 64-byte line of a weight row: one prefetch each
+
+    def piece(i):
         ws = [simd.load(builder, at(w, row, i), fmt, LANES, path) for row in wrows]
         for r, row in enumerate(xrows):
             xs = simd.load(builder, at(x, row, i), "f32", LANES, path)
             for c, wv in enumerate(ws):
                 builder.store(simd.fma(builder, wv, xs, builder.load(lanes[r][c]), path), lanes[r][c])
+
+    step = i64(LANES * unroll)
+    lined = builder.add(k0, builder.mul(builder.sdiv(builder.sub(k1, k0), step), step))
+    with cgutils.for_range_slice(builder, k0, lined, step) as (i, _):
+        for row in wrows:  # a read, into L1 / L2, of data: a hint, never a fault past the end
+            for ahead, locality in ((PREFETCH_NEAR, 3), (PREFETCH_FAR, 2)):
+                ptr = builder.bitcast(at(w, row, builder.add(i, i64(ahead // size))), ir.IntType(8).as_pointer())
+                builder.call(prefetch, [ptr, *(ir.Constant(ir.IntType(32), v) for v in (0, locality, 1))])
+        for u in range(unroll):  # the same pieces in the same order as one at a time
+            piece(builder.add(i, i64(u * LANES)))
+    with cgutils.for_range_slice(builder, lined, k1, i64(LANES)) as (i, _):
+        piece(i)
     whole = builder.and_(k, i64(-LANES))
     with builder.if_else(builder.icmp_signed("==", k1, whole)) as (last, more):
         with last:
@@ -102,20 +140,26 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
     return context.get_dummy_value()
 
 
-#: A full tile, one row of ``x`` (the last ``M mod ROWS``), one weight row (the last of a chunk),
-#: one of each.
-_TILE, _ROW, _COLUMN, _ONE = _tile(ROWS, COLS), _tile(1, ROW_COLS), _tile(ROWS, 1), _tile(1, 1)
+#: Rows of ``x`` in the tile for a remainder of ``M mod ROWS`` >= HALF (tiles of 8 rows: 4, so that
+#: M = 4..7 still share each weight piece among 4 rows; tiles of 4: none, 0).
+HALF = ROWS // 2 if ROWS >= 8 else 0
+#: A full tile, a half tile, one row of ``x`` (the last rows), one weight row (the last of a chunk)
+#: for each of them.
+_TILE, _HALF, _ROW = _tile(ROWS, COLS), _tile(max(HALF, 1), COLS), _tile(1, ROW_COLS)
+_COLUMN, _HALF_COLUMN, _ONE = _tile(ROWS, 1), _tile(max(HALF, 1), 1), _tile(1, 1)
 
 
 @numba.njit(nogil=True, cache=True)
 def _chunk(spec, x, w, out, m, n, k, task):
-    """Weight rows ``task * CHUNK`` up to the next chunk, span by span (all of ``K`` at once for
-    one or two rows of ``x``, which have nothing to reuse); within a span, ``ROWS`` rows of ``x``
-    at a time against every weight row of the chunk."""
+    """Weight rows ``task * CHUNK`` up to the next chunk, span by span (all of ``K`` at once when
+    ``x`` takes at most two tiles of rows, which have little to reuse); within a span, ``ROWS``
+    rows of ``x`` at a time (then ``HALF``, then one) against every weight row of the chunk."""
     lo = task * CHUNK
     end = min(n, lo + CHUNK)
     whole = k // LANES * LANES
-    span = max(whole, LANES) if m <= 2 else SPAN
+    rest = m % ROWS
+    passes = m // ROWS + (rest // HALF + rest % HALF if HALF else rest)
+    span = max(whole, LANES) if passes <= 2 else SPAN
     acc = np.zeros(m * CHUNK * LANES, np.float32)
     k0 = 0
     while True:  # at least once: K < 8 still has its products to finish
@@ -130,6 +174,15 @@ def _chunk(spec, x, w, out, m, n, k, task):
                 _COLUMN(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
                 j += 1
             i += ROWS
+        if HALF and i + HALF <= m:
+            j = lo
+            while j + COLS <= end:
+                _HALF(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                j += COLS
+            while j < end:
+                _HALF_COLUMN(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                j += 1
+            i += HALF
         while i < m:
             j = lo
             while j + ROW_COLS <= end:

@@ -1,0 +1,72 @@
+"""bench_matvec.py's reference: numpy's f32 ``x @ W.T`` timed in a process of its own.
+
+Started by bench_matvec.py, never by hand.  It imports numpy (and threadpoolctl, when installed, to
+say which BLAS runs) and nothing of dist_runtime: no numba, no TBB, whose worker threads in the
+benchmark's own process made OpenBLAS's threads slower (numpy's M = 1 fell to 9 GB/s in an
+interleaved run).  The weight is built as the tests' ``weight(DType.F32, n, k)`` builds it (seeded
+standard normal, f32), the rows of ``x`` likewise.
+
+Protocol, one line each way: arguments ``n k m1,m2,...``; it answers ``ready <json>`` (numpy's
+version, the BLAS, whether numba got loaded: it must not), then for each line ``<m>`` read from
+stdin runs an untimed product on another weight (its threads awake, as the parent does before each
+of its products), then the product, and answers its seconds (``time.perf_counter``
+around that product alone) once OpenBLAS's threads have stopped spinning (:func:`settle`); an
+empty line or EOF ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def settle(limit: float = 1.0) -> None:
+    """Wait until this process's threads are idle (CPU time grows < 1 ms in 10 ms): OpenBLAS's
+    workers spin ~0.1 s after a product, which slowed the parent's next product (bench_matvec.py's
+    ``settle``, the same code)."""
+    end = time.perf_counter() + limit
+    while time.perf_counter() < end:
+        used = time.process_time()
+        time.sleep(0.01)
+        if time.process_time() - used < 0.001:
+            return
+
+
+def blas() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+
+        return "; ".join(f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture')}, "
+                         f"{i.get('num_threads')} threads)" for i in threadpool_info() if i.get("user_api") == "blas")
+    except ImportError:
+        info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{info.get('name')} {info.get('version')}"
+
+
+def main() -> None:
+    n, k, ms = int(sys.argv[1]), int(sys.argv[2]), [int(v) for v in sys.argv[3].split(",")]
+    w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+    rng = np.random.default_rng(1)
+    xs = {m: rng.standard_normal((m, k), dtype=np.float32) for m in ms}
+    flush = np.random.default_rng(2).standard_normal((2560, k)).astype(np.float32)  # 42 MB at K = 4096
+    for x in xs.values():
+        x @ w.T  # warm up: page the weight in, start OpenBLAS's threads
+    print("ready " + json.dumps({"numpy": np.__version__, "blas": blas(), "numba_loaded": "numba" in sys.modules}),
+          flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        x = xs[int(line)]
+        xs[1] @ flush.T  # as the parent does before each product: its threads awake
+        start = time.perf_counter()
+        x @ w.T
+        seconds = time.perf_counter() - start
+        settle()
+        print(repr(seconds), flush=True)
+
+
+if __name__ == "__main__":
+    main()
