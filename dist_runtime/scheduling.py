@@ -133,23 +133,26 @@ class Scheduler:
         """The rows of the next pass (empty when no session is ready): a decode row of every ready
         generating session, then prompt chunks, up to ``max_batch_tokens`` rows and
         ``max_sessions`` sessions.  While prompts wait, decode rows leave a quarter of the budget
-        to them (new sessions always progress), and prompts take at most as many rows as the
-        decoders or that quarter (a decoder's next token waits for a pass of at most about twice
-        its rows); while no session is generating, nobody waits between tokens, so prompts take up
-        to ``IDLE_PREFILL_TOKENS``.  Its sessions are busy
-        until :meth:`complete` or :meth:`abort`."""
+        to them (new sessions always progress), and prompts fill the pass up to that quarter or
+        add half the decode rows, whichever is more (a decoder's next token then waits for a
+        pass of at most ~1.5 decode steps); while no
+        session is generating, nobody waits between tokens, so prompts take up to
+        ``IDLE_PREFILL_TOKENS``.  Its sessions are busy until :meth:`complete` or :meth:`abort`."""
         self._admit()
         ready = [s for s in self.live.values() if not s.busy and s.feed][:max_sessions]
         decode = [s for s in ready if s.generated]
         prompts = [s for s in ready if not s.generated]
         generating = any(s.generated for s in self.live.values())
         budget = self.max_batch_tokens if generating else max(self.max_batch_tokens, IDLE_PREFILL_TOKENS)
-        decode = decode[:budget - budget // 4] if prompts else decode[:budget]
-        # Once rows are many a pass costs about its rows (the products turn compute-bound), so
-        # prompt rows beside D decode rows are held to D (or a quarter of the budget, so that few
-        # decoders do not starve the prompts): the decoders then wait ~1.5 decode-only passes for
-        # their next token, where filling the budget made it 2-3 (measured: bench_batching.py).
-        prompt_rows = max(len(decode), budget // 4) if generating else budget
+        quarter = max(1, budget // 4)  # at least a row: prompts always progress
+        decode = decode[:budget - quarter] if prompts else decode[:budget]
+        # Prompt rows beside decode rows lengthen the pass every decoder waits for.  The products
+        # cost about the same for 1 row as for a quarter of the budget (6-8 rows: bound by reading
+        # the weights), and beyond that about one decode row's compute per row (bench_batching.py,
+        # F32 on this machine: 12 rows 1.44x 8 rows, 14 rows 1.88x).  So while sessions decode,
+        # prompts fill a pass up to that quarter, or add half the decode rows: the decoders then
+        # wait ~1.5 decode-only passes for their next token (filling the budget: 2-3).
+        prompt_rows = max(quarter - len(decode), len(decode) // 2, 1) if generating else budget
         batch = []
         for s in decode + prompts:
             take = min(len(s.feed), budget if s.generated else min(budget, prompt_rows))

@@ -155,8 +155,8 @@ def test_the_scheduler_feeds_decode_rows_first_and_chunks_prompts_to_the_budget(
     assert [(w.session, len(w.tokens), w.samples) for w in first] == [("short", 2, True), ("long", 510, False)]
     events = sched.complete(first, [np.eye(8)[3]] * 2)
     assert [(e.session, e.token) for e in events] == [("short", 3)]
-    second = sched.next_batch()  # short's decode row first, then long's next chunk: a quarter of the budget
-    assert [(w.session, len(w.tokens), w.pos) for w in second] == [("short", 1, 2), ("long", 4, 510)]
+    second = sched.next_batch()  # short's decode row first, then long's next chunk, to a quarter of the budget
+    assert [(w.session, len(w.tokens), w.pos) for w in second] == [("short", 1, 2), ("long", 3, 510)]
     assert sched.next_batch() == []  # both are in flight
     sched.abort(second)
     assert [len(w.tokens) for w in sched.next_batch(max_sessions=1)] == [1]
@@ -174,18 +174,19 @@ def test_decode_rows_leave_a_quarter_of_the_budget_to_waiting_prompts():
     assert sum(len(w.tokens) for w in batch) == 16  # 12 decode rows + 4 prompt rows
 
 
-def test_prompt_rows_beside_decoders_are_held_to_the_decoders_rows():
-    """8 decoders and a long prompt, 24 rows a pass: 8 decode rows and 8 prompt rows (a pass of
-    twice the decoders' rows), not the 16 that would fill the budget; with 20 decoders the prompt
-    gets what is left of the budget after the decode rows' three quarters."""
-    for decoders, expected in ((8, 8), (20, 6)):
-        sched = Scheduler([Request(f"d{i}", [1], 5) for i in range(decoders)], max_batch_tokens=24)
-        sched.complete(batch := sched.next_batch(), [np.eye(8)[3]] * len(batch))
+def test_prompt_rows_beside_decoders_fill_a_quarter_of_the_budget_or_add_half_the_decode_rows():
+    """A long prompt beside D decoders, 24 rows a pass: it fills the pass to 6 rows (D = 1: 5),
+    or adds D / 2 (D = 8: 4), never what would fill the budget (D = 20: the 6 rows left); with a
+    budget of 2, still a row."""
+    for decoders, budget, decoded, expected in ((1, 24, 1, 5), (8, 24, 8, 4), (12, 24, 12, 6), (20, 24, 18, 6),
+                                                (3, 2, 1, 1)):
+        sched = Scheduler([Request(f"d{i}", [1], 5) for i in range(decoders)], max_batch_tokens=budget)
+        while not all(s.generated for s in sched.live.values()) or sched.waiting:
+            sched.complete(batch := sched.next_batch(), [np.eye(8)[3]] * len(batch))
         sched.add(Request("long", list(range(500)), 2))
         batch = sched.next_batch()
         rows = {w.session: len(w.tokens) for w in batch}
-        assert rows.pop("long") == expected and set(rows.values()) == {1}
-        assert len(rows) == min(decoders, 18)
+        assert rows.pop("long") == expected and set(rows.values()) == {1} and len(rows) == decoded
 
 
 def test_admission_queues_what_memory_cannot_hold_and_never_fails_it():
