@@ -45,9 +45,13 @@ class Subscription:
         if not self.open:
             raise StopAsyncIteration
         try:
-            event = await asyncio.wait_for(self.queue.get(), self.keep_alive)
-        except TimeoutError:
-            return None
+            event = self.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            try:  # a timer, not wait_for's task per token
+                async with asyncio.timeout(self.keep_alive):
+                    event = await self.queue.get()
+            except TimeoutError:
+                return None
         if event.done:
             self.open.discard(event.session)
         return event
@@ -74,6 +78,9 @@ class EngineBridge:
         self.inbox = Inbox()
         self._lock = threading.Lock()
         self._routes: dict[Hashable, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Events on their way to each event loop: one wake-up of a loop carries every event of a
+        # pass routed before it ran (not a call_soon_threadsafe, a self-pipe write, per token).
+        self._pending: dict[asyncio.AbstractEventLoop, list] = {}
         self._waiting: set[Hashable] = set()  # no token yet: queued or in prefill
         self._wake = threading.Event()
         self._stopping = False
@@ -155,10 +162,25 @@ class EngineBridge:
                 return
             self._waiting.discard(event.session)
             self._update_gauges()
+            loop, queue = route
+            pending = self._pending.setdefault(loop, [])
+            pending.append((queue, event))
+            wake = len(pending) == 1  # else a wake-up is on its way and will carry this one too
         if event.token is not None:
             self.metrics.count("generated_tokens")
-        loop, queue = route
-        loop.call_soon_threadsafe(queue.put_nowait, event)
+        if wake:
+            try:
+                loop.call_soon_threadsafe(self._deliver, loop)
+            except RuntimeError:  # its event loop is closed: nobody is listening
+                with self._lock:
+                    self._pending.pop(loop, None)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On ``loop``: hand it every event routed to it so far, in order."""
+        with self._lock:
+            pending = self._pending.pop(loop, [])
+        for queue, event in pending:
+            queue.put_nowait(event)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
