@@ -46,18 +46,7 @@ from dist_runtime.dtypes import DType
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_compiled_linear import weight  # noqa: E402  (the tests' weights of every type, K-quants too)
 
-def settle(limit: float = 1.0) -> None:
-    """Wait until this process's threads are idle (its CPU time grows < 1 ms in 10 ms): worker
-    threads spin a while after a parallel call, and those spinning would slow the next product.
-    (Measured: OpenBLAS's, spinning ~0.1 s after each product, made the compiled F32 product after
-    numpy's turn read 16 GB/s instead of 24 at M = 1.)  Same code as numpy_matvec_child.py's."""
-    end = time.perf_counter() + limit
-    while time.perf_counter() < end:
-        used = time.process_time()
-        time.sleep(0.01)
-        if time.process_time() - used < 0.001:
-            return
-
+from numpy_matvec_child import settle  # noqa: E402  (the child's own: it must load nothing but numpy)
 
 class NumpyReference:
     """numpy's f32 ``x @ W.T`` in a child process that never loads numba (numpy_matvec_child.py):

@@ -24,9 +24,10 @@ import numpy as np
 
 
 def settle(limit: float = 1.0) -> None:
-    """Wait until this process's threads are idle (CPU time grows < 1 ms in 10 ms): OpenBLAS's
-    workers spin ~0.1 s after a product, which slowed the parent's next product (bench_matvec.py's
-    ``settle``, the same code)."""
+    """Wait until this process's threads are idle (its CPU time grows < 1 ms in 10 ms): worker
+    threads spin a while after a parallel call, and those spinning would slow the next product
+    (measured: OpenBLAS's, spinning ~0.1 s after each product, made the compiled F32 product after
+    numpy's turn read 16 GB/s instead of 24 at M = 1).  bench_matvec.py uses it too."""
     end = time.perf_counter() + limit
     while time.perf_counter() < end:
         used = time.process_time()
