@@ -165,8 +165,15 @@ class Coordinator:
             state.rng = state.sampling.rng()
 
     def close_session(self, session: Hashable) -> None:
-        """Forget ``session`` everywhere and free its KV caches."""
-        call_all(self.actors, "close_session", session, timeout=self.timeout)
+        """Forget ``session`` everywhere and free its KV caches.  A stage that died holds none (its
+        replacement starts empty): it is passed over here, and recovered at the next step."""
+        import ray
+
+        for ref in [a.close_session.remote(session) for a in self.actors]:
+            try:
+                ray.get(ref, timeout=self.timeout)
+            except ray.exceptions.RayActorError:  # died, or unreachable: nothing left to free there
+                pass
         self.sessions.pop(session, None)
 
     def position(self, session: Hashable) -> int:
