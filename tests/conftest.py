@@ -160,3 +160,27 @@ def processes_of(sid: int) -> list[tuple[int, str]]:
         if fields[0] != "Z" and sid in (int(fields[2]), int(fields[3])):
             found.append((int(entry), stat[stat.index("(") + 1:stat.rindex(")")]))
     return found
+
+
+#: The served tests' one-line chat template (the tiny Llama has none of its own).
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant{% endif %}")
+
+
+def served_llama(root) -> dict:
+    """What the server tests serve, in ``root``: the small random Llama (``model``), the word-level
+    tokenizer of tests/fixtures/hf/llama with :data:`CHAT_TEMPLATE` (``tok``) and without a
+    template (``plain``); paths as strings."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    model = save_example(Path(root) / "tiny.model",
+                         LlamaConfig(vocab=128, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128))
+    source = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama" / "tokenizer.json"
+    tok, plain = Path(root) / "tok", Path(root) / "plain"
+    for d in (tok, plain):
+        d.mkdir()
+        shutil.copy(source, d / "tokenizer.json")
+    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return {"model": str(model), "tok": str(tok), "plain": str(plain)}

@@ -4,14 +4,13 @@ error objects, seeded sampling equal to ``dist-runtime generate`` (also with con
 the engine is batch-invariant), a client that leaves cancels its session, 429 when the queue is
 full, keep-alive comments, SIGTERM, embeddings of the demo's MiniLM.
 
-The model is the small random Llama of ``conftest.save_example`` with the word-level tokenizer of
+The model is the small random Llama of ``conftest.served_llama`` with the word-level tokenizer of
 tests/fixtures/hf/llama ("w3 w4 ..." is text to it) and a one-line chat template."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,35 +26,22 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("tokenizers")
 
-from conftest import save_example  # noqa: E402
+from conftest import CHAT_TEMPLATE, served_llama  # noqa: E402
 
 from dist_runtime.cli import main  # noqa: E402
-from dist_runtime.examples import LlamaConfig  # noqa: E402
 from dist_runtime.serve.bridge import EngineBridge  # noqa: E402
 from dist_runtime.serve.metrics import Metrics  # noqa: E402
 from dist_runtime.serve.served import ServedModel  # noqa: E402
 from dist_runtime.serve.server import Server, local_backend  # noqa: E402
 from dist_runtime.serve.text import StopText, render_chat  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-            "{% if add_generation_prompt %}assistant{% endif %}")
 KEY = "sesame"
 CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("serve")
-    model = save_example(root / "tiny.model", LlamaConfig(vocab=128, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128))
-    tok = root / "tok"
-    tok.mkdir()
-    shutil.copy(FIXTURES / "llama" / "tokenizer.json", tok / "tokenizer.json")
-    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    plain = root / "plain"  # a tokenizer without a chat template
-    plain.mkdir()
-    shutil.copy(FIXTURES / "llama" / "tokenizer.json", plain / "tokenizer.json")
-    return {"model": str(model), "tok": str(tok), "plain": str(plain)}
+    return served_llama(tmp_path_factory.mktemp("serve"))
 
 
 def _server(files, *, tokenizer=None, engine_wrapper=None, max_queue=8, keep_alive=10.0, api_key=KEY) -> Server:
@@ -136,7 +122,7 @@ def test_streamed_completion_is_the_same_text(client):
 
 def test_chat_renders_the_template(client, files, capsys):
     messages = [{"role": "user", "content": "w20 w21"}]
-    text = render_chat(TEMPLATE, messages, {"bos_token": ""})
+    text = render_chat(CHAT_TEMPLATE, messages, {"bos_token": ""})
     assert text == "user w20 w21 assistant"
     ref = _generate(capsys, files, "--prompt", text, "-n", "5", "--seed", "2", "--temperature", "1")
     r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, seed=2)

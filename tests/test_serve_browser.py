@@ -16,10 +16,8 @@ apt-get) the tests are skipped, or fail when ``CI`` is set: CI must not skip the
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import struct
 import tempfile
 import time
@@ -35,9 +33,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("tokenizers")
 
-from conftest import save_example  # noqa: E402
+from conftest import served_llama  # noqa: E402
 
-from dist_runtime.examples import LlamaConfig  # noqa: E402
 from dist_runtime.serve.bridge import EngineBridge  # noqa: E402
 from dist_runtime.serve.metrics import Metrics  # noqa: E402
 from dist_runtime.serve.served import ServedModel  # noqa: E402
@@ -49,9 +46,6 @@ CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--window-size=1000,800"]
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-            "{% if add_generation_prompt %}assistant{% endif %}")
 KEY = "sesame"
 DELAY = 0.03  # seconds per token: long enough that a stream is seen to arrive in pieces
 WAIT = 30  # seconds at most for anything the page does
@@ -196,14 +190,7 @@ class _Slow:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("browser")
-    model = save_example(root / "tiny.model", LlamaConfig(vocab=128, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128))
-    tok, plain = root / "tok", root / "plain"  # with a chat template, and without
-    for d in (tok, plain):
-        d.mkdir()
-        shutil.copy(FIXTURES / "llama" / "tokenizer.json", d / "tokenizer.json")
-    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return {"model": str(model), "tok": str(tok), "plain": str(plain)}
+    return served_llama(tmp_path_factory.mktemp("browser"))
 
 
 def _server(files, tokenizer: str, api_key: str | None) -> Server:

@@ -7,7 +7,7 @@ a 4xx and the API key enforced; a body the schema calls valid must pass the serv
 validation.  After every case ``/health`` must still answer 200, and after every operation no
 session may be left in the engine.  Then a regression test for each bug the fuzzing found.
 
-Two servers: the small random Llama of ``conftest.save_example`` with an API key (completions,
+Two servers: the small random Llama of ``conftest.served_llama`` with an API key (completions,
 chat), and the demo's MiniLM without one (embeddings; skipped when its wheel is not installed).
 
 Bounded and deterministic: schemathesis' coverage cases (a fixed list per operation), then
@@ -22,8 +22,6 @@ its plugin off (see ``_import_schemathesis``).  ``APIOperation.as_strategy`` und
 
 from __future__ import annotations
 
-import json
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -63,7 +61,7 @@ def _import_schemathesis():
 
 schemathesis = _import_schemathesis()
 
-from conftest import save_example  # noqa: E402
+from conftest import served_llama  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
@@ -72,16 +70,12 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     allow_header_conformance, content_type_conformance, ignored_auth, negative_data_rejection,
     response_headers_conformance, response_schema_conformance, status_code_conformance, unsupported_method)
 
-from dist_runtime.examples import LlamaConfig  # noqa: E402
 from dist_runtime.serve.bridge import EngineBridge  # noqa: E402
 from dist_runtime.serve.metrics import Metrics  # noqa: E402
 from dist_runtime.serve.schema import ChatRequest, CompletionRequest, EmbeddingRequest  # noqa: E402
 from dist_runtime.serve.served import ServedModel  # noqa: E402
 from dist_runtime.serve.server import Server, local_backend  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-            "{% if add_generation_prompt %}assistant{% endif %}")
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 #: Small, so that a chat without max_tokens (the rest of the context) stays a few dozen tokens.
@@ -110,13 +104,8 @@ ENCODER_OPERATIONS = ["GET /health", "GET /metrics", "GET /v1/models", "GET /v1/
 # -- the servers ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("fuzz")
-    path = save_example(root / "tiny.model", LlamaConfig(vocab=128, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128))
-    tok = root / "tok"
-    tok.mkdir()
-    shutil.copy(FIXTURES / "llama" / "tokenizer.json", tok / "tokenizer.json")
-    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return path, tok
+    files = served_llama(tmp_path_factory.mktemp("fuzz"))
+    return Path(files["model"]), Path(files["tok"])
 
 
 def _start(model: ServedModel, api_key: str | None, max_queue: int) -> Server:
