@@ -9,8 +9,8 @@ all its weight rows, so the span of its weight rows stays in L1 while every row 
 the weight comes from memory once per call whatever ``M``, and each row of ``x`` from L2 once per
 chunk.  Between spans the accumulators wait in a scratch array.  When ``x`` takes at most two tiles
 of rows (a step of 8 rows is one) the chunk walks all of ``K`` at once.  Each tile prefetches its
-weight rows ahead of its loads, into L1 and, further ahead, into L2 (:data:`PREFETCH_NEAR`,
-:data:`PREFETCH_FAR`).
+weight rows ahead of its loads, into L1 and, further ahead, into L2 (:data:`.simd.PREFETCH_NEAR`,
+:data:`.simd.PREFETCH_FAR`).
 
 Batch invariance: every output ``(m, n)`` is the same sequence of operations in every tile shape,
 span, thread and position: 8 lanes, lane ``j`` a chain of multiply-adds over ``k = j, j + 8, ...``
@@ -53,15 +53,14 @@ CHUNK = 12
 #: rows covers ``x``: nothing to reuse): the span of a chunk's weight rows (12 KB in f32) and of a
 #: tile's rows of ``x`` stay in L1 while every row of ``x`` passes.
 SPAN = 256
-#: Bytes ahead of its loads at which a tile prefetches each of its weight rows (``llvm.prefetch``,
-#: once per 64-byte line), into L1 (near) and into L2 (far).  The hardware prefetcher alone left the
+#: A tile prefetches each of its weight rows (``llvm.prefetch``, once per 64-byte line)
+#: :data:`.simd.PREFETCH_NEAR` bytes ahead into L1 and :data:`.simd.PREFETCH_FAR` into L2.  The hardware prefetcher alone left the
 #: multiply-adds waiting on memory once ``M`` > 1.  The 125M model's products (2 threads, medians of
 #: 9-11 interleaved rounds, M = 1 / M = 8 in ms): none 16.74 / 25.68; near 512 B alone 16.94 /
 #: 22.06 (256 B and 768 B no better, L2 or non-temporal hints worse, NTA doubled M = 1); near and
 #: far 16 KB, once per line 15.62 / 17.29 (once per 8-element piece 16.42 / 17.85, which also cost
 #: an L1-resident M = 1 product 20%; once per line it costs 4-12%); far 8 KB 17.75 at M = 8, 24 KB
 #: and 64 KB as 16 KB; the far one into L1 18.52, far alone 18.51, against 18.11 for both.
-PREFETCH_NEAR, PREFETCH_FAR = 512, 16384
 
 
 def _tile(rows: int, cols: int):
@@ -94,9 +93,6 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
     slots = [[builder.bitcast(at(acc, row, builder.mul(builder.sub(col, lo), i64(LANES)), i64(CHUNK * LANES)), vec)
               for col in wrows] for row in xrows]
     lanes = [[cgutils.alloca_once_value(builder, builder.load(slot, align=4)) for slot in line] for line in slots]
-    prefetch = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
-        "llvm.prefetch.p0i8")
     size = 4 if fmt == "f32" else 2
     unroll = max(1, 64 // (LANES * size))  # pieces per 64-byte line of a weight row: one prefetch each
 
@@ -111,9 +107,8 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
     lined = builder.add(k0, builder.mul(builder.sdiv(builder.sub(k1, k0), step), step))
     with cgutils.for_range_slice(builder, k0, lined, step) as (i, _):
         for row in wrows:  # a read, into L1 / L2, of data: a hint, never a fault past the end
-            for ahead, locality in ((PREFETCH_NEAR, 3), (PREFETCH_FAR, 2)):
-                ptr = builder.bitcast(at(w, row, builder.add(i, i64(ahead // size))), ir.IntType(8).as_pointer())
-                builder.call(prefetch, [ptr, *(ir.Constant(ir.IntType(32), v) for v in (0, locality, 1))])
+            for ahead, locality in ((simd.PREFETCH_NEAR, 3), (simd.PREFETCH_FAR, 2)):
+                simd.prefetch(builder, at(w, row, builder.add(i, i64(ahead // size))), 0, locality)
         for u in range(unroll):  # the same pieces in the same order as one at a time
             piece(builder.add(i, i64(u * LANES)))
     with cgutils.for_range_slice(builder, lined, k1, i64(LANES)) as (i, _):

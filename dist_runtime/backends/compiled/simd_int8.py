@@ -30,6 +30,7 @@ from numba.extending import intrinsic
 
 from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
+from . import simd
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V8F, V8I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I8, 32)
@@ -157,6 +158,7 @@ def f32_rows(rows: int):
             def loop(fmt, bb):
                 with cgutils.for_range(builder, nb_) as blocks:
                     b = blocks.index
+                    simd.prefetch_ahead(builder, row, builder.mul(b, _i(bb)), bb)
                     w = _values(builder, builder.gep(row, [builder.mul(b, _i(bb))]), fmt)
                     at = builder.mul(b, _i(4 * QK))
                     for r in range(rows):
@@ -255,13 +257,14 @@ def q8_rows(rows: int, wrows: int = 1):
                 lanes = count * tile_n
                 vf, vi = ir.VectorType(F32, lanes), ir.VectorType(I32, lanes)
                 quads, dw, mw = [], [], []
+                if wrows == 1:  # a row read in order: its blocks ahead (several rows: the next tile's, below)
+                    simd.prefetch_ahead(builder, wrow[0], builder.mul(first, _i(bb)), count * bb)
                 for g in range(count):
                     b = builder.add(first, _i(g))
                     for j in range(wrows):
                         blk = builder.gep(wrow[j], [builder.mul(b, _i(bb))])
                         if wrows > 1:  # the next tile's block: interleaved rows defeat the hardware's prefetcher
-                            _call(builder, "llvm.prefetch.p0", ir.VoidType(), builder.gep(blk, [ahead]),
-                                  _i(0, I32), _i(3, I32), _i(1, I32))
+                            simd.prefetch(builder, blk, ahead, 3)
                         q = _codes(builder, blk, fmt)
                         if fmt.bits == 8:  # |w| unsigned, x carrying w's sign: pmaddubsw's operands
                             signs, q = q, _call(builder, "llvm.x86.avx2.psign.b", V32B, q, q)

@@ -30,7 +30,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import cpu
+from . import cpu, simd
 
 #: F16C's conversion of the f16 scales, where the CPU has it (decided by the CPU itself, as
 #: :data:`_X86_AVX2`, because numba's cache is keyed by the CPU).
@@ -235,7 +235,11 @@ def _row_kernel(emit_scales, emit):
     def row_kernel(typingctx, row, size, blocks, scales, dm, x, k, xsum, nsub, acc, m_rows):
         def codegen(context, builder, sig, args):
             blk = _Row(context, builder, sig, args)
-            blk.each_block(emit_scales)
+
+            def scales(blk):  # the first pass over the row: it brings the row into the caches
+                simd.prefetch_ahead(builder, blk.row, blk.block_at, 64)
+                emit_scales(blk)
+            blk.each_block(scales)
             tiled = builder.mul(builder.sdiv(blk.m_rows, blk.const(TILE)), blk.const(TILE))
             with cgutils.for_range_slice(builder, blk.const(0), tiled, blk.const(TILE), blk.intp) as (m, _):
                 blk.rows(m, TILE, emit)
@@ -359,7 +363,9 @@ def _emit_q6_k_q8(blk, rows):
     return isums, [ir.Constant(I32, 0)] * rows, blk.half(208), ir.Constant(F32, 0.0)
 
 
-def _q8_kernel(emit, rows):
+def _q8_kernel(emit, rows, span):
+    """The intrinsic of ``emit`` for ``rows`` rows of Q8_K codes; ``span``: the super-block's bytes,
+    prefetched ahead (the weight rows, read in order, are the stream that waits on memory)."""
     @intrinsic
     def q8_dot(typingctx, row, at, q8, q8at, bsums, bsat, q8step, bstep):
         ints = types.UniTuple(types.int32, rows)
@@ -367,6 +373,7 @@ def _q8_kernel(emit, rows):
 
         def codegen(context, builder, sig, args):
             blk = _Row(context, builder, sig, args, Q8_ARGS)
+            simd.prefetch_ahead(builder, blk.row, blk.block_at, span)
             isums, imins, d, dmin = emit(blk, rows)
             return context.make_tuple(builder, ret, [context.make_tuple(builder, ints, isums),
                                                      context.make_tuple(builder, ints, imins), d, dmin])
@@ -383,6 +390,6 @@ def _q8_kernel(emit, rows):
 #: ``isum = sum_j scale_j * sum_l q_l * q8_l`` and ``imin = sum_j min_j * bsum_j`` (0 for Q6_K,
 #: whose codes are centred), and the block's f16 scales ``d``, ``dmin`` (0 for Q6_K).  One row, or
 #: (``_tile``) :data:`TILE` rows of ``x`` sharing each decoded super-block.
-q4_k_q8, q4_k_q8_tile = (_q8_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, False), rows) for rows in (1, TILE))
-q5_k_q8, q5_k_q8_tile = (_q8_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, True), rows) for rows in (1, TILE))
-q6_k_q8, q6_k_q8_tile = (_q8_kernel(_emit_q6_k_q8, rows) for rows in (1, TILE))
+q4_k_q8, q4_k_q8_tile = (_q8_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, False), rows, 144) for rows in (1, TILE))
+q5_k_q8, q5_k_q8_tile = (_q8_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, True), rows, 176) for rows in (1, TILE))
+q6_k_q8, q6_k_q8_tile = (_q8_kernel(_emit_q6_k_q8, rows, 210) for rows in (1, TILE))
