@@ -170,9 +170,11 @@ class Scheduler:
         for w in batch:
             w.live.busy = False
 
-    def complete(self, batch: Sequence[Work], logits: Sequence[np.ndarray]) -> list[TokenEvent]:
-        """The pass ran: ``logits[i]`` is the last row of ``batch[i]``'s logits.  Samples the
-        sessions whose feed ended; returns their tokens (a finished session leaves)."""
+    def complete(self, batch: Sequence[Work], logits: Sequence[np.ndarray], chosen: bool = False) -> list[TokenEvent]:
+        """The pass ran: ``logits[i]`` is the last row of ``batch[i]``'s logits (with ``chosen``,
+        the token already chosen from it: greedy sessions without logprobs, whose choice the last
+        stage made).  Samples the sessions whose feed ended; returns their tokens (a finished
+        session leaves)."""
         events = []
         for w, row in zip(batch, logits, strict=True):
             s = w.live
@@ -185,7 +187,7 @@ class Scheduler:
             del s.feed[:len(w.tokens)]
             if not w.samples:
                 continue
-            token = s.req.sampling.choose(row, s.rng)
+            token = int(row) if chosen else s.req.sampling.choose(row, s.rng)
             s.generated.append(token)
             done = len(s.generated) >= s.req.max_new_tokens or token in s.req.stop
             s.feed = [] if done else [token]

@@ -276,6 +276,7 @@ def test_thread_env_lets_idle_threads_sleep_when_oversubscribed():
     ({"session": "s", "pos": -1, "step": 1}, "'pos' must be a non-negative integer"),
     ({"session": "s", "pos": 0, "step": 1.5}, "'step' must be a non-negative integer"),
     ({"session": "s", "pos": 0, "step": 1, "reset": 1}, "'reset' must be true or false"),
+    ({"session": "s", "pos": 0, "step": 1, "logits": "max"}, "'logits' must be 'all' or 'argmax'"),
 ])
 def test_a_step_header_from_the_wire_is_checked_field_by_field(meta, words):
     from dist_runtime.errors import TransportError
@@ -285,6 +286,28 @@ def test_a_step_header_from_the_wire_is_checked_field_by_field(meta, words):
 
 
 def test_a_step_header_round_trips_through_its_meta():
-    for h in (StepHeader("s", 3, 7), StepHeader(4, 0, 1, reset=True, close=True, all_logits=True)):
+    for h in (StepHeader("s", 3, 7), StepHeader(4, 0, 1, reset=True, close=True, all_logits=True),
+              StepHeader(4, 0, 1, argmax=True)):
         assert StepHeader.from_meta(h.to_meta()) == h
     assert StepHeader("s", 3, 7).to_meta() == {"session": "s", "pos": 3, "step": 7}
+
+
+def test_the_last_stage_sends_greedy_tokens_when_asked(model, model_path):
+    """``logits: argmax`` (every session of the pass greedy): the last stage sends each segment's
+    token, int32, chosen as Sampling.choose chooses; the same pass's logits give the same tokens."""
+    from dist_runtime.pipeline.header import BatchSegment
+    from dist_runtime.sampling import Sampling
+
+    stages = stages_for_plan(model.graph, make_plan(model.graph, stages=2, max_context=64))
+    workers = _workers(stages, model_path)
+    batch = [list(BatchSegment("a", 0, 3)), list(BatchSegment("b", 0, 2))]
+
+    def step(logits, sessions):
+        meta = {"session": sessions[0], "pos": 0, "step": 1, "logits": logits, "reset": True,
+                "batch": [[sessions[0], *batch[0][1:3], True], [sessions[1], *batch[1][1:3], True]]}
+        return _run(workers, encode_message({"tokens": np.asarray([1, 2, 3, 4, 5], np.int32)}, meta))["logits"]
+
+    rows = step("last", ["a", "b"])
+    tokens = step("argmax", ["c", "d"])
+    assert tokens.dtype == np.int32 and tokens.shape == (2,)
+    assert list(tokens) == [Sampling().choose(r, np.random.default_rng(0)) for r in rows]

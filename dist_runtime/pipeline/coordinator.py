@@ -117,6 +117,7 @@ class _Flight:
     step: int = 0
     handle: object = None
     broken: StageUnavailableError | None = None  # the channel refused the step at submission
+    argmax: bool = False  # every session greedy: the last stage sends their tokens back
 
 
 class Coordinator:
@@ -274,7 +275,8 @@ class Coordinator:
                           time.time(), queued=len(sched.waiting), slot=len(inflight))
             flight.broken = None
             try:
-                flight.handle = self.channel.submit(self._batch_message(works, flight.step))
+                flight.argmax = all(w.live.req.sampling.greedy and w.live.req.logprobs is None for w in works)
+                flight.handle = self.channel.submit(self._batch_message(works, flight.step, flight.argmax))
             except StageUnavailableError as e:  # a broken link: fails (and recovers) when its turn comes
                 flight.broken = e
             inflight.append(flight)
@@ -314,7 +316,7 @@ class Coordinator:
                     received = time.time()
                     t0 = time.perf_counter()
                     logits = decode_message(reply)[0][self.logits_name]
-                    events = sched.complete(flight.works, list(logits[-len(flight.works):]))
+                    events = sched.complete(flight.works, list(logits[-len(flight.works):]), chosen=flight.argmax)
                     sampled = time.perf_counter() - t0
                 except StageUnavailableError as e:
                     lost = [flight, *inflight]
@@ -469,17 +471,18 @@ class Coordinator:
         if self.logits_name is None:
             raise DistRuntimeError("the graph has no logits output to sample from (no Sample node and no 'logits')")
 
-    def _batch_message(self, works: list[Work], step: int) -> bytes:
+    def _batch_message(self, works: list[Work], step: int, argmax: bool) -> bytes:
+        """A pass over ``works``; ``argmax``: the last stage sends back tokens, not logits."""
         if len(works) == 1:
             w = works[0]
-            return self._message(w.session, w.tokens, w.pos, step, w.reset, False)
-        header = StepHeader(works[0].session, works[0].pos, step,
+            return self._message(w.session, w.tokens, w.pos, step, w.reset, False, argmax)
+        header = StepHeader(works[0].session, works[0].pos, step, argmax=argmax,
                             batch=tuple(BatchSegment(w.session, w.pos, len(w.tokens), w.reset) for w in works))
         tokens = np.asarray([t for w in works for t in w.tokens], dtype=np.int32)
         return encode_message({self.input_name: tokens}, header.to_meta())
 
-    def _message(self, session, tokens, pos, step, reset, all_logits) -> bytes:
-        header = StepHeader(session, int(pos), step, reset=bool(reset), all_logits=bool(all_logits))
+    def _message(self, session, tokens, pos, step, reset, all_logits, argmax=False) -> bytes:
+        header = StepHeader(session, int(pos), step, reset=bool(reset), all_logits=bool(all_logits), argmax=argmax)
         return encode_message({self.input_name: np.asarray(tokens, dtype=np.int32)}, header.to_meta())
 
     def _collect(self, run: RunTelemetry) -> None:

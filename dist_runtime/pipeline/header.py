@@ -38,20 +38,26 @@ class StepHeader:
     # A batched step (continuous batching): the sessions whose rows the tensors hold, in order;
     # ``session``/``pos`` are then its first segment's.  Empty for a step of one session.
     batch: tuple[BatchSegment, ...] = ()
+    # the last stage returns each segment's greedy token (the argmax of its last row, int32), not
+    # its logits: 4 bytes a session instead of the vocabulary's 4 bytes a token (128 KB at 32k)
+    argmax: bool = False
 
     def to_meta(self) -> dict:
         meta = {"session": self.session, "pos": self.pos, "step": self.step}
         meta.update({k: True for k in ("reset", "close") if getattr(self, k)})
-        if self.all_logits:
-            meta["logits"] = "all"
+        if self.all_logits or self.argmax:
+            meta["logits"] = "all" if self.all_logits else "argmax"
         if self.batch:
             meta["batch"] = [list(seg) for seg in self.batch]
         return meta
 
     @classmethod
     def from_meta(cls, meta: dict) -> StepHeader:
+        logits = meta.get("logits", "last")
+        if logits not in ("last", "all", "argmax"):
+            raise TransportError(f"meta 'logits' must be 'all' or 'argmax', got {logits!r}")
         return cls(_session(meta.get("session"), "'session'"), _count(meta, "pos"), _count(meta, "step"), _flag(meta, "reset"), _flag(meta, "close"),
-                   meta.get("logits") == "all", _batch(meta.get("batch", [])))
+                   logits == "all", _batch(meta.get("batch", [])), argmax=logits == "argmax")
 
 
 def _batch(items) -> tuple[BatchSegment, ...]:

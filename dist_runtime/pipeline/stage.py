@@ -25,6 +25,7 @@ import numpy as np
 
 from ..batching import Segment
 from ..errors import DistRuntimeError, TransportError
+from ..kernels.elementwise import argmax
 from ..transport import decode_message, encode_message
 from .header import BatchSegment, StageRecord, StepHeader
 from .options import MAX_SESSIONS
@@ -224,6 +225,8 @@ class StageWorker:
             # the driver samples from each session's last row only
             ends = np.cumsum([seg.rows for seg in header.batch]) - 1 if header.batch else [-1]
             outputs[logits] = outputs[logits][ends]
+            if header.argmax:  # greedy sessions: their tokens, chosen as Sampling.choose does
+                outputs[logits] = argmax(outputs[logits]).astype(np.int32)
         return {name: outputs[name] for name in stage.sends}
 
     # -- reports -------------------------------------------------------------------------------
