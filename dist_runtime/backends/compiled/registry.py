@@ -28,9 +28,13 @@ def kernel(*dtypes: DType):
 #: threads (a launch ~2 us; threads.py) the 125M model's decode step, median of 3 rounds, F32 /
 #: Q8_0 at M = 1: 21.8 / 10.0 ms with 8 MB, 16.1 / 8.3 with 1 MB, 16.6 / 9.7 with 256 KB, 20.6 /
 #: 10.5 with 64 KB; at M = 8: 32.0 / 26.0, 30.5 / 23.0, 31.1 / 35.3, 52.7 / 39.6.  (numba's
-#: workqueue pool, ~50 us a launch, wanted 8 MB.)  Same bits either way: threads never split a
-#: row's sum.
-SERIAL_BYTES = 1 << 20
+#: workqueue pool, ~50 us a launch, wanted 8 MB.)  Later, with the F32 8-row tiles and every
+#: kernel prefetching its rows (bench_decode --no-llama-cpp, two alternating rounds, ms a token,
+#: F32 / Q8_0 / Q8_0 with Q8_0 activations): 1 MB 17.66 / 8.65 / 6.51 and 17.41 / 7.94 / 5.51;
+#: 512 KB 16.61 / 7.63 / 5.93 and 16.93 / 7.24 / 5.18 (256 KB like 512 in a third round), M = 8
+#: alike: the 0.8 MB k and v products of the 125M model took 63 us on one thread, 44 on two.
+#: Same bits either way: threads never split a row's sum.
+SERIAL_BYTES = 1 << 19
 #: Chunks of weight rows a threaded product hands out (a multiple of any thread count here).
 CHUNKS = 64
 
