@@ -20,12 +20,13 @@ Run as (see the OPENBLAS trap in shared/notes/performance.md: unset both for thi
 
 torch/transformers and llama-cpp-python are not project dependencies: install them to get their
 columns (``pip install torch==2.13.0 transformers``; llama-cpp-python builds llama.cpp from source,
-~20 minutes here: ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
--DGGML_F16C=ON -DGGML_AVX512=OFF" pip install llama-cpp-python``, as this machine's CPU has no
-AVX512).  llama.cpp reads the weights from GGUF files (F32 and Q8_0) written here with
-the ``gguf`` package exactly as llama.cpp's own converter writes them (the tests' writer,
-``tests/test_gguf_import.py``); the first decode step's logits are compared with ours to show it
-runs the same model.
+6-20 minutes here: ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+-DGGML_F16C=ON -DGGML_AVX512=OFF" pip install llama-cpp-python``.  Where the CPU has AVX-512 (some
+of these machines do), a build with it measured no faster here, and a native build's AMX path
+crashed decoding the Q8_0 file (0.3.36), so the README's figures use this AVX2 build.  llama.cpp
+reads the weights from GGUF files (F32 and Q8_0) written here with the ``gguf`` package exactly as
+llama.cpp's own converter writes them (the tests' writer, ``tests/test_gguf_import.py``); the
+first decode step's logits are compared with ours to show it runs the same model.
 """
 
 from __future__ import annotations
