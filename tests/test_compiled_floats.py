@@ -16,7 +16,7 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from dist_runtime.backends.compiled import cpu, floats, linear, set_threads, simd  # noqa: E402
+from dist_runtime.backends.compiled import cpu, floats, linear, set_threads  # noqa: E402
 from dist_runtime.dtypes import DType  # noqa: E402
 
 PATHS = ["portable", pytest.param("avx2", marks=pytest.mark.skipif(not cpu.AVX2, reason=cpu.REASON))]
@@ -29,7 +29,7 @@ def product(x: np.ndarray, w: np.ndarray, fmt: str, path: str, threaded=False) -
     x = np.ascontiguousarray(x, np.float32)
     stored = w if fmt == "f32" else w.view(np.uint16)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    args = (simd.Static((fmt, path)), x.reshape(-1), np.ascontiguousarray(stored).reshape(-1),
+    args = (floats.SPECS((fmt, path)), x.reshape(-1), np.ascontiguousarray(stored).reshape(-1),
             out.reshape(-1), x.shape[0], w.shape[0], x.shape[1])
     if threaded:
         floats._threaded(*args)
@@ -110,9 +110,9 @@ def test_the_chosen_layer_holds_when_numba_was_imported_first():
     layer (TBB when installed, else workqueue) when another module imported numba before it, and
     the threaded driver must run; a layer the user names wins."""
     code = ("import numba, numpy as np\n"
-            "from dist_runtime.backends.compiled import cpu, floats, simd, threads\n"
+            "from dist_runtime.backends.compiled import cpu, floats, threads\n"
             "x, w, out = np.ones(64, np.float32), np.ones(6400, np.float32), np.empty(100, np.float32)\n"
-            "floats._threaded(simd.Static(('f32', cpu.PATH)), x, w, out, 1, 100, 64)\n"
+            "floats._threaded(floats.SPECS(('f32', cpu.PATH)), x, w, out, 1, 100, 64)\n"
             "print(numba.threading_layer(), threads.LAYER, out[0])\n")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -63,10 +63,14 @@ SPAN = 256
 #: and 64 KB as 16 KB; the far one into L1 18.52, far alone 18.51, against 18.11 for both.
 
 
+#: The kernels' compile-time choice: (weight format, path) -- each pair its own compiled code.
+SPECS = simd.Choice((fmt, path) for fmt in ("f32", "f16", "bf16") for path in ("avx2", "portable"))
+
+
 def _tile(rows: int, cols: int):
     """The intrinsic ``tile(spec, x, w, out, acc, m0, n0, lo, n, k, k0, k1)`` for the products of
     rows ``m0 + r`` of ``x`` and ``n0 + c`` of ``W`` (``r < rows``, ``c < cols``; arrays flat,
-    ``spec`` a :class:`simd.Static` of (weight format, :data:`cpu.PATH`)): their lanes, kept in
+    ``spec`` :data:`SPECS`'s argument for (weight format, :data:`cpu.PATH`)): their lanes, kept in
     ``acc[m, n - lo]`` (``[M, CHUNK, LANES]``), take ``k0 <= k < k1``; once ``k1`` is the last
     multiple of 8, the lanes are summed, the ``K mod 8`` last products added and ``out`` written.
     One intrinsic per shape: numba keys an intrinsic's code by its argument types, which a shape
@@ -74,7 +78,7 @@ def _tile(rows: int, cols: int):
     @intrinsic
     def tile(typingctx, spec, x, w, out, acc, m0, n0, lo, n, k, k0, k1):
         return (types.void(spec, x, w, out, acc, *[types.intp] * 7),
-                functools.partial(_codegen, *spec.value, rows, cols))
+                functools.partial(_codegen, *SPECS.of(spec), rows, cols))
     return tile
 
 
@@ -209,10 +213,10 @@ def _rows(spec, x, w, out, m, n, k, lo, hi):
 _DRIVERS = Drivers(_rows, _threaded)
 
 
-def _run(spec: simd.Static, x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
+def _run(spec: np.ndarray, x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
     m, n = out.shape
     run(_DRIVERS, w.nbytes * m, (spec, x.reshape(-1), w.reshape(-1), out.reshape(-1), m, n, x.shape[1]), n)
 
 
 for _dtype, _fmt in ((DType.F32, "f32"), (DType.F16, "f16"), (DType.BF16, "bf16")):
-    kernel(_dtype)(functools.partial(_run, simd.Static((_fmt, cpu.PATH))))
+    kernel(_dtype)(functools.partial(_run, SPECS((_fmt, cpu.PATH))))
