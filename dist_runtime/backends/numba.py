@@ -50,6 +50,10 @@ from typing import Sequence
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from dist_runtime.kernels.positions import position, rope_cos_sin
 
@@ -60,6 +64,7 @@ from ..ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, LoraApply, Ma
                       Sdpa, SdpaWindow)
 from ..tensor import Array
 from . import BoundKernel, OpEntry, TableBackend, compiled, register_backend
+from .compiled import simd
 from .blas import WEIGHT_SLOTS, matmul_family_supports
 from .cpu import CpuBackend
 
@@ -160,6 +165,26 @@ def _exp_shifted(s, m, n, bits):
         s[t] *= powers[t]
 
 
+@intrinsic
+def _prefetch_row(typingctx, a, row):
+    """Hint the caches to load row ``row`` of the 2-D array ``a`` (every 64-byte line of it); a
+    hint never faults, so a row past the end is harmless."""
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+        start = builder.mul(args[1], stride)
+        with cgutils.for_range_slice(builder, start, builder.add(start, stride), ir.Constant(start.type, 64)) as (at, _):
+            simd.prefetch(builder, arr.data, at, 3)
+        return context.get_dummy_value()
+    return types.void(a, types.intp), codegen
+
+
+#: Key (and value) rows ahead of the one in use that the decode attention prefetches: its passes
+#: walk rows of a few hundred bytes to a few KB, which the hardware prefetcher alone left waiting
+#: on memory once the cache held no longer all the layers' K and V.
+AHEAD_ROWS = 4
+
+
 @_jit
 def _attend_row(q, k, v, lo, hi, kv_heads, groups, head_dim, scale, scores, bits, out):
     """One query row ``q [heads * head_dim]`` (head ``h`` on kv head ``h // groups``):
@@ -173,6 +198,7 @@ def _attend_row(q, k, v, lo, hi, kv_heads, groups, head_dim, scale, scores, bits
     """
     n = hi - lo
     for t in range(n):
+        _prefetch_row(k, lo + t + AHEAD_ROWS)
         kt = k[lo + t]
         h = 0
         for g in range(kv_heads):
@@ -198,6 +224,7 @@ def _attend_row(q, k, v, lo, hi, kv_heads, groups, head_dim, scale, scores, bits
             sh[t] *= inv
     out[:] = 0.0
     for t in range(n):
+        _prefetch_row(v, lo + t + AHEAD_ROWS)
         vt = v[lo + t]
         h = 0
         for g in range(kv_heads):
