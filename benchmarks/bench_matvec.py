@@ -10,10 +10,10 @@ activations and (block types) Q8_0 activations.  GB/s = the weight's stored byte
 time; "vs numpy" = our GB/s / the reference's GB/s at the same ``M``.  The runs are interleaved,
 round after round of every product (the reference's turn is a request to the child, which times
 its product alone and answers once OpenBLAS's threads stop spinning, while this process waits),
-so a burst of load from elsewhere slows all alike, and each product reads its weight after the
-others have read theirs, as in a decode step (run after run of one product would find its weight
-in cache; this VM reports a 480 MiB L3, more than all these weights, so "from memory" is not
-guaranteed here).  A decode step streams every weight once, so GB/s at ``M`` = 1 bounds decoding
+so a burst of load from elsewhere slows all alike, and each measured product follows an untimed
+one over ``--flush-mb`` of another weight (1 GiB by default, more than the 480 MiB of L3 this VM
+reports), so that its weight comes from memory, as in a decode step of a model larger than the
+cache (run after run of one product would find its weight in cache).  A decode step streams every weight once, so GB/s at ``M`` = 1 bounds decoding
 speed.  The last table gives each type's time at ``M`` = 8 over its time at ``M`` = 1 (each weight block is read once for
 all rows, so this stays well under 8 until the arithmetic, not the memory, is the limit).
 
@@ -56,14 +56,19 @@ class NumpyReference:
     process, untimed (:func:`main`'s ``before``, the child's ``flush``), so that the process's
     threads are awake: this process's sleep during the reference's turn (:func:`settle`), and the
     compiled F32 product at M = 1, always first after numpy's turn, read 15.4-25.1 GB/s in three
-    runs while its M = 8 read 36-50 (with the untimed product first: 23.8-28.4).  It does not
-    flush the L3: this machine reports 480 MiB of it (lscpu), more than all the weights here, so
-    "from memory" is not guaranteed; a weight's order in the round still decides what stays.
+    runs while its M = 8 read 36-50 (with the untimed product first: 23.8-28.4).  That untimed
+    product reads ``--flush-mb`` of another weight, the same in both processes: by default more
+    than the 480 MiB of L3 this machine reports, so that every measured weight comes from memory
+    as in a decode step of a large model.  With a 42 MB one (``--flush-mb 42``, the earlier
+    protocol) the reference cycled 109 MB while the compiled products shared the cache with every
+    other weight of the round: numpy's F32 M = 1 read 56 GB/s over one 67 MB weight in a loop, 46
+    over two, 31 over eight (536 MB), where the compiled F32 product read 45 over two and 31.5
+    over eight -- the reference had the cache, not a faster kernel.
     """
 
-    def __init__(self, n: int, k: int, ms: list[int]):
+    def __init__(self, n: int, k: int, ms: list[int], flush_rows: int):
         child = Path(__file__).resolve().with_name("numpy_matvec_child.py")
-        self.proc = subprocess.Popen([sys.executable, str(child), str(n), str(k), ",".join(map(str, ms))],
+        self.proc = subprocess.Popen([sys.executable, str(child), str(n), str(k), ",".join(map(str, ms)), str(flush_rows)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("ready "):
@@ -109,6 +114,10 @@ def main() -> None:
     parser.add_argument("--ms", default="1,4,16,64", help="rows of x to measure (default: 1,4,16,64)")
     parser.add_argument("--runs", type=int, default=21)
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: numba's, the cores)")
+    parser.add_argument("--flush-mb", type=int, default=1024,
+                        help="MB of another weight read (untimed) before each measured product, in both "
+                             "processes (default 1024: more than this VM's reported L3, so every weight "
+                             "comes from memory; 42 was the earlier protocol)")
     parser.add_argument("--numpy-here", action="store_true",
                         help="also time numpy in this process, beside numba's threads (what the reference was)")
     args = parser.parse_args()
@@ -119,7 +128,8 @@ def main() -> None:
 
     ms = [int(v) for v in args.ms.split(",")]
     measured = ms + ([8] if 1 in ms and 8 not in ms else [])
-    numpy_ref = NumpyReference(args.n, args.k, measured)
+    flush_rows = max(1, args.flush_mb * 2**20 // (4 * args.k))
+    numpy_ref = NumpyReference(args.n, args.k, measured, flush_rows)
     print(f"reference: numpy {numpy_ref.info['numpy']} in a child process without numba; BLAS: {numpy_ref.info['blas']}")
     print(f"compiled products: {compiled.cpu.REASON}; {numba.get_num_threads()} thread(s), "
           f"layer {numba.threading_layer() if hasattr(numba, 'threading_layer') else '?'}")
@@ -131,7 +141,8 @@ def main() -> None:
     types = [d for d in (DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0,
                          DType.Q4_K, DType.Q5_K, DType.Q6_K) if d in compiled.KERNELS]
     weights = {d: weight(d, args.n, args.k) for d in types}  # K-quants: random codes, sane scales
-    print(f"\nW [{args.n}, {args.k}], median of {args.runs} runs; GB/s of weight bytes (vs numpy f32 at the same M)\n")
+    print(f"\nW [{args.n}, {args.k}], median of {args.runs} runs, each after {flush_rows * args.k * 4 / 2**20:.0f} MB "
+          f"of another weight; GB/s of weight bytes (vs numpy f32 at the same M)\n")
     head = f"| {'product':<26} | {'MB':>6} |" + "".join(f" {'M=' + str(m):>15} |" for m in ms)
     print(head)
     print("|" + "-" * 28 + "|" + "-" * 8 + "|" + "".join("-" * 17 + "|" for _ in ms))
@@ -145,7 +156,7 @@ def main() -> None:
             rows.append((f"compiled {d.name}" + (" q8 act." if mode == "q8_0" else ""), weights[d].nbytes,
                          lambda x, s=weights[d], a=mode: compiled.linear(x, s, activations=a)))
     xs = {m: rng.standard_normal((m, args.k), dtype=np.float32) for m in measured}
-    flush = weight(DType.F32, 2560, args.k, seed=1)  # another weight, 42 MB at K = 4096
+    flush = np.full((flush_rows, args.k), 0.5, np.float32)  # another weight, --flush-mb of it
 
     def before(key):
         if key[0] != rows[0][0]:  # the child flushes its own

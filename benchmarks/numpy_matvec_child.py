@@ -6,10 +6,11 @@ benchmark's own process made OpenBLAS's threads slower (numpy's M = 1 fell to 9 
 interleaved run).  The weight is built as the tests' ``weight(DType.F32, n, k)`` builds it (seeded
 standard normal, f32), the rows of ``x`` likewise.
 
-Protocol, one line each way: arguments ``n k m1,m2,...``; it answers ``ready <json>`` (numpy's
+Protocol, one line each way: arguments ``n k m1,m2,... [flush_rows]``; it answers ``ready <json>`` (numpy's
 version, the BLAS, whether numba got loaded: it must not), then for each line ``<m>`` read from
-stdin runs an untimed product on another weight (its threads awake, as the parent does before each
-of its products), then the product, and answers its seconds (``time.perf_counter``
+stdin runs an untimed product on another weight of ``flush_rows`` rows (its threads awake and the
+cache holding that weight, not this one, as the parent does before each of its products), then the
+product, and answers its seconds (``time.perf_counter``
 around that product alone) once OpenBLAS's threads have stopped spinning (:func:`settle`); an
 empty line or EOF ends it.
 """
@@ -49,10 +50,11 @@ def blas() -> str:
 
 def main() -> None:
     n, k, ms = int(sys.argv[1]), int(sys.argv[2]), [int(v) for v in sys.argv[3].split(",")]
+    flush_rows = int(sys.argv[4]) if len(sys.argv) > 4 else 2560
     w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
     rng = np.random.default_rng(1)
     xs = {m: rng.standard_normal((m, k), dtype=np.float32) for m in ms}
-    flush = np.random.default_rng(2).standard_normal((2560, k)).astype(np.float32)  # 42 MB at K = 4096
+    flush = np.full((flush_rows, k), 0.5, np.float32)  # the parent's size (bench_matvec --flush-mb)
     for x in xs.values():
         x @ w.T  # warm up: page the weight in, start OpenBLAS's threads
     print("ready " + json.dumps({"numpy": np.__version__, "blas": blas(), "numba_loaded": "numba" in sys.modules}),
