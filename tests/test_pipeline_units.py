@@ -276,7 +276,7 @@ def test_thread_env_lets_idle_threads_sleep_when_oversubscribed():
     ({"session": "s", "pos": -1, "step": 1}, "'pos' must be a non-negative integer"),
     ({"session": "s", "pos": 0, "step": 1.5}, "'step' must be a non-negative integer"),
     ({"session": "s", "pos": 0, "step": 1, "reset": 1}, "'reset' must be true or false"),
-    ({"session": "s", "pos": 0, "step": 1, "logits": "max"}, "'logits' must be 'all' or 'argmax'"),
+    ({"session": "s", "pos": 0, "step": 1, "logits": "max"}, "'logits' must be one of 'last', 'all', 'argmax', got 'max'"),
 ])
 def test_a_step_header_from_the_wire_is_checked_field_by_field(meta, words):
     from dist_runtime.errors import TransportError
@@ -286,8 +286,8 @@ def test_a_step_header_from_the_wire_is_checked_field_by_field(meta, words):
 
 
 def test_a_step_header_round_trips_through_its_meta():
-    for h in (StepHeader("s", 3, 7), StepHeader(4, 0, 1, reset=True, close=True, all_logits=True),
-              StepHeader(4, 0, 1, argmax=True)):
+    for h in (StepHeader("s", 3, 7), StepHeader(4, 0, 1, reset=True, close=True, logits="all"),
+              StepHeader(4, 0, 1, logits="argmax")):
         assert StepHeader.from_meta(h.to_meta()) == h
     assert StepHeader("s", 3, 7).to_meta() == {"session": "s", "pos": 3, "step": 7}
 

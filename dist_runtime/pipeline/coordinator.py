@@ -197,7 +197,7 @@ class Coordinator:
             self._replay([state])
         step = self._next_step()
         reply = self.channel.get(self.channel.submit(self._message(session, tokens, at, step, reset or state.stale,
-                                                                   all_logits)), self.timeout)
+                                                                   "all" if all_logits else "last")), self.timeout)
         tensors, _ = decode_message(reply)
         state.stale = False
         state.fed(len(tokens))
@@ -276,7 +276,7 @@ class Coordinator:
             flight.broken = None
             try:
                 flight.argmax = all(w.live.req.sampling.greedy and w.live.req.logprobs is None for w in works)
-                flight.handle = self.channel.submit(self._batch_message(works, flight.step, flight.argmax))
+                flight.handle = self.channel.submit(self._batch_message(works, flight.step, "argmax" if flight.argmax else "last"))
             except StageUnavailableError as e:  # a broken link: fails (and recovers) when its turn comes
                 flight.broken = e
             inflight.append(flight)
@@ -440,7 +440,7 @@ class Coordinator:
         for state in states:
             at = 0
             for rows in (state.chunks if self.exact_replay else [state.pos] if state.pos else []):
-                message = self._message(state.sid, state.history[at:at + rows], at, self._next_step(), at == 0, False)
+                message = self._message(state.sid, state.history[at:at + rows], at, self._next_step(), at == 0, "last")
                 handles.append(self.channel.submit(message))
                 at += rows
             state.stale = False
@@ -471,18 +471,18 @@ class Coordinator:
         if self.logits_name is None:
             raise DistRuntimeError("the graph has no logits output to sample from (no Sample node and no 'logits')")
 
-    def _batch_message(self, works: list[Work], step: int, argmax: bool) -> bytes:
-        """A pass over ``works``; ``argmax``: the last stage sends back tokens, not logits."""
+    def _batch_message(self, works: list[Work], step: int, logits: str) -> bytes:
+        """A pass over ``works``; ``logits``: what the last stage sends back (``StepHeader.logits``)."""
         if len(works) == 1:
             w = works[0]
-            return self._message(w.session, w.tokens, w.pos, step, w.reset, False, argmax)
-        header = StepHeader(works[0].session, works[0].pos, step, argmax=argmax,
+            return self._message(w.session, w.tokens, w.pos, step, w.reset, logits)
+        header = StepHeader(works[0].session, works[0].pos, step, logits=logits,
                             batch=tuple(BatchSegment(w.session, w.pos, len(w.tokens), w.reset) for w in works))
         tokens = np.asarray([t for w in works for t in w.tokens], dtype=np.int32)
         return encode_message({self.input_name: tokens}, header.to_meta())
 
-    def _message(self, session, tokens, pos, step, reset, all_logits, argmax=False) -> bytes:
-        header = StepHeader(session, int(pos), step, reset=bool(reset), all_logits=bool(all_logits), argmax=argmax)
+    def _message(self, session, tokens, pos, step, reset, logits: str) -> bytes:
+        header = StepHeader(session, int(pos), step, reset=bool(reset), logits=logits)
         return encode_message({self.input_name: np.asarray(tokens, dtype=np.int32)}, header.to_meta())
 
     def _collect(self, run: RunTelemetry) -> None:

@@ -27,6 +27,10 @@ class BatchSegment(NamedTuple):
 MAX_SEGMENTS = 4096
 
 
+#: What a step asks of the last stage's logits (:attr:`StepHeader.logits`).
+LOGITS = ("last", "all", "argmax")
+
+
 @dataclass(frozen=True)
 class StepHeader:
     session: int | str
@@ -34,19 +38,19 @@ class StepHeader:
     step: int  # the coordinator's step number (telemetry joins records on it)
     reset: bool = False  # clear the session's KV caches first (its first step, or a replay)
     close: bool = False  # forget the session after this pass (a one-off pass of a stateless graph)
-    all_logits: bool = False  # the last stage returns every row's logits, not only the last row's
+    # What the last stage returns of the logits (LOGITS): "last", each segment's last row (the
+    # driver samples from it); "all", every row; "argmax", each segment's greedy token (the argmax
+    # of its last row, int32): 4 bytes a session instead of the vocabulary's 4 a token (128 KB at 32k)
+    logits: str = "last"
     # A batched step (continuous batching): the sessions whose rows the tensors hold, in order;
     # ``session``/``pos`` are then its first segment's.  Empty for a step of one session.
     batch: tuple[BatchSegment, ...] = ()
-    # the last stage returns each segment's greedy token (the argmax of its last row, int32), not
-    # its logits: 4 bytes a session instead of the vocabulary's 4 bytes a token (128 KB at 32k)
-    argmax: bool = False
 
     def to_meta(self) -> dict:
         meta = {"session": self.session, "pos": self.pos, "step": self.step}
         meta.update({k: True for k in ("reset", "close") if getattr(self, k)})
-        if self.all_logits or self.argmax:
-            meta["logits"] = "all" if self.all_logits else "argmax"
+        if self.logits != "last":
+            meta["logits"] = self.logits
         if self.batch:
             meta["batch"] = [list(seg) for seg in self.batch]
         return meta
@@ -54,10 +58,10 @@ class StepHeader:
     @classmethod
     def from_meta(cls, meta: dict) -> StepHeader:
         logits = meta.get("logits", "last")
-        if logits not in ("last", "all", "argmax"):
-            raise TransportError(f"meta 'logits' must be 'all' or 'argmax', got {logits!r}")
+        if logits not in LOGITS:
+            raise TransportError(f"meta 'logits' must be one of {', '.join(map(repr, LOGITS))}, got {logits!r}")
         return cls(_session(meta.get("session"), "'session'"), _count(meta, "pos"), _count(meta, "step"), _flag(meta, "reset"), _flag(meta, "close"),
-                   logits == "all", _batch(meta.get("batch", [])), argmax=logits == "argmax")
+                   logits, _batch(meta.get("batch", [])))
 
 
 def _batch(items) -> tuple[BatchSegment, ...]:

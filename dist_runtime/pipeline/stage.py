@@ -221,11 +221,11 @@ class StageWorker:
         elif self.source is None and stage.weights:
             raise DistRuntimeError(f"stage {stage.index} has no weights loaded")
         logits = stage.logits
-        if logits is not None and not header.all_logits and logits in outputs:
+        if logits is not None and header.logits != "all" and logits in outputs:
             # the driver samples from each session's last row only
             ends = np.cumsum([seg.rows for seg in header.batch]) - 1 if header.batch else [-1]
             outputs[logits] = outputs[logits][ends]
-            if header.argmax:  # greedy sessions: their tokens, chosen as Sampling.choose does
+            if header.logits == "argmax":  # greedy sessions: their tokens, chosen as Sampling.choose does
                 outputs[logits] = argmax(outputs[logits]).astype(np.int32)
         return {name: outputs[name] for name in stage.sends}
 
