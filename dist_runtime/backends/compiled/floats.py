@@ -110,9 +110,8 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
     step = i64(LANES * unroll)
     lined = builder.add(k0, builder.mul(builder.sdiv(builder.sub(k1, k0), step), step))
     with cgutils.for_range_slice(builder, k0, lined, step) as (i, _):
-        for row in wrows:  # a read, into L1 / L2, of data: a hint, never a fault past the end
-            for ahead, locality in ((simd.PREFETCH_NEAR, 3), (simd.PREFETCH_FAR, 2)):
-                simd.prefetch(builder, at(w, row, builder.add(i, i64(ahead // size))), 0, locality)
+        for row in wrows:  # a hint, never a fault past the end: this piece's line, ahead
+            simd.prefetch_ahead(builder, at(w, row, i), 0, 64)
         for u in range(unroll):  # the same pieces in the same order as one at a time
             piece(builder.add(i, i64(u * LANES)))
     with cgutils.for_range_slice(builder, lined, k1, i64(LANES)) as (i, _):

@@ -97,13 +97,14 @@ def prefetch(builder: ir.IRBuilder, ptr: ir.Value, offset, locality: int) -> Non
 
 
 def prefetch_ahead(builder: ir.IRBuilder, ptr: ir.Value, offset, span: int) -> None:
-    """Prefetch the ``span`` bytes at ``offset`` of ``ptr``, :data:`PREFETCH_NEAR` ahead into L1
-    and :data:`PREFETCH_FAR` ahead into L2, one hint a 64-byte line (a stream read in order: the
-    lines between hints are the previous call's)."""
+    """Prefetch the ``span`` bytes at byte ``offset`` (an ``ir.Value`` or int) of ``ptr``,
+    :data:`PREFETCH_NEAR` ahead into L1 and :data:`PREFETCH_FAR` ahead into L2, one hint a 64-byte
+    line (a stream read in order: the lines between hints are the previous call's)."""
+    i64 = ir.IntType(64)
+    base = ir.Constant(i64, offset) if isinstance(offset, int) else offset
     for ahead, locality in ((PREFETCH_NEAR, 3), (PREFETCH_FAR, 2)):
         for line in range(0, span, 64):
-            at = ir.Constant(ir.IntType(64), ahead + line)
-            prefetch(builder, ptr, at if isinstance(offset, int) and offset == 0 else builder.add(offset, at), locality)
+            prefetch(builder, ptr, builder.add(base, ir.Constant(i64, ahead + line)), locality)
 
 
 def hsum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
