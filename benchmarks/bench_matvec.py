@@ -121,12 +121,21 @@ def main() -> None:
     parser.add_argument("--numpy-here", action="store_true",
                         help="also time numpy in this process, beside numba's threads (what the reference was)")
     args = parser.parse_args()
+    for name in ("n", "k", "runs", "flush_mb"):
+        if getattr(args, name) < (0 if name == "flush_mb" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'flush_mb' else 'positive'}, "
+                         f"got {getattr(args, name)}")
     if args.threads:
         compiled.set_threads(args.threads)
 
     import numba
 
-    ms = [int(v) for v in args.ms.split(",")]
+    try:
+        ms = [int(v) for v in args.ms.split(",")]
+    except ValueError:
+        parser.error(f"--ms must be comma-separated row counts, got {args.ms!r}")
+    if min(ms) < 1:
+        parser.error(f"--ms must be positive row counts, got {args.ms!r}")
     measured = ms + ([8] if 1 in ms and 8 not in ms else [])
     flush_rows = max(1, args.flush_mb * 2**20 // (4 * args.k))
     numpy_ref = NumpyReference(args.n, args.k, measured, flush_rows)
