@@ -55,7 +55,7 @@ def _scaled(x: np.ndarray, temperature: float) -> np.ndarray:
     (softmax and every filter are shift-invariant), which then tends to greedy as it should."""
     with np.errstate(over="ignore"):
         out = x / temperature
-    if np.isinf(out[np.isfinite(x)]).any():
+    if not np.isfinite(out).all() and np.isinf(out[np.isfinite(x)]).any():  # the common case: one pass
         with np.errstate(over="ignore", invalid="ignore"):
             out = (x - np.max(x, axis=-1, keepdims=True)) / temperature
     return out
