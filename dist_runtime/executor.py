@@ -23,6 +23,7 @@ from dist_runtime.kernels.attention import KvState
 from dist_runtime.kernels.quant import to_float
 from dist_runtime.kernels.registry import KernelContext
 
+from .arena import pack
 from .backends import Backend, make_backends
 from .backends.assign import Assignment, assign_backends
 from .batching import SEGMENTED, PerSegment, RowPlan, Segment, offsets, plan_rows
@@ -98,6 +99,16 @@ def _prepared_weights(graph: Graph, weights: Mapping[str, Array]) -> tuple[dict[
     return constants, widened
 
 
+def _streamed(graph: Graph) -> list[str]:
+    """The weights in matmul-style slots, which every pass reads whole, in the order it reads them."""
+    names: dict[str, None] = {}
+    for node in graph.nodes:
+        for slot in node.op.spec.weight_inputs:
+            if slot < len(node.inputs) and node.inputs[slot] in graph.weights:
+                names[node.inputs[slot]] = None
+    return list(names)
+
+
 class GraphExecutor:
     """Run a graph: ``GraphExecutor(model).run({"tokens": ids})["logits"]``.
 
@@ -107,11 +118,14 @@ class GraphExecutor:
     estimate (inputs + weights + peak intermediates), checked before the first run.
     ``batch_invariant`` makes every backend that can choose (``invariant``) compute each row as it
     would alone, so that :meth:`run_batch` gives a session the same bits in any batch.
+    ``huge_pages``: copy the matrix weights into one buffer of 2 MiB pages (True), leave them as
+    loaded (False), or decide by the system and their size (None; :mod:`dist_runtime.arena`);
+    ``placement`` says which was done and why.
     """
 
     def __init__(self, model, backends: Sequence[str | Backend] | None = None,
                  max_memory: int | None = None, *, fuse: bool = True, seed: int = 0,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, huge_pages: bool | None = None) -> None:
         graph, weights, declared_max = _open(model)
         self.backends = make_backends(backends)
         if batch_invariant:  # every kernel's row result independent of the other rows in the pass
@@ -131,7 +145,8 @@ class GraphExecutor:
         self.max_memory = max_memory if max_memory is not None else declared_max
         self.assignments: list[Assignment] = assign_backends(graph, specs, self.backends)
         self.rows: RowPlan = plan_rows(graph, specs)
-        self._constants, widened = _prepared_weights(graph, weights)
+        constants, widened = _prepared_weights(graph, weights)
+        self._constants, self.placement = pack(constants, _streamed(graph), huge_pages)
         self._steps = self._bind(widened)
         self._checked: set[tuple] = set()  # input signatures already shape-checked
         self._seed = seed
@@ -319,6 +334,11 @@ class GraphExecutor:
             except TypeError:  # a subclass whose constructor takes more than a message
                 pass
         return KernelError(f"{message} ({type(error).__name__})")
+
+    def held_weights(self, weights: Mapping[str, Array]) -> dict[str, Array]:
+        """``weights`` with each one this executor holds a copy of (``placement``) replaced by
+        that copy, so that the caller can drop the originals."""
+        return {n: self._constants.get(n, w) if n in self.graph.weights else w for n, w in weights.items()}
 
     # -- reporting -----------------------------------------------------------------------------
     def plan(self) -> list[dict]:

@@ -129,6 +129,9 @@ class StageWorker:
             # Batch-invariant: a session's rows give the same bits in any batch (continuous batching).
             self._executor = GraphExecutor((self.stage.graph, self._weights), self._backends,
                                            fuse=self._fuse, seed=self._seed, batch_invariant=True)
+            # Hold the executor's copies (a huge-page buffer) rather than the file map's or the
+            # object store's views, so that those can be released.
+            self._weights = self._executor.held_weights(self._weights)
             self.warmup = self._warm_up()
 
     def _warm_up(self) -> str:
@@ -252,6 +255,7 @@ class StageWorker:
             "warmup": self.warmup,
             # why this stage runs one session per pass, or None when sessions share passes
             "batching": self._executor.rows.reason if self._executor is not None else None,
+            "placement": self._executor.placement.reason if self._executor is not None else None,
         }
 
     # -- the direct channel's link (see links.py) -----------------------------------------------
