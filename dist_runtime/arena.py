@@ -87,6 +87,17 @@ def pack(constants: dict[str, Array], names: list[str], wanted: bool | None = No
     return out, Placement(True, reason, placement.nbytes, huge)
 
 
+def empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """``np.empty(shape, dtype)``, its whole 2 MiB pages advised into huge pages when the system
+    has them (a KV cache's buffers, read whole by every decode step's attention: at context 1024
+    the 125M model's attention took 184 against 201 us a layer in 4 KiB pages)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < HUGE_PAGE or thp_mode() not in ("always", "madvise"):
+        return np.empty(shape, dtype)
+    return _huge_buffer(nbytes).view(dtype).reshape(shape)
+
+
 def _data(a: Array) -> np.ndarray:
     return a.data if isinstance(a, QuantizedArray) else a
 
@@ -96,15 +107,16 @@ def _padded(n: int) -> int:
 
 
 def _huge_buffer(nbytes: int) -> np.ndarray:
-    """``nbytes`` of anonymous memory starting on a 2 MiB boundary, advised into huge pages.  The
-    map is over-allocated by one huge page to find the boundary; the part before it is never
-    touched, so it takes no memory."""
+    """``nbytes`` of anonymous memory starting on a 2 MiB boundary, its whole 2 MiB pages advised
+    into huge pages (a last partial one stays in 4 KiB pages: no memory is taken for bytes never
+    asked for).  The map is over-allocated by one huge page to find the boundary; the part before
+    it is never touched, so it takes no memory."""
     # private: a shared anonymous map is shmem, whose huge pages are another setting (shmem_enabled)
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = np.frombuffer(mm, np.uint8)
     start = (-whole.ctypes.data) % HUGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE") and nbytes >= HUGE_PAGE:
+        mm.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
     return whole[start:start + nbytes]
 
 

@@ -137,6 +137,9 @@ def attention_inputs(tq, tk, heads, kv_heads, head_dim, scale=1.0):
     (3, 10, 4, 4, 8, True),       # end-aligned: 3 new rows after 7 cached ones
     (5, 9, 6, 3, 32, False),      # encoder-style, no causal mask
     (16, 64, 2, 1, 8, True),      # the size limit exactly
+    (1, 300, 8, 2, 128, True),    # head_dim 128 (most 7B models), threaded over kv heads
+    (2, 45, 4, 2, 80, True),      # head_dim 80
+    (3, 11, 4, 2, 12, True),      # a head size without compiled cores: numba's loops
 ])
 def test_sdpa(tq, tk, heads, kv_heads, head_dim, causal):
     op = Sdpa(num_heads=heads, kv_heads=kv_heads, head_dim=head_dim, causal=causal)
@@ -162,6 +165,46 @@ def test_sdpa_rows_are_batch_invariant(tq, tk, heads, kv_heads, head_dim):
         np.testing.assert_array_equal(rows[0][r], alone[0][0])
 
 
+@pytest.mark.parametrize("tq, tk, heads, kv_heads, head_dim", [(1, 700, 12, 4, 64), (5, 260, 12, 4, 64),
+                                                            (1, 333, 6, 3, 128), (2, 9, 4, 2, 8)])
+def test_compiled_attention_gives_the_same_bits_on_any_threads(monkeypatch, tq, tk, heads, kv_heads, head_dim):
+    """Serial, threaded over kv heads (one query row) or over rows, on 1 or 2 threads: each head
+    is one fixed sequence of operations, so every split gives the same bits -- and agrees with
+    the CPU library (scores in blocks of 8 keys, a tail of tk mod 8)."""
+    import numba
+
+    from dist_runtime.backends.compiled import attention as compiled_attention
+    from dist_runtime.kernels.attention import sdpa
+
+    q, k, v = attention_inputs(tq, tk, heads, kv_heads, head_dim)
+    runs = []
+    for serial_bytes, threads in ((1 << 40, 1), (0, 2), (0, 1), (1 << 40, 2)):
+        monkeypatch.setattr(compiled_attention, "SERIAL_KV_BYTES", serial_bytes)
+        before = numba.get_num_threads()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            out = np.empty_like(q)
+            compiled_attention.attention_rows(q, k, v, heads, kv_heads, head_dim, True, 0, out)
+        finally:
+            numba.set_num_threads(before)
+        runs.append(out)
+    for out in runs[1:]:
+        np.testing.assert_array_equal(out, runs[0])
+    want = sdpa(q, k, v, num_heads=heads, kv_heads=kv_heads, head_dim=head_dim, causal=True)
+    np.testing.assert_allclose(runs[0], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_compiled_attention_propagates_nan_and_inf():
+    """A NaN key poisons the heads that see it; an infinite query score makes its softmax NaN, as
+    in the CPU library."""
+    q, k, v = attention_inputs(1, 40, 4, 2, 16)
+    k = k.copy()
+    k[17, :16] = np.nan  # kv head 0 only
+    got, want = both(Sdpa(num_heads=4, kv_heads=2, head_dim=16, causal=True), q, k, v)
+    assert np.isnan(got[0][0, :32]).all() and not np.isnan(got[0][0, 32:]).any()
+    np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want[0]))
+
+
 @pytest.mark.parametrize("tq, tk, window, causal", [
     (1, 40, 8, True), (4, 12, 3, True), (5, 9, 2, False), (1, 6, 100, True), (6, 6, 1, True)])
 def test_sdpa_window(tq, tk, window, causal):
@@ -169,18 +212,24 @@ def test_sdpa_window(tq, tk, window, causal):
     assert_agree(*both(op, *attention_inputs(tq, tk, 4, 2, 16)), rtol=1e-5)
 
 
-def test_large_attention_is_the_cpu_librarys(monkeypatch):
-    """A prefill beyond SMALL_ATTENTION runs the CPU library's kernel: bit-identical results."""
+def test_large_attention_without_vector_cores_is_the_cpu_librarys(monkeypatch):
+    """A prefill beyond SMALL_ATTENTION with a head size the vector cores lack runs the CPU
+    library's kernel: bit-identical results.  With a usual head size it stays compiled."""
     import dist_runtime.backends.numba as numba_backend
 
     calls = []
-    monkeypatch.setattr(numba_backend, "_attention_rows", lambda *a: calls.append(a))
+    monkeypatch.setattr(numba_backend.compiled_attention, "attention_rows", lambda *a: calls.append(a))
     tq, tk = 64, 64
-    assert tq * tk > SMALL_ATTENTION and not small_attention(tq, tk)
-    assert small_attention(1, DECODE_KEYS) and not small_attention(1, DECODE_KEYS + 1)
-    got, want = both(Sdpa(num_heads=2, kv_heads=1, head_dim=8, causal=True), *attention_inputs(tq, tk, 2, 1, 8))
+    assert tq * tk > SMALL_ATTENTION and not small_attention(tq, tk, 12) and small_attention(tq, tk, 8)
+    assert small_attention(1, DECODE_KEYS, 12) and not small_attention(1, DECODE_KEYS + 1, 12)
+    got, want = both(Sdpa(num_heads=2, kv_heads=1, head_dim=12, causal=True), *attention_inputs(tq, tk, 2, 1, 12))
     np.testing.assert_array_equal(got[0], want[0])
     assert calls == []
+
+
+def test_a_large_prefill_runs_on_the_vector_cores():
+    op = Sdpa(num_heads=4, kv_heads=2, head_dim=32, causal=True)
+    assert_agree(*both(op, *attention_inputs(300, 300, 4, 2, 32)), rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["causal_more_queries_than_keys", "no_keys", "v_rows", "width"])

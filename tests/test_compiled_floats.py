@@ -127,7 +127,7 @@ def test_the_chosen_layer_holds_when_numba_was_imported_first():
 
 def test_a_choice_passes_its_value_as_an_array_type():
     """simd.Choice: each value an empty array of its own element type (numba's fast typing path),
-    read back from that numba type while generating code; at most 8 values."""
+    read back from that numba type while generating code; up to simd.CHOICES values."""
     from numba import typeof
 
     from dist_runtime.backends.compiled import simd
@@ -135,6 +135,8 @@ def test_a_choice_passes_its_value_as_an_array_type():
     choice = simd.Choice(["a", ("b", 1), 3])
     assert [choice.of(typeof(choice(v))) for v in choice.values] == ["a", ("b", 1), 3]
     assert len({typeof(choice(v)) for v in choice.values}) == 3 and choice(3).size == 0
-    with pytest.raises(ValueError, match="at most 8"):
-        simd.Choice(range(9))
+    many = simd.Choice(range(simd.CHOICES))
+    assert [many.of(typeof(many(v))) for v in many.values] == list(range(simd.CHOICES))
+    with pytest.raises(ValueError, match=f"at most {simd.CHOICES}"):
+        simd.Choice(range(simd.CHOICES + 1))
     assert {floats.SPECS.of(typeof(floats.SPECS(v))) for v in floats.SPECS.values} == set(floats.SPECS.values)

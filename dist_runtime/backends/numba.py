@@ -11,12 +11,13 @@ the data each (2-22 us a call):
 - Sdpa and SdpaWindow without a mask input, on ``[Tq, heads * head_dim]`` queries and
   ``[Tk, kv_heads * head_dim]`` keys and values: grouped-query, end-aligned, causal or not,
   windowed, each key and value row read once, whole, for all the query heads (one pass over the
-  keys, one over the values, a vectorised exp).  Only small
-  products run here (``small_attention``: a decode step over up to 8192 keys, or ``Tq * Tk <=
-  1024``); larger ones go to the CPU library, whose BLAS products win there
-  (``benchmarks/bench_attention.py``) -- except when the backend is ``invariant``: then every
-  attention runs here, since a row's result must not depend on how many query rows share the call
-  (a prompt fed in chunks, sessions batched) and BLAS's does.
+  keys, one over the values), on the vector cores of :mod:`.compiled.attention` for the usual
+  head sizes -- faster than the CPU library's BLAS products at every size measured, from a decode
+  step to a 2048-row prefill (``benchmarks/bench_attention.py``).  For other head sizes numba's
+  loops take only small products (``small_attention``: a decode step over up to 8192 keys, or
+  ``Tq * Tk <= 1024``), larger ones going to the CPU library -- except when the backend is
+  ``invariant``: then every attention runs here, since a row's result must not depend on how
+  many query rows share the call (a prompt fed in chunks, sessions batched) and BLAS's does.
 
 and the matmul family -- Matmul (the lm_head and tied embeddings included), FusedNormMatmul,
 FusedSwiGlu, LoraApply -- on the compiled products of :mod:`dist_runtime.backends.compiled`:
@@ -50,10 +51,6 @@ from typing import Sequence
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 from dist_runtime.kernels.positions import position, rope_cos_sin
 
@@ -64,31 +61,30 @@ from ..ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, LoraApply, Ma
                       Sdpa, SdpaWindow)
 from ..tensor import Array
 from . import BoundKernel, OpEntry, TableBackend, compiled, register_backend
-from .compiled import simd
+from .compiled import attention as compiled_attention
 from .blas import WEIGHT_SLOTS, matmul_family_supports
 from .cpu import CpuBackend
 
 F32 = np.dtype(np.float32)
 
-#: Attention runs here while query rows x keys <= SMALL_ATTENTION, or for one query row (a decode
-#: step) over at most DECODE_KEYS keys; beyond, the CPU library's BLAS products, on every core,
-#: win (``benchmarks/bench_attention.py``).  A decode step here, on one thread, measured 1.2-1.9x
-#: faster than the CPU library on two at 2048-8192 keys (0.45 / 0.9 / 1.8 ms against 0.78 / 1.2 /
-#: 2.4); beyond 8192 it was not measured.
+#: For a head size without vector cores, attention runs in numba's loops while query rows x keys
+#: <= SMALL_ATTENTION, or for one query row (a decode step) over at most DECODE_KEYS keys; beyond,
+#: the CPU library's BLAS products, on every core, won (a decode step in the loops, on one thread,
+#: measured 1.2-1.9x faster than the CPU library on two at 2048-8192 keys).
 SMALL_ATTENTION = 1024
+DECODE_KEYS = 8192
 
 #: From this many rows an F32 product goes to BLAS when invariance is not asked for.  The 125M
 #: model's prefill with BLAS / compiled (TBB threads), one session: 16 rows 54.9 / 38.3 ms, 128
 #: rows 182.8 / 179.2, 512 rows 687.6 / 885.6; its decode step 18.3 / 16.9 ms.
 BLAS_ROWS = 128
-DECODE_KEYS = 8192
 
 
-
-
-def small_attention(query_rows: int, keys: int) -> bool:
-    """Whether an attention of this size runs in the compiled loop (else in the CPU library)."""
-    return query_rows * keys <= SMALL_ATTENTION or (query_rows == 1 and keys <= DECODE_KEYS)
+def small_attention(query_rows: int, keys: int, head_dim: int) -> bool:
+    """Whether an attention of this size runs compiled (else in the CPU library): always on the
+    vector cores, within the limits above in numba's loops."""
+    return (head_dim in compiled_attention.HEAD_DIMS or query_rows * keys <= SMALL_ATTENTION
+            or (query_rows == 1 and keys <= DECODE_KEYS))
 
 
 # Reassociation lets the reductions vectorise; no "nnan"/"ninf", so NaN and inf propagate as in
@@ -131,133 +127,6 @@ def _rope_rows(x, cos, sin, head_dim, rope_dim, out):
                 out[t, base + half + i] = x2 * cos[t, i] + x1 * sin[t, i]
             for i in range(base + rope_dim, base + head_dim):
                 out[t, i] = x[t, i]
-
-
-# exp's argument reduction (x - n * ln2 in two parts) must not be reassociated: no fast-math
-# beyond fusing a multiply-add, which keeps it one fixed sequence of operations.
-_exact = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy", fastmath={"contract"})
-
-#: Below this, exp(x) is under float32's smallest normal: taken as 0.
-_EXP_MIN = np.float32(-87.33654)
-
-
-@_exact
-def _exp_shifted(s, m, n, bits):
-    """``s[t] = exp(s[t] - m)`` for ``t < n`` (all ``s[t] <= m``), vectorised (``libm``'s scalar
-    ``expf`` per key and head was a fifth of a decode step's attention over 1024 keys).  Cephes' ``expf``: ``2^k``
-    times a degree-7 polynomial in ``r = x - k ln2`` (relative error ~1e-7, well inside the
-    softmax tests' 1e-5), ``2^k`` built in ``bits`` (int32 scratch, ``>= n``) and read back as float32."""
-    for t in range(n):
-        x0 = s[t] - m
-        x = _EXP_MIN if x0 < _EXP_MIN else x0  # NaN stays NaN
-        k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
-        r = x - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        bits[t] = (np.int32(k) + np.int32(127)) << np.int32(23)
-        s[t] = np.float32(0.0) if x0 < _EXP_MIN else p * r * r + r + np.float32(1.0)
-    powers = bits[:n].view(np.float32)
-    for t in range(n):
-        s[t] *= powers[t]
-
-
-@intrinsic
-def _prefetch_row(typingctx, a, row):
-    """Hint the caches to load row ``row`` of the 2-D array ``a`` (every 64-byte line of it); a
-    hint never faults, so a row past the end is harmless."""
-    def codegen(context, builder, sig, args):
-        arr = context.make_array(sig.args[0])(context, builder, args[0])
-        stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
-        start = builder.mul(args[1], stride)
-        with cgutils.for_range_slice(builder, start, builder.add(start, stride), ir.Constant(start.type, 64)) as (at, _):
-            simd.prefetch(builder, arr.data, at, 3)
-        return context.get_dummy_value()
-    return types.void(a, types.intp), codegen
-
-
-#: Key (and value) rows ahead of the one in use that the decode attention prefetches: its passes
-#: walk rows of a few hundred bytes to a few KB, which the hardware prefetcher alone left waiting
-#: on memory once the cache held no longer all the layers' K and V.
-AHEAD_ROWS = 4
-
-
-@_jit
-def _attend_row(q, k, v, lo, hi, kv_heads, groups, head_dim, scale, scores, bits, out):
-    """One query row ``q [heads * head_dim]`` (head ``h`` on kv head ``h // groups``):
-    ``out[h] = softmax(K_h @ q[h] * scale) @ V_h`` over key rows ``[lo, hi)``.
-
-    One pass over the key rows and one over the value rows, each row read once, whole, for every
-    head (grouped-query attention's saving: the K/V bytes of a step, not ``groups`` times them;
-    and one sequential stream rather than one per kv head).  ``scores [heads, >= hi - lo]`` and
-    ``bits [>= hi - lo]`` are scratch.  Per head the arithmetic is one fixed sequence whatever the
-    other heads or rows: a row's result is the same alone or in a batch.
-    """
-    n = hi - lo
-    for t in range(n):
-        _prefetch_row(k, lo + t + AHEAD_ROWS)
-        kt = k[lo + t]
-        h = 0
-        for g in range(kv_heads):
-            kh = kt[g * head_dim:(g + 1) * head_dim]
-            for _ in range(groups):
-                qh = q[h * head_dim:(h + 1) * head_dim]
-                d = np.float32(0.0)
-                for i in range(head_dim):
-                    d += qh[i] * kh[i]
-                scores[h, t] = d * scale
-                h += 1
-    for h in range(kv_heads * groups):
-        sh = scores[h]
-        m = np.float32(-np.inf)
-        for t in range(n):
-            m = max(m, sh[t])
-        _exp_shifted(sh, m, n, bits)
-        total = np.float32(0.0)
-        for t in range(n):
-            total += sh[t]
-        inv = np.float32(1.0) / total
-        for t in range(n):
-            sh[t] *= inv
-    out[:] = 0.0
-    for t in range(n):
-        _prefetch_row(v, lo + t + AHEAD_ROWS)
-        vt = v[lo + t]
-        h = 0
-        for g in range(kv_heads):
-            vh = vt[g * head_dim:(g + 1) * head_dim]
-            for _ in range(groups):
-                p, oh = scores[h, t], out[h * head_dim:(h + 1) * head_dim]
-                for i in range(head_dim):
-                    oh[i] += p * vh[i]
-                h += 1
-
-
-@_jit
-def _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out):
-    """Softmax attention of each query row and head over the keys it may see.
-
-    Query row ``r`` sits at key position ``r + Tk - Tq`` (end-aligned, as with a KV cache).
-    Causal: it sees keys up to its own position; ``window > 0`` keeps the ``window`` nearest
-    (behind it if causal, on either side if not).  The caller makes sure every row sees a key.
-    """
-    tq, tk = q.shape[0], k.shape[0]
-    scale = np.float32(1.0 / math.sqrt(head_dim))
-    scores = np.empty((num_heads, tk), np.float32)
-    bits = np.empty(tk, np.int32)
-    for r in range(tq):
-        at = r + tk - tq
-        lo, hi = 0, tk
-        if causal:
-            hi = at + 1
-        if window > 0:
-            lo = max(0, at - window + 1)
-            if not causal:
-                hi = min(tk, at + window)
-        _attend_row(q[r], k, v, lo, hi, kv_heads, num_heads // kv_heads, head_dim, scale, scores, bits, out[r])
 
 
 @_jit
@@ -397,14 +266,14 @@ def _bind_attention(backend: NumbaBackend, node: Node) -> BoundKernel:
     def run(inputs, ctx):
         q, k, v = inputs
         if not (_is_f32(q, k, v) and q.ndim == k.ndim == v.ndim == 2
-                and (backend.invariant or small_attention(q.shape[0], k.shape[0]))
+                and (backend.invariant or small_attention(q.shape[0], k.shape[0], op.head_dim))
                 and k.shape[0] == v.shape[0]
                 and (q.shape[1], k.shape[1]) == widths and v.shape[1] == widths[1]
                 and not (op.causal and q.shape[0] > k.shape[0])):
             return reference(inputs, ctx)
         out = np.empty(q.shape, F32)
-        _attention_rows(_rows(q), _rows(k), _rows(v), op.num_heads, op.kv_heads,
-                        op.head_dim, bool(op.causal), window, out)
+        compiled_attention.attention_rows(_rows(q), _rows(k), _rows(v), op.num_heads, op.kv_heads,
+                                          op.head_dim, bool(op.causal), window, out)
         return (out,)
     return run
 

@@ -118,23 +118,28 @@ def hsum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
     return builder.extract_element(v, ir.Constant(I32, 0))
 
 
-#: Element types of the empty arrays a :class:`Choice` passes: one per value.
-_MARKERS = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
+#: Element types and dimensions of the empty arrays a :class:`Choice` passes: one pair per value.
+_DTYPES = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                                      np.uint64, np.float32, np.float64, np.complex64, np.complex128, np.bool_))
+_NDIMS = 3
+CHOICES = len(_DTYPES) * _NDIMS
 
 
 class Choice:
     """A compile-time choice among ``values``, passed to a jitted driver as an argument: an empty
-    array whose element type stands for the value, so a driver compiles (and caches) once per
-    value and an ``@intrinsic`` reads it with :meth:`of` while generating code.  An array because
-    numba types an ndarray argument in its C fast path: an object of a type of our own went
-    through numba's Python ``typeof``, 2.6 us a call (0.3 us for the array), ~0.2 ms a token over
-    a 125M model's F32 products; ``numba.literally`` re-resolved each call (~20 ms)."""
+    array whose element type and number of dimensions stand for the value, so a driver compiles
+    (and caches) once per value and an ``@intrinsic`` reads it with :meth:`of` while generating
+    code.  An array because numba types an ndarray argument in its C fast path: an object of a
+    type of our own went through numba's Python ``typeof``, 2.6 us a call (0.3 us for the array),
+    ~0.2 ms a token over a 125M model's F32 products; ``numba.literally`` re-resolved each call
+    (~20 ms)."""
 
     def __init__(self, values):
         self.values = tuple(values)
-        if len(self.values) > len(_MARKERS):
-            raise ValueError(f"a Choice holds at most {len(_MARKERS)} values")
-        self._arrays = {v: np.empty(0, _MARKERS[i]) for i, v in enumerate(self.values)}
+        if len(self.values) > CHOICES:
+            raise ValueError(f"a Choice holds at most {CHOICES} values")
+        self._arrays = {v: np.empty((0,) * (1 + i // len(_DTYPES)), _DTYPES[i % len(_DTYPES)])
+                        for i, v in enumerate(self.values)}
 
     def __call__(self, value) -> np.ndarray:
         """The argument that stands for ``value``."""
@@ -142,4 +147,4 @@ class Choice:
 
     def of(self, ty: types.Array):
         """The value the numba type ``ty`` of such an argument stands for."""
-        return self.values[_MARKERS.index(numpy_support.as_dtype(ty.dtype))]
+        return self.values[(ty.ndim - 1) * len(_DTYPES) + _DTYPES.index(numpy_support.as_dtype(ty.dtype))]

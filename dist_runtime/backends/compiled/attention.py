@@ -1,0 +1,400 @@
+"""Attention of a few query rows over their keys, compiled: a decode step's (one row per session)
+and a prefill chunk's when rows must be batch-invariant.  ``attention_rows`` is the entry; the
+numba backend (``backends/numba.py``) binds Sdpa and SdpaWindow to it.
+
+For the usual head sizes (:data:`HEAD_DIMS`, a compile-time choice with the path: :data:`SPECS`)
+two vector cores do the work, each over all the heads of a block of 8 key (value) rows before the
+next block, so that the rows stream from memory once, whole, in order, and stay in L1 while every
+head uses them:
+
+- :func:`scores`: a head's query stays in ``head_dim / 8`` vector registers; each key's 8 lanes
+  are multiplied and added over ``head_dim`` in order, and the 8 keys' lanes are summed by one
+  transposing tree that adds each key's lanes in exactly :func:`.simd.hsum`'s order
+  (``((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))``), the order the last ``n mod 8`` keys use: a key's
+  score is the same bits wherever it falls;
+- :func:`weighted`: each head's ``head_dim`` sums, the value rows added in order.
+
+numba's loops over a head's 64 elements (still used for other sizes: :func:`_attend_row`) paid a
+loop's setup and a reduction per key and head and reloaded the accumulators for every value row:
+one query row of 12 heads over 1024 keys took 149-176 us in cache against 86-110 here.  Tasks are
+(query row, part of the kv heads), threaded from :data:`SERIAL_KV_BYTES` of K/V: a decode step's
+one row splits its kv heads over the threads.  Each head is one fixed sequence of operations
+whatever the task, the other rows or the threads: batch-invariant.
+
+numba's on-disk cache checks only the file of each jitted function: the drivers live here, beside
+the intrinsics whose code they inline (after editing ``simd.py``, delete the ``*.nbi`` / ``*.nbc``
+files of ``__pycache__``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import cpu, simd
+
+# Reassociation lets the reductions vectorise; no "nnan"/"ninf", so NaN and inf propagate as in
+# numpy.  The numpy error model makes x / 0 an inf, not a ZeroDivisionError.
+_jit = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy",
+                  fastmath={"reassoc", "contract", "nsz", "arcp"})
+
+#: Lanes of one vector (8 f32: one AVX2 register).
+LANES = 8
+#: The head sizes with compiled cores (each its own code); other sizes take numba's loops.
+HEAD_DIMS = (8, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 256)
+#: The compile-time choice: (path, head_dim).
+SPECS = simd.Choice((path, hd) for path in ("avx2", "portable") for hd in HEAD_DIMS)
+_I64 = ir.IntType(64)
+
+
+def _slice(context, builder, ty, array, row, offset):
+    """A pointer to element ``offset`` of row ``row`` of the C-contiguous 2-D f32 ``array``."""
+    arr = context.make_array(ty)(context, builder, array)
+    width = cgutils.unpack_tuple(builder, arr.shape, 2)[1]
+    return builder.gep(arr.data, [builder.add(builder.mul(row, width), offset)])
+
+
+def _prefetch(builder, ptr, span):
+    """A hint for each 64-byte line of the ``span`` bytes (a runtime value) at ``ptr``."""
+    with cgutils.for_range_slice(builder, _I64(0), span, _I64(64)) as (at, _):
+        simd.prefetch(builder, ptr, at, 3)
+
+
+def _dot_lanes(builder, path, ptr, qv):
+    """The 8 lanes of ``row . q`` (lane j: the products of elements j, j + 8, ... added in order)."""
+    acc = None
+    for p, q in enumerate(qv):
+        kv = simd.load(builder, builder.gep(ptr, [_I64(p * LANES)]), "f32", LANES, path)
+        acc = builder.fmul(kv, q) if acc is None else simd.fma(builder, kv, q, acc, path)
+    return acc
+
+
+def _transpose_sum(builder, vectors):
+    """Lane j of the result: the sum of ``vectors[j]``'s 8 lanes in :func:`.simd.hsum`'s order."""
+    def pairs(vs, low, high):
+        out = []
+        for a, b in zip(vs[::2], vs[1::2]):
+            mask = [ir.Constant(simd.vector(simd.I32, LANES), m) for m in (low, high)]
+            out.append(builder.fadd(builder.shuffle_vector(a, b, mask[0]), builder.shuffle_vector(a, b, mask[1])))
+        return out
+    # Fed in the order 0 2 1 3 4 6 5 7, the three levels leave key j in lane j.
+    vs = [vectors[i] for i in (0, 2, 1, 3, 4, 6, 5, 7)]
+    vs = pairs(vs, [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])  # l_i + l_{i+4}
+    vs = pairs(vs, [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])  # + the pair 2 apart
+    return pairs(vs, [0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15])[0]  # + the neighbour
+
+
+def _splat(builder, value):
+    vec = simd.vector(simd.F32, LANES)
+    one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, _I64(0))
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(simd.vector(simd.I32, LANES), [0] * LANES))
+
+
+@intrinsic
+def scores(typingctx, spec, q, g0, g1, groups, k, lo, hi, scale, out, ahead):
+    """``out[h, t - lo] = scale * (q[h*hd:(h+1)*hd] . k[t, g*hd:(g+1)*hd])`` for every head ``h``
+    (on kv head ``g = h // groups``) and ``lo <= t < hi`` (``q`` 1-D f32; ``k``, ``out``
+    C-contiguous 2-D f32; ``hd`` from ``spec``).  Blocks of 8 key rows in order, all heads on a
+    block before the next: the rows stream from memory once, whole, in order, and stay in L1
+    while the heads use them; each block prefetches the rows ``ahead`` of it."""
+    sig = types.void(spec, q, types.intp, types.intp, types.intp, k, types.intp, types.intp, types.float32, out,
+                     types.intp)
+    return sig, functools.partial(_scores_codegen, *SPECS.of(spec))
+
+
+def _scores_codegen(path, hd, context, builder, sig, args):
+    _, q, g0, g1, groups, k, lo, hi, scale, out, ahead = args
+    qbase = context.make_array(sig.args[1])(context, builder, q).data
+    kty, oty = sig.args[5], sig.args[9]
+    scales = _splat(builder, scale)
+    vec = simd.vector(simd.F32, LANES)
+    first = builder.mul(g0, _I64(hd))  # the rows' part these kv heads read
+    row_bytes = builder.mul(builder.mul(builder.sub(g1, g0), _I64(hd)), _I64(4))
+
+    def query(h):
+        qp = builder.gep(qbase, [builder.mul(h, _I64(hd))])
+        return [simd.load(builder, builder.gep(qp, [_I64(p * LANES)]), "f32", LANES, path) for p in range(hd // LANES)]
+
+    def each_head(body):
+        with cgutils.for_range_slice(builder, g0, g1, _I64(1)) as (g, _):
+            with cgutils.for_range(builder, groups) as j:
+                body(g, builder.add(builder.mul(g, groups), j.index))
+
+    blocked = builder.add(lo, builder.mul(builder.sdiv(builder.sub(hi, lo), _I64(LANES)), _I64(LANES)))
+    with cgutils.for_range_slice(builder, lo, blocked, _I64(LANES)) as (t, _):
+        for j in range(LANES):
+            _prefetch(builder, _slice(context, builder, kty, k, builder.add(t, builder.add(ahead, _I64(j))), first),
+                      row_bytes)
+
+        def block(g, h):
+            koff = builder.mul(g, _I64(hd))
+            qv = query(h)
+            lanes = [_dot_lanes(builder, path, _slice(context, builder, kty, k, builder.add(t, _I64(j)), koff), qv)
+                     for j in range(LANES)]
+            dots = builder.fmul(_transpose_sum(builder, lanes), scales)
+            at = _slice(context, builder, oty, out, h, builder.sub(t, lo))
+            builder.store(dots, builder.bitcast(at, vec.as_pointer()), align=4)
+        each_head(block)
+    with cgutils.for_range_slice(builder, blocked, hi, _I64(1)) as (t, _):
+        def one(g, h):
+            dot = simd.hsum(builder, _dot_lanes(builder, path, _slice(context, builder, kty, k, t, builder.mul(g, _I64(hd))),
+                                                query(h)))
+            builder.store(builder.fmul(dot, scale), _slice(context, builder, oty, out, h, builder.sub(t, lo)))
+        each_head(one)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def weighted(typingctx, spec, p, g0, g1, groups, v, lo, hi, out, ahead):
+    """``out[h*hd:(h+1)*hd] = sum over lo <= t < hi, in order, of p[h, t - lo] * v[t, g*hd:(g+1)*hd]``
+    for every head ``h`` (on kv head ``g = h // groups``; ``p``, ``v`` C-contiguous 2-D f32,
+    ``out`` 1-D f32; ``hd`` from ``spec``).  Blocks of 8 value rows in order, all heads on a
+    block before the next (as :func:`scores`); each head's sums wait in ``out`` between blocks."""
+    sig = types.void(spec, p, types.intp, types.intp, types.intp, v, types.intp, types.intp, out, types.intp)
+    return sig, functools.partial(_weighted_codegen, *SPECS.of(spec))
+
+
+def _weighted_codegen(path, hd, context, builder, sig, args):
+    _, p, g0, g1, groups, v, lo, hi, out, ahead = args
+    pty, vty = sig.args[1], sig.args[5]
+    obase = context.make_array(sig.args[8])(context, builder, out).data
+    vec = simd.vector(simd.F32, LANES)
+    pieces = hd // LANES
+    first_col = builder.mul(g0, _I64(hd))
+    row_bytes = builder.mul(builder.mul(builder.sub(g1, g0), _I64(hd)), _I64(4))
+
+    def sums(h):
+        at = builder.gep(obase, [builder.mul(h, _I64(hd))])
+        return [builder.bitcast(builder.gep(at, [_I64(i * LANES)]), vec.as_pointer()) for i in range(pieces)]
+
+    with cgutils.for_range_slice(builder, builder.mul(g0, groups), builder.mul(g1, groups), _I64(1)) as (h, _):
+        for ptr in sums(h):
+            builder.store(ir.Constant(vec, [0.0] * LANES), ptr, align=4)
+
+    def rows(first, count):
+        """Rows ``first .. first + count - 1`` (``count`` a constant) into every head's sums."""
+        for j in range(count):
+            _prefetch(builder, _slice(context, builder, vty, v, builder.add(first, builder.add(ahead, _I64(j))), first_col),
+                      row_bytes)
+        with cgutils.for_range_slice(builder, g0, g1, _I64(1)) as (g, _):
+            voff = builder.mul(g, _I64(hd))
+            with cgutils.for_range(builder, groups) as jj:
+                h = builder.add(builder.mul(g, groups), jj.index)
+                ptrs = sums(h)
+                accs = [builder.load(ptr, align=4) for ptr in ptrs]
+                for j in range(count):
+                    t = builder.add(first, _I64(j))
+                    row = _slice(context, builder, vty, v, t, voff)
+                    w = _splat(builder, builder.load(_slice(context, builder, pty, p, h, builder.sub(t, lo))))
+                    accs = [simd.fma(builder, simd.load(builder, builder.gep(row, [_I64(i * LANES)]), "f32", LANES, path),
+                                     w, acc, path) for i, acc in enumerate(accs)]
+                for ptr, acc in zip(ptrs, accs):
+                    builder.store(acc, ptr, align=4)
+
+    blocked = builder.add(lo, builder.mul(builder.sdiv(builder.sub(hi, lo), _I64(LANES)), _I64(LANES)))
+    with cgutils.for_range_slice(builder, lo, blocked, _I64(LANES)) as (t, _):
+        rows(t, LANES)
+    with cgutils.for_range_slice(builder, blocked, hi, _I64(1)) as (t, _):
+        rows(t, 1)
+    return context.get_dummy_value()
+
+
+# exp's argument reduction (x - n * ln2 in two parts) must not be reassociated: no fast-math
+# beyond fusing a multiply-add, which keeps it one fixed sequence of operations.
+_exact = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy", fastmath={"contract"})
+
+#: Below this, exp(x) is under float32's smallest normal: taken as 0.
+_EXP_MIN = np.float32(-87.33654)
+
+
+@_exact
+def _exp_shifted(s, m, n, bits):
+    """``s[t] = exp(s[t] - m)`` for ``t < n`` (all ``s[t] <= m``), vectorised (``libm``'s scalar
+    ``expf`` per key and head was a fifth of a decode step's attention over 1024 keys).  Cephes' ``expf``: ``2^k``
+    times a degree-7 polynomial in ``r = x - k ln2`` (relative error ~1e-7, well inside the
+    softmax tests' 1e-5), ``2^k`` built in ``bits`` (int32 scratch, ``>= n``) and read back as float32."""
+    for t in range(n):
+        x0 = s[t] - m
+        x = _EXP_MIN if x0 < _EXP_MIN else x0  # NaN stays NaN
+        k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+        r = x - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        bits[t] = (np.int32(k) + np.int32(127)) << np.int32(23)
+        s[t] = np.float32(0.0) if x0 < _EXP_MIN else p * r * r + r + np.float32(1.0)
+    powers = bits[:n].view(np.float32)
+    for t in range(n):
+        s[t] *= powers[t]
+
+
+@intrinsic
+def _prefetch_row(typingctx, a, row):
+    """Hint the caches to load row ``row`` of the 2-D array ``a`` (every 64-byte line of it); a
+    hint never faults, so a row past the end is harmless."""
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+        start = builder.mul(args[1], stride)
+        with cgutils.for_range_slice(builder, start, builder.add(start, stride), ir.Constant(start.type, 64)) as (at, _):
+            simd.prefetch(builder, arr.data, at, 3)
+        return context.get_dummy_value()
+    return types.void(a, types.intp), codegen
+
+
+#: Key (and value) rows ahead of the one in use that the decode attention prefetches: its passes
+#: walk rows of a few hundred bytes to a few KB, which the hardware prefetcher alone left waiting
+#: on memory once the cache held no longer all the layers' K and V.
+AHEAD_ROWS = 4
+#: Rows ahead of a block that the vector cores prefetch, whole (a block ahead; 0, 16, 32 and 64
+#: measured no faster at 1024 keys, and 32-64 slower in cache).
+AHEAD_K = 8
+#: Below this many K/V bytes read (times query rows), attention runs on the calling thread.
+SERIAL_KV_BYTES = 1 << 18
+
+
+@_jit
+def _attend_row(q, k, v, lo, hi, kv_heads, groups, head_dim, scale, scores, bits, out):
+    """One query row ``q [heads * head_dim]`` (head ``h`` on kv head ``h // groups``):
+    ``out[h] = softmax(K_h @ q[h] * scale) @ V_h`` over key rows ``[lo, hi)``, in numba's loops
+    (a head size without compiled cores: :data:`HEAD_DIMS`).
+
+    One pass over the key rows and one over the value rows, each row read once, whole, for every
+    head (grouped-query attention's saving: the K/V bytes of a step, not ``groups`` times them;
+    and one sequential stream rather than one per kv head).  ``scores [heads, >= hi - lo]`` and
+    ``bits [>= hi - lo]`` are scratch.  Per head the arithmetic is one fixed sequence whatever the
+    other heads or rows: a row's result is the same alone or in a batch.
+    """
+    n = hi - lo
+    for t in range(n):
+        _prefetch_row(k, lo + t + AHEAD_ROWS)
+        kt = k[lo + t]
+        h = 0
+        for g in range(kv_heads):
+            kh = kt[g * head_dim:(g + 1) * head_dim]
+            for _ in range(groups):
+                qh = q[h * head_dim:(h + 1) * head_dim]
+                d = np.float32(0.0)
+                for i in range(head_dim):
+                    d += qh[i] * kh[i]
+                scores[h, t] = d * scale
+                h += 1
+    _softmax_rows(scores, 0, kv_heads * groups, n, bits)
+    out[:] = 0.0
+    for t in range(n):
+        _prefetch_row(v, lo + t + AHEAD_ROWS)
+        vt = v[lo + t]
+        h = 0
+        for g in range(kv_heads):
+            vh = vt[g * head_dim:(g + 1) * head_dim]
+            for _ in range(groups):
+                p, oh = scores[h, t], out[h * head_dim:(h + 1) * head_dim]
+                for i in range(head_dim):
+                    oh[i] += p * vh[i]
+                h += 1
+
+
+@_jit
+def _softmax_rows(scores, h0, h1, n, bits):
+    """``scores[h, :n]`` replaced by its softmax, for each head ``h0 <= h < h1``."""
+    for h in range(h0, h1):
+        sh = scores[h]
+        m = np.float32(-np.inf)
+        for t in range(n):
+            m = max(m, sh[t])
+        _exp_shifted(sh, m, n, bits)
+        total = np.float32(0.0)
+        for t in range(n):
+            total += sh[t]
+        inv = np.float32(1.0) / total
+        for t in range(n):
+            sh[t] *= inv
+
+
+@_jit
+def _row_keys(r, tq, tk, causal, window):
+    """The keys ``[lo, hi)`` query row ``r`` sees (see :func:`_attention_rows`)."""
+    at = r + tk - tq
+    lo, hi = 0, tk
+    if causal:
+        hi = at + 1
+    if window > 0:
+        lo = max(0, at - window + 1)
+        if not causal:
+            hi = min(tk, at + window)
+    return lo, hi
+
+
+@_jit
+def _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out):
+    """Softmax attention of each query row and head over the keys it may see.
+
+    Query row ``r`` sits at key position ``r + Tk - Tq`` (end-aligned, as with a KV cache).
+    Causal: it sees keys up to its own position; ``window > 0`` keeps the ``window`` nearest
+    (behind it if causal, on either side if not).  The caller makes sure every row sees a key.
+    """
+    tq, tk = q.shape[0], k.shape[0]
+    scale = np.float32(1.0 / math.sqrt(head_dim))
+    scores = np.empty((num_heads, tk), np.float32)
+    bits = np.empty(tk, np.int32)
+    for r in range(tq):
+        lo, hi = _row_keys(r, tq, tk, causal, window)
+        _attend_row(q[r], k, v, lo, hi, kv_heads, num_heads // kv_heads, head_dim, scale, scores, bits, out[r])
+
+
+@_jit
+def _attend_part(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, parts, task, out):
+    """Task ``task`` of :func:`attention_rows` on the compiled cores (``spec``: the head size's):
+    query row ``task // parts`` and its kv heads' part ``task % parts``, every head of them over
+    the keys it may see.  A task's heads get the same bits whatever the parts: each head is its
+    own sequence of operations."""
+    r, part = task // parts, task % parts
+    g0, g1 = part * kv_heads // parts, (part + 1) * kv_heads // parts
+    groups = num_heads // kv_heads
+    lo, hi = _row_keys(r, q.shape[0], k.shape[0], causal, window)
+    scale = np.float32(1.0 / math.sqrt(head_dim))
+    probs = np.empty((num_heads, hi - lo), np.float32)  # the scores, then their softmax
+    bits = np.empty(hi - lo, np.int32)
+    scores(spec, q[r], g0, g1, groups, k, lo, hi, scale, probs, AHEAD_K)
+    _softmax_rows(probs, g0 * groups, g1 * groups, hi - lo, bits)
+    weighted(spec, probs, g0, g1, groups, v, lo, hi, out[r], AHEAD_K)
+
+
+@_jit
+def _attention_serial(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out):
+    for task in range(q.shape[0]):
+        _attend_part(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, 1, task, out)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, parts, out):
+    for task in prange(q.shape[0] * parts):
+        _attend_part(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, parts, task, out)
+
+
+def attention_rows(q, k, v, num_heads: int, kv_heads: int, head_dim: int, causal: bool, window: int,
+                   out: np.ndarray) -> None:
+    """Softmax attention of ``q [Tq, heads * head_dim]`` over ``k``, ``v [Tk, kv_heads *
+    head_dim]`` into ``out`` (all f32, C-contiguous rows): on the compiled cores for the head
+    sizes that have them (threaded over query rows and parts of the kv heads from
+    :data:`SERIAL_KV_BYTES` of K/V reads), else numba's loops."""
+    if head_dim not in HEAD_DIMS:
+        _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
+        return
+    spec = SPECS((cpu.PATH, head_dim))
+    threads = numba.get_num_threads()
+    if threads == 1 or q.shape[0] * k.nbytes * 2 < SERIAL_KV_BYTES:
+        _attention_serial(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
+    else:
+        parts = min(kv_heads, threads) if q.shape[0] < threads else 1
+        _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, parts, out)
