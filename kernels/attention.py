@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from dist_runtime import arena
 from dist_runtime.ir.ops import FlashAttention, KvCache, Sdpa, SdpaCross, SdpaWindow
 from dist_runtime.tensor import Array, QuantizedArray, dtype_of
 
@@ -286,7 +287,7 @@ class _Rows:
         return view
 
     def _grow(self, raw: np.ndarray, capacity: int, keep: int) -> None:
-        buf = np.empty((*raw.shape[:-2], capacity, raw.shape[-1]), raw.dtype)
+        buf = arena.empty((*raw.shape[:-2], capacity, raw.shape[-1]), raw.dtype)
         if keep:
             buf[..., :keep, :] = self.buf[..., :keep, :]
         self.buf = buf
