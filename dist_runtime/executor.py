@@ -126,7 +126,7 @@ class GraphExecutor:
     def __init__(self, model, backends: Sequence[str | Backend] | None = None,
                  max_memory: int | None = None, *, fuse: bool = True, seed: int = 0,
                  batch_invariant: bool = False, huge_pages: bool | None = None) -> None:
-        graph, weights, declared_max = _open(model)
+        graph, weights, declared_max, opened = _open(model)
         self.backends = make_backends(backends)
         if batch_invariant:  # every kernel's row result independent of the other rows in the pass
             for backend in self.backends:
@@ -147,6 +147,8 @@ class GraphExecutor:
         self.rows: RowPlan = plan_rows(graph, specs)
         constants, widened = _prepared_weights(graph, weights)
         self._constants, self.placement = pack(constants, _streamed(graph), huge_pages)
+        if opened is not None and self.placement.packed:  # our own map: its copied pages are not needed
+            opened.release(n for n in _streamed(graph) if self._constants[n] is not constants[n])
         self._steps = self._bind(widened)
         self._checked: set[tuple] = set()  # input signatures already shape-checked
         self._seed = seed
@@ -364,15 +366,17 @@ def _spec_text(value) -> str:
         return type(value).__name__
 
 
-def _open(model) -> tuple[Graph, Mapping[str, Array], int | None]:
+def _open(model):
+    """(graph, weights, declared max_memory, the Model if opened here from a path, else None)."""
+    opened = None
     if isinstance(model, (str, os.PathLike, Path)):
         from .model import load_model
 
-        model = load_model(model)
+        model = opened = load_model(model)
     if isinstance(model, tuple):
         graph, weights = model
-        return graph, weights, None
+        return graph, weights, None, None
     if model.graph is None:
         raise GraphValidationError(f"{model.path} has no graph section: there is nothing to run")
     weights = {n: model.tensor(n) for n in model.graph.weights}
-    return model.graph, weights, model.metadata.get("max_memory")
+    return model.graph, weights, model.metadata.get("max_memory"), opened

@@ -389,6 +389,23 @@ class Model:
         spec = self.index[name]
         return self._weights_offset + spec.offset, spec.size
 
+    def release(self, names: Iterable[str]) -> int:
+        """Tell the kernel this process no longer needs the pages of tensors ``names`` (held as
+        copies elsewhere: the executor's huge-page buffer), so they leave its resident memory;
+        returns the bytes advised.  Safe whatever still views them: a page read again is read
+        from the file again.  Drops the names from :attr:`weights`."""
+        if self._mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return 0
+        page, freed = mmap.PAGESIZE, 0
+        for name in names:
+            start, size = self.byte_range(name)
+            lo, hi = -(-start // page) * page, (start + size) // page * page  # whole pages only
+            if hi > lo:
+                self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                freed += hi - lo
+            self.weights.pop(name, None)
+        return freed
+
     def close(self) -> None:
         """Drop this model's views and unmap the file.
 

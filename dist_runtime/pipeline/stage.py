@@ -130,8 +130,11 @@ class StageWorker:
             self._executor = GraphExecutor((self.stage.graph, self._weights), self._backends,
                                            fuse=self._fuse, seed=self._seed, batch_invariant=True)
             # Hold the executor's copies (a huge-page buffer) rather than the file map's or the
-            # object store's views, so that those can be released.
-            self._weights = self._executor.held_weights(self._weights)
+            # object store's views, and give the file's pages of those back.
+            held = self._executor.held_weights(self._weights)
+            if self._model is not None:
+                self._model.release(n for n, w in held.items() if w is not self._weights[n])
+            self._weights = held
             self.warmup = self._warm_up()
 
     def _warm_up(self) -> str:
