@@ -92,6 +92,7 @@ def test_inspect_plan_lists_every_node_with_backend_and_reason(tmp_path, capsys)
     assert (rows["Matmul"], rows["Rope"], rows["KvCache"], rows["Sdpa"]) == (
         "independent", "positional", "per-session", "per-session")
     assert json.loads(out)["batching"].startswith("the rows of several sessions share each pass")
+    assert "MiB of streamed weights" in json.loads(out)["weights"]  # where the matrix weights live, and why
     code, out, _ = run(capsys, "inspect", str(path), "--plan", "--no-fuse", "--json", "--backends", "cpu")
     plan = json.loads(out)["plan"]
     assert code == 0 and all(p["backend"] == "cpu" and p["reason"] == "default" for p in plan)
