@@ -21,17 +21,48 @@ class Terminated(KeyboardInterrupt):
     (pipelines closed, an embedded Ray stopped) and exits with one line, not a stack dump."""
 
 
+#: The interrupt a signal raised, kept until :func:`run_command` has handled it: a raise inside a
+#: callback from C (numba compiling a kernel calls back into Python through ctypes) is printed as
+#: "Exception ignored" and lost, and the command would run on; :func:`check_signals` raises it again.
+_pending: list[KeyboardInterrupt] = []
+
+
 def raise_terminated(signum, frame) -> None:
-    raise Terminated()
+    _pending.append(Terminated())
+    raise _pending[-1]
+
+
+def raise_interrupted(signum, frame) -> None:
+    _pending.append(KeyboardInterrupt())
+    raise _pending[-1]
+
+
+def check_signals() -> None:
+    """Raise again an interrupt that a signal raised where it could not propagate (call it from
+    a loop's steps, e.g. for each token printed)."""
+    if _pending:
+        raise _pending[-1]
+
+
+def _quiet_lost_interrupts(unraisable) -> None:
+    """``sys.unraisablehook``: an interrupt dropped in a callback is not a stack dump for the
+    user (:func:`check_signals` raises it again); anything else is reported as Python would."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and _pending:
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def handle_sigterm() -> None:
-    """SIGTERM raises :class:`Terminated` in the main thread (a command's ``main`` calls this)."""
+    """SIGTERM raises :class:`Terminated` and SIGINT ``KeyboardInterrupt`` in the main thread,
+    both remembered for :func:`check_signals` (a command's ``main`` calls this)."""
     import signal
     import threading
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, raise_terminated)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, raise_interrupted)
+        sys.unraisablehook = _quiet_lost_interrupts
 
 
 def positive_int(text: str) -> int:
@@ -100,6 +131,7 @@ def run_command(func, args: argparse.Namespace) -> int:
         print(f"error: cannot open {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return FAILED
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: what was printed stands; no traceback
+        _pending.clear()
         what = "terminated" if isinstance(e, Terminated) else "interrupted"
         print(f"\ndist-runtime {getattr(args, 'command', '') or ''}: {what}".rstrip(), file=sys.stderr)
         return TERMINATED if isinstance(e, Terminated) else INTERRUPTED

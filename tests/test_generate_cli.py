@@ -186,3 +186,47 @@ def test_ctrl_c_stops_generate_cleanly(tmp_path):
     assert proc.returncode == 130, err
     assert "dist-runtime generate: interrupted" in err and "Traceback" not in err
     assert len((first + out).split()) > 1
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed raise itself
+def test_an_interrupt_lost_in_a_callback_is_raised_again_at_the_next_token():
+    """numba compiling a kernel calls back into Python through ctypes, which prints a raise there
+    as "Exception ignored" and drops it: the Ctrl-C must still stop the command, at the next
+    token, and leave nothing pending once the command has answered it."""
+    import ctypes
+
+    from dist_runtime import commands
+
+    callback = ctypes.CFUNCTYPE(None)(lambda: commands.raise_interrupted(2, None))
+    callback()  # the KeyboardInterrupt is swallowed by ctypes, as in the lost Ctrl-C
+    seen = []
+
+    def command(args):
+        seen.append("ran")
+        commands.check_signals()  # what generate's per-token callback does
+        seen.append("not reached")
+        return 0
+
+    import argparse
+    assert commands.run_command(command, argparse.Namespace(command="generate")) == commands.INTERRUPTED
+    assert seen == ["ran"] and not commands._pending
+    commands.check_signals()  # nothing pending: no raise
+
+
+def test_a_lost_interrupt_prints_no_stack_dump_but_other_unraisables_do(capsys):
+    import ctypes
+    import sys
+
+    from dist_runtime import commands
+
+    before = sys.unraisablehook
+    sys.unraisablehook = commands._quiet_lost_interrupts
+    try:
+        ctypes.CFUNCTYPE(None)(lambda: commands.raise_interrupted(2, None))()
+        assert capsys.readouterr().err == ""
+        commands._pending.clear()
+        ctypes.CFUNCTYPE(None)(lambda: 1 / 0)()
+        assert "ZeroDivisionError" in capsys.readouterr().err
+    finally:
+        sys.unraisablehook = before
+        commands._pending.clear()

@@ -262,6 +262,7 @@ def _bind_attention(backend: NumbaBackend, node: Node) -> BoundKernel:
     op, reference = node.op, backend.reference(node)
     window = op.window if isinstance(op, SdpaWindow) else 0
     widths = (op.num_heads * op.head_dim, op.kv_heads * op.head_dim)
+    compiled_attention.warm(op.head_dim)  # not mid-generation, when a context first grows past a size
 
     def run(inputs, ctx):
         q, k, v = inputs

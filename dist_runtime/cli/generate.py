@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 
-from ..commands import USAGE, positive_int, token_ids
+from ..commands import USAGE, check_signals, positive_int, token_ids
 from ..errors import DistRuntimeError, SamplingError
 from ..pipeline.options import DEFAULT_BATCH_TOKENS, add_deployment_options, stage_options, wants_pipeline
 
@@ -145,6 +145,7 @@ class _Job:
         return generate(engine, self.requests, on_event=self._on_event, **stream_options)
 
     def _on_event(self, event) -> None:
+        check_signals()  # a Ctrl-C lost in a callback from C (a kernel compiling) stops here
         if event.token is None:
             return
         if getattr(self.args, "stream", False) and not self.args.json:

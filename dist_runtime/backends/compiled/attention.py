@@ -382,6 +382,26 @@ def _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, wi
         _attend_part(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, parts, task, out)
 
 
+_WARM: set[int] = set()
+
+
+def warm(head_dim: int) -> None:
+    """Compile (or load from numba's cache) both drivers of ``head_dim`` now, once a process: the
+    threaded one first runs when a context passes SERIAL_KV_BYTES, and compiling it then stalled
+    a fresh install's generation for seconds mid-stream (at ~1000 tokens of a tiny model)."""
+    if head_dim in _WARM or head_dim not in HEAD_DIMS:
+        return
+    _WARM.add(head_dim)
+    spec = SPECS((cpu.PATH, head_dim))
+    q = np.zeros((1, head_dim), np.float32)
+    out = np.empty_like(q)
+    kv = q.copy()
+    kv.flags.writeable = False  # as a KV cache hands them out: numba compiles read-only arrays apart
+    for k in (kv, q):
+        _attention_serial(spec, q, k, k, 1, 1, head_dim, True, 0, out)
+        _attention_threaded(spec, q, k, k, 1, 1, head_dim, True, 0, 1, out)
+
+
 def attention_rows(q, k, v, num_heads: int, kv_heads: int, head_dim: int, causal: bool, window: int,
                    out: np.ndarray) -> None:
     """Softmax attention of ``q [Tq, heads * head_dim]`` over ``k``, ``v [Tk, kv_heads *
