@@ -386,9 +386,11 @@ _WARM: set[int] = set()
 
 
 def warm(head_dim: int) -> None:
-    """Compile (or load from numba's cache) both drivers of ``head_dim`` now, once a process: the
-    threaded one first runs when a context passes SERIAL_KV_BYTES, and compiling it then stalled
-    a fresh install's generation for seconds mid-stream (at ~1000 tokens of a tiny model)."""
+    """Compile (or load from numba's cache) both drivers of ``head_dim`` for a KV cache's read-only
+    keys and values now, once a process: the threaded one first runs when a context passes
+    SERIAL_KV_BYTES, and compiling it then stalled a fresh install's generation for seconds
+    mid-stream (at ~1000 tokens of a tiny model).  Writable K/V (an encoder's, whole sequences in
+    one call) compile on first use."""
     if head_dim in _WARM or head_dim not in HEAD_DIMS:
         return
     _WARM.add(head_dim)
@@ -397,9 +399,8 @@ def warm(head_dim: int) -> None:
     out = np.empty_like(q)
     kv = q.copy()
     kv.flags.writeable = False  # as a KV cache hands them out: numba compiles read-only arrays apart
-    for k in (kv, q):
-        _attention_serial(spec, q, k, k, 1, 1, head_dim, True, 0, out)
-        _attention_threaded(spec, q, k, k, 1, 1, head_dim, True, 0, 1, out)
+    _attention_serial(spec, q, kv, kv, 1, 1, head_dim, True, 0, out)
+    _attention_threaded(spec, q, kv, kv, 1, 1, head_dim, True, 0, 1, out)
 
 
 def attention_rows(q, k, v, num_heads: int, kv_heads: int, head_dim: int, causal: bool, window: int,
