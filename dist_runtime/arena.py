@@ -43,9 +43,6 @@ class Placement:
     nbytes: int = 0  # the streamed weights' bytes
     huge_bytes: int = 0  # of the buffer, backed by huge pages (measured after the copy)
 
-    def __str__(self) -> str:
-        return self.reason
-
 
 def thp_mode(path: Path = _THP) -> str | None:
     """The kernel's transparent huge page mode (``always``, ``madvise``, ``never``), or None."""
@@ -128,19 +125,25 @@ def _copy_into(a: Array, space: np.ndarray) -> Array:
     return QuantizedArray(view, a.dtype, a.shape) if isinstance(a, QuantizedArray) else view
 
 
-def _huge_bytes(buf: np.ndarray) -> int:
-    """Bytes of the mapping holding ``buf`` that the kernel backs with huge pages (/proc/self/smaps)."""
-    addr = buf.ctypes.data
+def mappings() -> list[tuple[int, int, str, dict[str, int]]] | None:
+    """This process's memory mappings from ``/proc/self/smaps``: (start, end, path or "", the
+    per-mapping byte counts such as ``Rss`` and ``AnonHugePages``), or None where there is none."""
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
     except OSError:
-        return 0
-    inside = False
+        return None
+    out: list = []
     for line in lines:
-        head = line.split(maxsplit=1)[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return 0
+        head = line.split(maxsplit=5)
+        if head and "-" in head[0] and not head[0].endswith(":"):  # "start-end perms offset dev inode [path]"
+            lo, hi = (int(v, 16) for v in head[0].split("-"))
+            out.append((lo, hi, head[5].strip() if len(head) == 6 else "", {}))
+        elif out and len(head) >= 3 and head[0].endswith(":") and head[2] == "kB":
+            out[-1][3][head[0][:-1]] = int(head[1]) * 1024
+    return out
+
+
+def _huge_bytes(buf: np.ndarray) -> int:
+    """Bytes of the mapping holding ``buf`` that the kernel backs with huge pages."""
+    addr = buf.ctypes.data
+    return next((fields.get("AnonHugePages", 0) for lo, hi, _, fields in mappings() or [] if lo <= addr < hi), 0)

@@ -126,6 +126,8 @@ class GraphExecutor:
     def __init__(self, model, backends: Sequence[str | Backend] | None = None,
                  max_memory: int | None = None, *, fuse: bool = True, seed: int = 0,
                  batch_invariant: bool = False, huge_pages: bool | None = None) -> None:
+        if huge_pages not in (None, True, False):
+            raise TypeError(f"huge_pages= takes True, False or None (decide), not {huge_pages!r}")
         graph, weights, declared_max, opened = _open(model)
         self.backends = make_backends(backends)
         if batch_invariant:  # every kernel's row result independent of the other rows in the pass
@@ -146,9 +148,10 @@ class GraphExecutor:
         self.assignments: list[Assignment] = assign_backends(graph, specs, self.backends)
         self.rows: RowPlan = plan_rows(graph, specs)
         constants, widened = _prepared_weights(graph, weights)
-        self._constants, self.placement = pack(constants, _streamed(graph), huge_pages)
+        streamed = _streamed(graph)
+        self._constants, self.placement = pack(constants, streamed, huge_pages)
         if opened is not None and self.placement.packed:  # our own map: its copied pages are not needed
-            opened.release(n for n in _streamed(graph) if self._constants[n] is not constants[n])
+            opened.release(streamed)
         self._steps = self._bind(widened)
         self._checked: set[tuple] = set()  # input signatures already shape-checked
         self._seed = seed

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -24,7 +23,6 @@ import numpy as np
 from ..tensor import Array, QuantizedArray
 
 _EDGE = 64
-_MAPPING = re.compile(r"[0-9a-f]+-[0-9a-f]+ ")
 
 
 def _raw(a: Array) -> np.ndarray:
@@ -57,16 +55,9 @@ def resident_file_bytes(path: str | os.PathLike) -> int | None:
     ranges and not the whole file (up to the kernel's fault-around, 64 KiB by default, at the
     edges of what it read).
     """
-    target = str(Path(path).resolve())
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
+    from ..arena import mappings
+
+    target, maps = str(Path(path).resolve()), mappings()
+    if maps is None:
         return None
-    total, inside = 0, False
-    for line in lines:
-        if _MAPPING.match(line):  # a mapping's header: "start-end perms offset dev inode path"
-            head = line.split(maxsplit=5)
-            inside = len(head) == 6 and head[5].strip() == target
-        elif inside and line.startswith("Rss:"):
-            total += int(line.split()[1]) * 1024
-    return total
+    return sum(fields.get("Rss", 0) for _, _, name, fields in maps if name == target)

@@ -91,6 +91,26 @@ def _transpose_sum(builder, vectors):
     return pairs(vs, [0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15])[0]  # + the neighbour
 
 
+def _blocks(builder, lo, hi):
+    """The end of the whole blocks of 8 rows from ``lo`` (the rest, up to ``hi``, one by one)."""
+    return builder.add(lo, builder.mul(builder.sdiv(builder.sub(hi, lo), _I64(LANES)), _I64(LANES)))
+
+
+def _prefetch_rows(context, builder, ty, array, first, count, g0, g1, hd):
+    """Prefetch kv heads ``g0 .. g1 - 1``'s part of rows ``first .. first + count - 1``."""
+    span = builder.mul(builder.mul(builder.sub(g1, g0), _I64(hd)), _I64(4))
+    for j in range(count):
+        _prefetch(builder, _slice(context, builder, ty, array, builder.add(first, _I64(j)), builder.mul(g0, _I64(hd))),
+                  span)
+
+
+def _each_head(builder, g0, g1, groups, body):
+    """``body(g, h)`` for each kv head ``g0 <= g < g1`` and each of its query heads ``h``."""
+    with cgutils.for_range_slice(builder, g0, g1, _I64(1)) as (g, _):
+        with cgutils.for_range(builder, groups) as j:
+            body(g, builder.add(builder.mul(g, groups), j.index))
+
+
 def _splat(builder, value):
     vec = simd.vector(simd.F32, LANES)
     one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, _I64(0))
@@ -115,23 +135,14 @@ def _scores_codegen(path, hd, context, builder, sig, args):
     kty, oty = sig.args[5], sig.args[9]
     scales = _splat(builder, scale)
     vec = simd.vector(simd.F32, LANES)
-    first = builder.mul(g0, _I64(hd))  # the rows' part these kv heads read
-    row_bytes = builder.mul(builder.mul(builder.sub(g1, g0), _I64(hd)), _I64(4))
 
     def query(h):
         qp = builder.gep(qbase, [builder.mul(h, _I64(hd))])
         return [simd.load(builder, builder.gep(qp, [_I64(p * LANES)]), "f32", LANES, path) for p in range(hd // LANES)]
 
-    def each_head(body):
-        with cgutils.for_range_slice(builder, g0, g1, _I64(1)) as (g, _):
-            with cgutils.for_range(builder, groups) as j:
-                body(g, builder.add(builder.mul(g, groups), j.index))
-
-    blocked = builder.add(lo, builder.mul(builder.sdiv(builder.sub(hi, lo), _I64(LANES)), _I64(LANES)))
+    blocked = _blocks(builder, lo, hi)
     with cgutils.for_range_slice(builder, lo, blocked, _I64(LANES)) as (t, _):
-        for j in range(LANES):
-            _prefetch(builder, _slice(context, builder, kty, k, builder.add(t, builder.add(ahead, _I64(j))), first),
-                      row_bytes)
+        _prefetch_rows(context, builder, kty, k, builder.add(t, ahead), LANES, g0, g1, hd)
 
         def block(g, h):
             koff = builder.mul(g, _I64(hd))
@@ -141,13 +152,13 @@ def _scores_codegen(path, hd, context, builder, sig, args):
             dots = builder.fmul(_transpose_sum(builder, lanes), scales)
             at = _slice(context, builder, oty, out, h, builder.sub(t, lo))
             builder.store(dots, builder.bitcast(at, vec.as_pointer()), align=4)
-        each_head(block)
+        _each_head(builder, g0, g1, groups, block)
     with cgutils.for_range_slice(builder, blocked, hi, _I64(1)) as (t, _):
         def one(g, h):
             dot = simd.hsum(builder, _dot_lanes(builder, path, _slice(context, builder, kty, k, t, builder.mul(g, _I64(hd))),
                                                 query(h)))
             builder.store(builder.fmul(dot, scale), _slice(context, builder, oty, out, h, builder.sub(t, lo)))
-        each_head(one)
+        _each_head(builder, g0, g1, groups, one)
     return context.get_dummy_value()
 
 
@@ -167,8 +178,6 @@ def _weighted_codegen(path, hd, context, builder, sig, args):
     obase = context.make_array(sig.args[8])(context, builder, out).data
     vec = simd.vector(simd.F32, LANES)
     pieces = hd // LANES
-    first_col = builder.mul(g0, _I64(hd))
-    row_bytes = builder.mul(builder.mul(builder.sub(g1, g0), _I64(hd)), _I64(4))
 
     def sums(h):
         at = builder.gep(obase, [builder.mul(h, _I64(hd))])
@@ -180,25 +189,22 @@ def _weighted_codegen(path, hd, context, builder, sig, args):
 
     def rows(first, count):
         """Rows ``first .. first + count - 1`` (``count`` a constant) into every head's sums."""
-        for j in range(count):
-            _prefetch(builder, _slice(context, builder, vty, v, builder.add(first, builder.add(ahead, _I64(j))), first_col),
-                      row_bytes)
-        with cgutils.for_range_slice(builder, g0, g1, _I64(1)) as (g, _):
-            voff = builder.mul(g, _I64(hd))
-            with cgutils.for_range(builder, groups) as jj:
-                h = builder.add(builder.mul(g, groups), jj.index)
-                ptrs = sums(h)
-                accs = [builder.load(ptr, align=4) for ptr in ptrs]
-                for j in range(count):
-                    t = builder.add(first, _I64(j))
-                    row = _slice(context, builder, vty, v, t, voff)
-                    w = _splat(builder, builder.load(_slice(context, builder, pty, p, h, builder.sub(t, lo))))
-                    accs = [simd.fma(builder, simd.load(builder, builder.gep(row, [_I64(i * LANES)]), "f32", LANES, path),
-                                     w, acc, path) for i, acc in enumerate(accs)]
-                for ptr, acc in zip(ptrs, accs):
-                    builder.store(acc, ptr, align=4)
+        _prefetch_rows(context, builder, vty, v, builder.add(first, ahead), count, g0, g1, hd)
 
-    blocked = builder.add(lo, builder.mul(builder.sdiv(builder.sub(hi, lo), _I64(LANES)), _I64(LANES)))
+        def head(g, h):
+            ptrs = sums(h)
+            accs = [builder.load(ptr, align=4) for ptr in ptrs]
+            for j in range(count):
+                t = builder.add(first, _I64(j))
+                row = _slice(context, builder, vty, v, t, builder.mul(g, _I64(hd)))
+                w = _splat(builder, builder.load(_slice(context, builder, pty, p, h, builder.sub(t, lo))))
+                accs = [simd.fma(builder, simd.load(builder, builder.gep(row, [_I64(i * LANES)]), "f32", LANES, path),
+                                 w, acc, path) for i, acc in enumerate(accs)]
+            for ptr, acc in zip(ptrs, accs):
+                builder.store(acc, ptr, align=4)
+        _each_head(builder, g0, g1, groups, head)
+
+    blocked = _blocks(builder, lo, hi)
     with cgutils.for_range_slice(builder, lo, blocked, _I64(LANES)) as (t, _):
         rows(t, LANES)
     with cgutils.for_range_slice(builder, blocked, hi, _I64(1)) as (t, _):
