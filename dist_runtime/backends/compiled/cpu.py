@@ -22,7 +22,12 @@ PATH = "avx2" if AVX2 else "portable"
 #: 32 vector registers (AVX-512VL gives 256-bit operations the registers 16-31): room for the F32
 #: kernels' tiles of 8 rows of ``x`` (floats.ROWS).  Only the tile shape depends on it, not the bits.
 REGISTERS = 32 if {"avx512f", "avx512vl"} <= FEATURES else 16
+#: 8-bit dot products in one instruction (``vpdpbusd``, ``vpdpwssd``: AVX-VNNI or AVX-512 VNNI on
+#: 256-bit registers) in place of ``pmaddubsw`` then ``pmaddwd``: the same exact integer sums.
+#: Decided by the CPU alone, never by a setting: numba's cache is keyed by the CPU, and the same
+#: jitted functions compile either way.
+VNNI = AVX2 and ("avxvnni" in FEATURES or {"avx512vnni", "avx512vl"} <= FEATURES)
 REASON = ("AVX2, FMA and F16C present: vector kernels" if AVX2 else
           "portable kernels: " + ("forced by DIST_RUNTIME_PORTABLE=1" if os.environ.get("DIST_RUNTIME_PORTABLE") == "1"
                                   else f"this CPU lacks {', '.join(sorted({'avx2', 'fma', 'f16c'} - FEATURES))}"))
-REASON += f"; {REGISTERS} vector registers"
+REASON += f"; {REGISTERS} vector registers" + ("; VNNI dot products" if VNNI else "")

@@ -365,9 +365,21 @@ def _dot_pieces(blk, rows, pieces, codes_of, scales, scale_lanes, width):
         else:
             scale = b.shuffle_vector(scales, ir.Constant(scales.type, ir.Undefined), ir.Constant(ir.VectorType(I32, len(lanes)), lanes))
         for r, q8 in enumerate(q8s):
-            part = _madd(b, _madd(b, codes, _bytes(blk, q8, [p["y"] for p in group]), "ubs"), scale, "wd")
-            totals[r] = part if totals[r] is None else b.add(totals[r], part)
+            pairs = _madd(b, codes, _bytes(blk, q8, [p["y"] for p in group]), "ubs")
+            if totals[r] is not None and cpu.VNNI:
+                totals[r] = _dot_add(b, totals[r], pairs, scale)
+            else:
+                part = _madd(b, pairs, scale, "wd")
+                totals[r] = part if totals[r] is None else b.add(totals[r], part)
     return totals
+
+
+def _dot_add(builder, total, pairs, scale):
+    """``total + pmaddwd(pairs, scale)`` as one ``vpdpwssd`` (VNNI): the same exact i32 sums."""
+    n = total.type.count
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(total.type, [total.type] * 3),
+                                        f"llvm.x86.avx512.vpdpwssd.{32 * n}")
+    return builder.call(fn, [total, builder.bitcast(pairs, total.type), builder.bitcast(scale, total.type)])
 
 
 def _emit_q45_k_q8(blk, rows, high):
