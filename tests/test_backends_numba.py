@@ -152,7 +152,8 @@ def test_sdpa_large_scores_are_stable():
     assert_agree(*both(op, *attention_inputs(1, 50, 2, 1, 16, scale=60.0)), rtol=1e-5)
 
 
-@pytest.mark.parametrize("tq, tk, heads, kv_heads, head_dim", [(6, 40, 12, 4, 64), (5, 9, 4, 2, 12), (16, 64, 2, 1, 8)])
+@pytest.mark.parametrize("tq, tk, heads, kv_heads, head_dim", [(6, 40, 12, 4, 64), (5, 9, 4, 2, 12), (16, 64, 2, 1, 8),
+                                                            (3, 600, 12, 4, 64)])  # rows of 2 and 3 pieces
 def test_sdpa_rows_are_batch_invariant(tq, tk, heads, kv_heads, head_dim):
     """Each query row is bitwise what it gives alone over the keys it sees (a batched step mixes
     rows whose results must not depend on one another)."""
@@ -168,9 +169,9 @@ def test_sdpa_rows_are_batch_invariant(tq, tk, heads, kv_heads, head_dim):
 @pytest.mark.parametrize("tq, tk, heads, kv_heads, head_dim", [(1, 700, 12, 4, 64), (5, 260, 12, 4, 64),
                                                             (1, 333, 6, 3, 128), (2, 9, 4, 2, 8)])
 def test_compiled_attention_gives_the_same_bits_on_any_threads(monkeypatch, tq, tk, heads, kv_heads, head_dim):
-    """Serial, threaded over kv heads (one query row) or over rows, on 1 or 2 threads: each head
-    is one fixed sequence of operations, so every split gives the same bits -- and agrees with
-    the CPU library (scores in blocks of 8 keys, a tail of tk mod 8)."""
+    """Serial or threaded over the pieces of the rows' keys, on 1 or 2 threads: the pieces are
+    the keys', never the threads', so every run gives the same bits -- and agrees with the CPU
+    library (scores in blocks of 8 keys, a tail of tk mod 8; 700 keys: three pieces merged)."""
     import numba
 
     from dist_runtime.backends.compiled import attention as compiled_attention
@@ -205,7 +206,21 @@ def test_compiled_attention_propagates_nan_and_inf():
     np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want[0]))
 
 
+def test_compiled_attention_nan_in_one_piece_poisons_its_heads_whole_row():
+    """A NaN key in one piece of a long row makes its heads' whole output NaN through the merge,
+    and leaves the other kv head's heads untouched."""
+    from dist_runtime.backends.compiled.attention import SPLIT_KEYS
+
+    tk = 3 * SPLIT_KEYS - 50
+    q, k, v = attention_inputs(1, tk, 4, 2, 16)
+    k = k.copy()
+    k[SPLIT_KEYS + 7, 16:] = np.nan  # kv head 1, second piece
+    got, _ = both(Sdpa(num_heads=4, kv_heads=2, head_dim=16, causal=True), q, k, v)
+    assert np.isnan(got[0][0, 32:]).all() and not np.isnan(got[0][0, :32]).any()
+
+
 @pytest.mark.parametrize("tq, tk, window, causal", [
+    (1, 900, 300, True), (2, 700, 600, False),  # pieces cut from each row's first key, not key 0
     (1, 40, 8, True), (4, 12, 3, True), (5, 9, 2, False), (1, 6, 100, True), (6, 6, 1, True)])
 def test_sdpa_window(tq, tk, window, causal):
     op = SdpaWindow(num_heads=4, kv_heads=2, head_dim=16, window=window, causal=causal)

@@ -16,10 +16,14 @@ head uses them:
 
 numba's loops over a head's 64 elements (still used for other sizes: :func:`_attend_row`) paid a
 loop's setup and a reduction per key and head and reloaded the accumulators for every value row:
-one query row of 12 heads over 1024 keys took 149-176 us in cache against 86-110 here.  Tasks are
-(query row, part of the kv heads), threaded from :data:`SERIAL_KV_BYTES` of K/V: a decode step's
-one row splits its kv heads over the threads.  Each head is one fixed sequence of operations
-whatever the task, the other rows or the threads: batch-invariant.
+one query row of 12 heads over 1024 keys took 149-176 us in cache against 86-110 here.
+
+A query row's keys are cut into pieces of :data:`SPLIT_KEYS`; each piece is attended alone (its
+own softmax) and the pieces are merged by the sums of their exps (:func:`_merge`, as split-K
+decoding does), so that threads share one row's keys while each reads whole K/V rows.  The pieces
+are fixed by the row's keys alone, never by the threads; each head is one fixed sequence of
+operations whatever the other rows or the threads: batch-invariant.  A row of at most
+SPLIT_KEYS keys is one piece, whose values keep their bits through the merge.
 
 numba's on-disk cache checks only the file of each jitted function: the drivers live here, beside
 the intrinsics whose code they inline (after editing ``simd.py``, delete the ``*.nbi`` / ``*.nbc``
@@ -267,6 +271,11 @@ AHEAD_ROWS = 4
 AHEAD_K = 8
 #: Below this many K/V bytes read (times query rows), attention runs on the calling thread.
 SERIAL_KV_BYTES = 1 << 18
+#: Keys per piece: a query row's keys are cut every SPLIT_KEYS from its first, each piece is
+#: attended alone (its own softmax) and the pieces merged by their exps' sums (:func:`_merge`),
+#: so that threads can share one row's keys, each reading whole rows.  Fixed, never the threads':
+#: a row's bits depend on its keys alone.
+SPLIT_KEYS = 256
 
 
 @_jit
@@ -295,7 +304,7 @@ def _attend_row(q, k, v, lo, hi, kv_heads, groups, head_dim, scale, scores, bits
                     d += qh[i] * kh[i]
                 scores[h, t] = d * scale
                 h += 1
-    _softmax_rows(scores, 0, kv_heads * groups, n, bits)
+    _softmax_rows(scores, 0, kv_heads * groups, n, bits, np.empty((2, kv_heads * groups), np.float32))
     out[:] = 0.0
     for t in range(n):
         _prefetch_row(v, lo + t + AHEAD_ROWS)
@@ -311,13 +320,36 @@ def _attend_row(q, k, v, lo, hi, kv_heads, groups, head_dim, scale, scores, bits
 
 
 @_jit
-def _softmax_rows(scores, h0, h1, n, bits):
-    """``scores[h, :n]`` replaced by its softmax, for each head ``h0 <= h < h1``."""
+def _above(x, m):
+    return x if x > m else m
+
+
+@_jit
+def _max(s, n, lanes):
+    """The largest of ``s[:n]`` (a NaN among them is passed over: it makes its own exp NaN, and so
+    the whole softmax).  Over 8 lanes, then across them: a max is exact in any order, and the lanes
+    vectorise where a running ``max()`` did not (12.5 -> 2.5 us for 12 heads x 1024 keys)."""
+    whole = n // LANES * LANES
+    lanes[:] = -np.inf
+    for t in range(0, whole, LANES):
+        for j in range(LANES):
+            lanes[j] = _above(s[t + j], lanes[j])
+    m = np.float32(-np.inf)
+    for j in range(LANES):
+        m = _above(lanes[j], m)
+    for t in range(whole, n):
+        m = _above(s[t], m)
+    return m
+
+
+@_jit
+def _softmax_rows(scores, h0, h1, n, bits, stats):
+    """``scores[h, :n]`` replaced by its softmax, for each head ``h0 <= h < h1``; its max and the
+    sum of its exps go to ``stats[0, h]`` and ``stats[1, h]`` (what :func:`_merge` weighs by)."""
+    lanes = np.empty(LANES, np.float32)
     for h in range(h0, h1):
         sh = scores[h]
-        m = np.float32(-np.inf)
-        for t in range(n):
-            m = max(m, sh[t])
+        m = _max(sh, n, lanes)
         _exp_shifted(sh, m, n, bits)
         total = np.float32(0.0)
         for t in range(n):
@@ -325,6 +357,7 @@ def _softmax_rows(scores, h0, h1, n, bits):
         inv = np.float32(1.0) / total
         for t in range(n):
             sh[t] *= inv
+        stats[0, h], stats[1, h] = m, total
 
 
 @_jit
@@ -359,33 +392,79 @@ def _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
 
 
 @_jit
-def _attend_part(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, parts, task, out):
-    """Task ``task`` of :func:`attention_rows` on the compiled cores (``spec``: the head size's):
-    query row ``task // parts`` and its kv heads' part ``task % parts``, every head of them over
-    the keys it may see.  A task's heads get the same bits whatever the parts: each head is its
-    own sequence of operations."""
-    r, part = task // parts, task % parts
-    g0, g1 = part * kv_heads // parts, (part + 1) * kv_heads // parts
+def _pieces(tq, tk, causal, window):
+    """Where each query row's pieces start among the tasks: row ``r`` has tasks ``starts[r] ..
+    starts[r + 1] - 1``, one per :data:`SPLIT_KEYS` of the keys it sees (at least one)."""
+    starts = np.empty(tq + 1, np.int64)
+    starts[0] = 0
+    for r in range(tq):
+        lo, hi = _row_keys(r, tq, tk, causal, window)
+        starts[r + 1] = starts[r] + max(1, (hi - lo + SPLIT_KEYS - 1) // SPLIT_KEYS)
+    return starts
+
+
+@_jit
+def _attend_piece(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, piece, sums, stats):
+    """Piece ``piece`` (a query row's keys ``[a, b)``, :func:`_pieces`) on the compiled cores
+    (``spec``: the head size's), every head: its softmax-weighted values into ``sums[piece]``,
+    each head's max and sum of exps into ``stats[piece]``."""
+    r = np.searchsorted(starts, piece, side="right") - 1
     groups = num_heads // kv_heads
     lo, hi = _row_keys(r, q.shape[0], k.shape[0], causal, window)
+    a = lo + (piece - starts[r]) * SPLIT_KEYS
+    b = min(hi, a + SPLIT_KEYS)
     scale = np.float32(1.0 / math.sqrt(head_dim))
-    probs = np.empty((num_heads, hi - lo), np.float32)  # the scores, then their softmax
-    bits = np.empty(hi - lo, np.int32)
-    scores(spec, q[r], g0, g1, groups, k, lo, hi, scale, probs, AHEAD_K)
-    _softmax_rows(probs, g0 * groups, g1 * groups, hi - lo, bits)
-    weighted(spec, probs, g0, g1, groups, v, lo, hi, out[r], AHEAD_K)
+    probs = np.empty((num_heads, b - a), np.float32)  # the scores, then their softmax
+    bits = np.empty(b - a, np.int32)
+    scores(spec, q[r], 0, kv_heads, groups, k, a, b, scale, probs, AHEAD_K)
+    _softmax_rows(probs, 0, num_heads, b - a, bits, stats[piece])
+    weighted(spec, probs, 0, kv_heads, groups, v, a, b, sums[piece], AHEAD_K)
+
+
+@_jit
+def _merge(starts, sums, stats, num_heads, head_dim, out):
+    """Each query row's pieces as one softmax over all its keys: piece ``p``'s weighted values
+    times its share ``w_p / sum(w)`` of the exps, ``w_p = sum_p * exp(max_p - max)``, added in
+    piece order.  A row of one piece keeps its values' bits (its share is exactly 1)."""
+    for r in range(len(starts) - 1):
+        p0, p1 = starts[r], starts[r + 1]
+        for h in range(num_heads):
+            m = stats[p0, 0, h]
+            for p in range(p0 + 1, p1):
+                m = _above(stats[p, 0, h], m)
+            total = np.float32(0.0)
+            for p in range(p0, p1):
+                total += stats[p, 1, h] * np.exp(stats[p, 0, h] - m)
+            o = out[r, h * head_dim:(h + 1) * head_dim]
+            for p in range(p0, p1):
+                share = stats[p, 1, h] * np.exp(stats[p, 0, h] - m) / total
+                part = sums[p, h * head_dim:(h + 1) * head_dim]
+                for i in range(head_dim):
+                    o[i] = share * part[i] if p == p0 else o[i] + share * part[i]
 
 
 @_jit
 def _attention_serial(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out):
-    for task in range(q.shape[0]):
-        _attend_part(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, 1, task, out)
+    starts = _pieces(q.shape[0], k.shape[0], causal, window)
+    sums = np.empty((starts[-1], num_heads * head_dim), np.float32)
+    stats = np.empty((starts[-1], 2, num_heads), np.float32)
+    for piece in range(starts[-1]):
+        _attend_piece(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, piece, sums, stats)
+    _merge(starts, sums, stats, num_heads, head_dim, out)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
-def _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, parts, out):
-    for task in prange(q.shape[0] * parts):
-        _attend_part(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, parts, task, out)
+def _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out):
+    """The pieces over the threads.  Pieces of keys, not parts of the kv heads (as until session 9):
+    two threads reading alternate halves of each row of K read 9-15 GB/s here, against 27-30 for
+    halves of the rows (each core's prefetcher fetched the other's lines too), and one row over
+    1024 keys took 146-151 us on two threads from memory, 157-185 on one; in pieces 90-97."""
+    starts = _pieces(q.shape[0], k.shape[0], causal, window)
+    sums = np.empty((starts[-1], num_heads * head_dim), np.float32)
+    stats = np.empty((starts[-1], 2, num_heads), np.float32)
+    for piece in prange(starts[-1]):
+        _attend_piece(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, piece, sums, stats)
+    _merge(starts, sums, stats, num_heads, head_dim, out)
 
 
 _WARM: set[int] = set()
@@ -406,22 +485,22 @@ def warm(head_dim: int) -> None:
     kv = q.copy()
     kv.flags.writeable = False  # as a KV cache hands them out: numba compiles read-only arrays apart
     _attention_serial(spec, q, kv, kv, 1, 1, head_dim, True, 0, out)
-    _attention_threaded(spec, q, kv, kv, 1, 1, head_dim, True, 0, 1, out)
+    _attention_threaded(spec, q, kv, kv, 1, 1, head_dim, True, 0, out)
 
 
 def attention_rows(q, k, v, num_heads: int, kv_heads: int, head_dim: int, causal: bool, window: int,
                    out: np.ndarray) -> None:
     """Softmax attention of ``q [Tq, heads * head_dim]`` over ``k``, ``v [Tk, kv_heads *
     head_dim]`` into ``out`` (all f32, C-contiguous rows): on the compiled cores for the head
-    sizes that have them (threaded over query rows and parts of the kv heads from
-    :data:`SERIAL_KV_BYTES` of K/V reads), else numba's loops."""
+    sizes that have them (their pieces threaded from :data:`SERIAL_KV_BYTES` of K/V reads),
+    else numba's loops."""
     if head_dim not in HEAD_DIMS:
         _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
         return
     spec = SPECS((cpu.PATH, head_dim))
     threads = numba.get_num_threads()
-    if threads == 1 or q.shape[0] * k.nbytes * 2 < SERIAL_KV_BYTES:
+    one_piece = q.shape[0] == 1 and k.shape[0] <= SPLIT_KEYS
+    if threads == 1 or one_piece or q.shape[0] * k.nbytes * 2 < SERIAL_KV_BYTES:
         _attention_serial(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
     else:
-        parts = min(kv_heads, threads) if q.shape[0] < threads else 1
-        _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, parts, out)
+        _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
