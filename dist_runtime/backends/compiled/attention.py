@@ -271,11 +271,13 @@ AHEAD_ROWS = 4
 AHEAD_K = 8
 #: Below this many K/V bytes read (times query rows), attention runs on the calling thread.
 SERIAL_KV_BYTES = 1 << 18
-#: Keys per piece: a query row's keys are cut every SPLIT_KEYS from its first, each piece is
-#: attended alone (its own softmax) and the pieces merged by their exps' sums (:func:`_merge`),
-#: so that threads can share one row's keys, each reading whole rows.  Fixed, never the threads':
-#: a row's bits depend on its keys alone.
-SPLIT_KEYS = 256
+#: A query row's keys beyond SPLIT_KEYS are cut into a multiple of PIECES of equal pieces of at
+#: most SPLIT_KEYS, each attended alone (its own softmax) and merged by their exps' sums
+#: (:func:`_merge`), so that threads share one row's keys, each reading whole rows.  Fixed by the
+#: row's keys, never by the threads: its bits depend on its keys alone.  Equal pieces, a multiple
+#: of 4, so that 2 or 4 threads get equal work: cut every 256 keys, a 1025-key row's five pieces
+#: (one of a single key) kept one thread on three of them, 183-189 us a layer against 130.
+SPLIT_KEYS, PIECES = 256, 4
 
 
 @_jit
@@ -394,12 +396,14 @@ def _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
 @_jit
 def _pieces(tq, tk, causal, window):
     """Where each query row's pieces start among the tasks: row ``r`` has tasks ``starts[r] ..
-    starts[r + 1] - 1``, one per :data:`SPLIT_KEYS` of the keys it sees (at least one)."""
+    starts[r + 1] - 1``: one if it sees at most :data:`SPLIT_KEYS` keys, else a multiple of
+    :data:`PIECES` of at most SPLIT_KEYS each, of equal sizes (to within one key)."""
     starts = np.empty(tq + 1, np.int64)
     starts[0] = 0
     for r in range(tq):
         lo, hi = _row_keys(r, tq, tk, causal, window)
-        starts[r + 1] = starts[r] + max(1, (hi - lo + SPLIT_KEYS - 1) // SPLIT_KEYS)
+        n = hi - lo
+        starts[r + 1] = starts[r] + (1 if n <= SPLIT_KEYS else -(-n // (SPLIT_KEYS * PIECES)) * PIECES)
     return starts
 
 
@@ -411,8 +415,8 @@ def _attend_piece(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, 
     r = np.searchsorted(starts, piece, side="right") - 1
     groups = num_heads // kv_heads
     lo, hi = _row_keys(r, q.shape[0], k.shape[0], causal, window)
-    a = lo + (piece - starts[r]) * SPLIT_KEYS
-    b = min(hi, a + SPLIT_KEYS)
+    j, count = piece - starts[r], starts[r + 1] - starts[r]
+    a, b = lo + j * (hi - lo) // count, lo + (j + 1) * (hi - lo) // count
     scale = np.float32(1.0 / math.sqrt(head_dim))
     probs = np.empty((num_heads, b - a), np.float32)  # the scores, then their softmax
     bits = np.empty(b - a, np.int32)
