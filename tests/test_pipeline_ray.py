@@ -11,6 +11,7 @@ than it lets in flight at once.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -85,6 +86,7 @@ def test_two_stages_object_store(pipe2, reference):
     for r, st in zip(pipe2.reports, pipe2.plan.stages):
         assert r["weights"] == list(st.weights) and r["weight_bytes"] == st.memory.weights
         assert r["blas_threads_env"] == "1"  # the thread cap follows the CPU reservation
+        assert r["nice"] == os.nice(0)  # the embedded Ray's workers at the driver's priority, not Ray's 15
     _check_same_answers(pipe2, reference)
 
 

@@ -251,7 +251,7 @@ class StageWorker:
             "node_id": _node_id(), "source": self.source, "weights": list(self._weights),
             "weight_bytes": held_bytes(self._weights),
             "resident_file_bytes": resident_file_bytes(path) if path is not None else None,
-            "threads": self.threads, "thread_limit": self.thread_limit,
+            "threads": self.threads, "thread_limit": self.thread_limit, "nice": os.nice(0),
             "blas_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
             "compiled_threads": _compiled_threads(),
             "sessions": len(self.sessions()), "steps": self.steps, "errors": self.errors,
