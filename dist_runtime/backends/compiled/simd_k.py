@@ -217,15 +217,22 @@ def _emit_q6_k(blk):
     """Q6_K: elements ``128 h + 32 g + l``: nibble ``g // 2`` of ``ql[64 h + 32 (g % 2) + l]``,
     bits ``2g`` of ``qh[32 h + l]``, minus 32; sub-blocks of 16 (scale ``8 h + 2 g + l // 16``)."""
     b = blk.builder
+    v32 = ir.VectorType(I8, 32)
+
+    def byte(value):
+        return ir.Constant(v32, [value] * 32)
+
     for h in range(2):
-        highs = [blk.codes8(128 + 32 * h + 8 * v) for v in range(4)]
+        highs = blk.load(blk.row, blk.at(blk.block_at, 128 + 32 * h), v32, 1)
         for g in range(4):
-            codes = []
-            for v in range(4):
-                low = blk.codes8(64 * h + 32 * (g % 2) + 8 * v)
-                low = b.and_(b.lshr(low, _i32s(4)) if g // 2 else low, _i32s(15))
-                hi = b.and_(b.lshr(highs[v], _i32s(2 * g)), _i32s(3))
-                codes.append(b.sub(b.or_(low, b.shl(hi, _i32s(4))), _i32s(32)))
+            # The 32 codes' bits on bytes, 32 at a time, then widened: a quarter of the integer
+            # operations of doing it on i32 lanes 8 at a time (the same codes, the same bits).
+            low = blk.load(blk.row, blk.at(blk.block_at, 64 * h + 32 * (g % 2)), v32, 1)
+            low = b.and_(b.lshr(low, byte(4)) if g // 2 else low, byte(15))
+            hi = b.and_(b.lshr(highs, byte(2 * g)) if g else highs, byte(3))
+            q = b.sub(b.or_(low, b.shl(hi, byte(4))), byte(32))
+            codes = [b.sext(b.shuffle_vector(q, q, ir.Constant(V8I, list(range(8 * v, 8 * v + 8)))), V8I)
+                     for v in range(4)]
             for half in range(2):
                 blk.subblock(codes[2 * half:2 * half + 2], 128 * h + 32 * g + 16 * half, blk.scale(8 * h + 2 * g + half))
 
