@@ -219,6 +219,25 @@ def test_compiled_attention_nan_in_one_piece_poisons_its_heads_whole_row():
     assert np.isnan(got[0][0, 32:]).all() and not np.isnan(got[0][0, :32]).any()
 
 
+def test_attention_merge_of_pieces():
+    """The merge of a row's pieces: a lone piece comes out with its own bits (its share is exactly
+    1), several give the softmax over all their keys (closed form in float64)."""
+    from dist_runtime.backends.compiled.attention import _merge
+
+    rng = np.random.default_rng(5)
+    heads, hd = 3, 8
+    starts = np.array([0, 1, 4], np.int64)  # row 0: one piece; row 1: three
+    sums = rng.standard_normal((4, heads * hd)).astype(np.float32)
+    stats = np.stack([rng.normal(0, 3, (4, heads)), rng.uniform(1, 50, (4, heads))], axis=1).astype(np.float32)
+    out = np.empty((2, heads * hd), np.float32)
+    _merge(starts, sums, stats, heads, hd, out)
+    np.testing.assert_array_equal(out[0], sums[0])
+    m, total = stats[1:, 0].astype(np.float64), stats[1:, 1].astype(np.float64)
+    w = total * np.exp(m - m.max(axis=0))  # [pieces, heads]
+    want = np.einsum("ph,phd->hd", w / w.sum(axis=0), sums[1:].reshape(3, heads, hd).astype(np.float64))
+    np.testing.assert_allclose(out[1], want.reshape(-1), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("tq, tk, window, causal", [
     (1, 900, 300, True), (2, 700, 600, False),  # pieces cut from each row's first key, not key 0
     (1, 40, 8, True), (4, 12, 3, True), (5, 9, 2, False), (1, 6, 100, True), (6, 6, 1, True)])

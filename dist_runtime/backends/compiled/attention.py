@@ -100,17 +100,17 @@ def _blocks(builder, lo, hi):
     return builder.add(lo, builder.mul(builder.sdiv(builder.sub(hi, lo), _I64(LANES)), _I64(LANES)))
 
 
-def _prefetch_rows(context, builder, ty, array, first, count, g0, g1, hd):
-    """Prefetch kv heads ``g0 .. g1 - 1``'s part of rows ``first .. first + count - 1``."""
-    span = builder.mul(builder.mul(builder.sub(g1, g0), _I64(hd)), _I64(4))
+def _prefetch_rows(context, builder, ty, array, first, count, kv_heads, hd):
+    """Prefetch the ``kv_heads`` heads of rows ``first .. first + count - 1``."""
+    span = builder.mul(builder.mul(kv_heads, _I64(hd)), _I64(4))
     for j in range(count):
-        _prefetch(builder, _slice(context, builder, ty, array, builder.add(first, _I64(j)), builder.mul(g0, _I64(hd))),
-                  span)
+        _prefetch(builder, _slice(context, builder, ty, array, builder.add(first, _I64(j)), _I64(0)), span)
 
 
-def _each_head(builder, g0, g1, groups, body):
-    """``body(g, h)`` for each kv head ``g0 <= g < g1`` and each of its query heads ``h``."""
-    with cgutils.for_range_slice(builder, g0, g1, _I64(1)) as (g, _):
+def _each_head(builder, kv_heads, groups, body):
+    """``body(g, h)`` for each kv head ``g`` and each of its query heads ``h``."""
+    with cgutils.for_range(builder, kv_heads) as kv:
+        g = kv.index
         with cgutils.for_range(builder, groups) as j:
             body(g, builder.add(builder.mul(g, groups), j.index))
 
@@ -122,21 +122,20 @@ def _splat(builder, value):
 
 
 @intrinsic
-def scores(typingctx, spec, q, g0, g1, groups, k, lo, hi, scale, out, ahead):
+def scores(typingctx, spec, q, kv_heads, groups, k, lo, hi, scale, out, ahead):
     """``out[h, t - lo] = scale * (q[h*hd:(h+1)*hd] . k[t, g*hd:(g+1)*hd])`` for every head ``h``
     (on kv head ``g = h // groups``) and ``lo <= t < hi`` (``q`` 1-D f32; ``k``, ``out``
     C-contiguous 2-D f32; ``hd`` from ``spec``).  Blocks of 8 key rows in order, all heads on a
     block before the next: the rows stream from memory once, whole, in order, and stay in L1
     while the heads use them; each block prefetches the rows ``ahead`` of it."""
-    sig = types.void(spec, q, types.intp, types.intp, types.intp, k, types.intp, types.intp, types.float32, out,
-                     types.intp)
+    sig = types.void(spec, q, types.intp, types.intp, k, types.intp, types.intp, types.float32, out, types.intp)
     return sig, functools.partial(_scores_codegen, *SPECS.of(spec))
 
 
 def _scores_codegen(path, hd, context, builder, sig, args):
-    _, q, g0, g1, groups, k, lo, hi, scale, out, ahead = args
+    _, q, kv_heads, groups, k, lo, hi, scale, out, ahead = args
     qbase = context.make_array(sig.args[1])(context, builder, q).data
-    kty, oty = sig.args[5], sig.args[9]
+    kty, oty = sig.args[4], sig.args[8]
     scales = _splat(builder, scale)
     vec = simd.vector(simd.F32, LANES)
 
@@ -146,7 +145,7 @@ def _scores_codegen(path, hd, context, builder, sig, args):
 
     blocked = _blocks(builder, lo, hi)
     with cgutils.for_range_slice(builder, lo, blocked, _I64(LANES)) as (t, _):
-        _prefetch_rows(context, builder, kty, k, builder.add(t, ahead), LANES, g0, g1, hd)
+        _prefetch_rows(context, builder, kty, k, builder.add(t, ahead), LANES, kv_heads, hd)
 
         def block(g, h):
             koff = builder.mul(g, _I64(hd))
@@ -156,30 +155,30 @@ def _scores_codegen(path, hd, context, builder, sig, args):
             dots = builder.fmul(_transpose_sum(builder, lanes), scales)
             at = _slice(context, builder, oty, out, h, builder.sub(t, lo))
             builder.store(dots, builder.bitcast(at, vec.as_pointer()), align=4)
-        _each_head(builder, g0, g1, groups, block)
+        _each_head(builder, kv_heads, groups, block)
     with cgutils.for_range_slice(builder, blocked, hi, _I64(1)) as (t, _):
         def one(g, h):
             dot = simd.hsum(builder, _dot_lanes(builder, path, _slice(context, builder, kty, k, t, builder.mul(g, _I64(hd))),
                                                 query(h)))
             builder.store(builder.fmul(dot, scale), _slice(context, builder, oty, out, h, builder.sub(t, lo)))
-        _each_head(builder, g0, g1, groups, one)
+        _each_head(builder, kv_heads, groups, one)
     return context.get_dummy_value()
 
 
 @intrinsic
-def weighted(typingctx, spec, p, g0, g1, groups, v, lo, hi, out, ahead):
+def weighted(typingctx, spec, p, kv_heads, groups, v, lo, hi, out, ahead):
     """``out[h*hd:(h+1)*hd] = sum over lo <= t < hi, in order, of p[h, t - lo] * v[t, g*hd:(g+1)*hd]``
     for every head ``h`` (on kv head ``g = h // groups``; ``p``, ``v`` C-contiguous 2-D f32,
     ``out`` 1-D f32; ``hd`` from ``spec``).  Blocks of 8 value rows in order, all heads on a
     block before the next (as :func:`scores`); each head's sums wait in ``out`` between blocks."""
-    sig = types.void(spec, p, types.intp, types.intp, types.intp, v, types.intp, types.intp, out, types.intp)
+    sig = types.void(spec, p, types.intp, types.intp, v, types.intp, types.intp, out, types.intp)
     return sig, functools.partial(_weighted_codegen, *SPECS.of(spec))
 
 
 def _weighted_codegen(path, hd, context, builder, sig, args):
-    _, p, g0, g1, groups, v, lo, hi, out, ahead = args
-    pty, vty = sig.args[1], sig.args[5]
-    obase = context.make_array(sig.args[8])(context, builder, out).data
+    _, p, kv_heads, groups, v, lo, hi, out, ahead = args
+    pty, vty = sig.args[1], sig.args[4]
+    obase = context.make_array(sig.args[7])(context, builder, out).data
     vec = simd.vector(simd.F32, LANES)
     pieces = hd // LANES
 
@@ -187,13 +186,13 @@ def _weighted_codegen(path, hd, context, builder, sig, args):
         at = builder.gep(obase, [builder.mul(h, _I64(hd))])
         return [builder.bitcast(builder.gep(at, [_I64(i * LANES)]), vec.as_pointer()) for i in range(pieces)]
 
-    with cgutils.for_range_slice(builder, builder.mul(g0, groups), builder.mul(g1, groups), _I64(1)) as (h, _):
-        for ptr in sums(h):
+    with cgutils.for_range(builder, builder.mul(kv_heads, groups)) as heads:
+        for ptr in sums(heads.index):
             builder.store(ir.Constant(vec, [0.0] * LANES), ptr, align=4)
 
     def rows(first, count):
         """Rows ``first .. first + count - 1`` (``count`` a constant) into every head's sums."""
-        _prefetch_rows(context, builder, vty, v, builder.add(first, ahead), count, g0, g1, hd)
+        _prefetch_rows(context, builder, vty, v, builder.add(first, ahead), count, kv_heads, hd)
 
         def head(g, h):
             ptrs = sums(h)
@@ -206,7 +205,7 @@ def _weighted_codegen(path, hd, context, builder, sig, args):
                                  w, acc, path) for i, acc in enumerate(accs)]
             for ptr, acc in zip(ptrs, accs):
                 builder.store(acc, ptr, align=4)
-        _each_head(builder, g0, g1, groups, head)
+        _each_head(builder, kv_heads, groups, head)
 
     blocked = _blocks(builder, lo, hi)
     with cgutils.for_range_slice(builder, lo, blocked, _I64(LANES)) as (t, _):
@@ -306,7 +305,7 @@ def _attend_row(q, k, v, lo, hi, kv_heads, groups, head_dim, scale, scores, bits
                     d += qh[i] * kh[i]
                 scores[h, t] = d * scale
                 h += 1
-    _softmax_rows(scores, 0, kv_heads * groups, n, bits, np.empty((2, kv_heads * groups), np.float32))
+    _softmax_rows(scores, n, bits, np.empty((2, scores.shape[0]), np.float32))
     out[:] = 0.0
     for t in range(n):
         _prefetch_row(v, lo + t + AHEAD_ROWS)
@@ -345,11 +344,11 @@ def _max(s, n, lanes):
 
 
 @_jit
-def _softmax_rows(scores, h0, h1, n, bits, stats):
-    """``scores[h, :n]`` replaced by its softmax, for each head ``h0 <= h < h1``; its max and the
-    sum of its exps go to ``stats[0, h]`` and ``stats[1, h]`` (what :func:`_merge` weighs by)."""
+def _softmax_rows(scores, n, bits, stats):
+    """``scores[h, :n]`` replaced by its softmax, for each head ``h``; its max and the sum of its
+    exps go to ``stats[0, h]`` and ``stats[1, h]`` (what :func:`_merge` weighs by)."""
     lanes = np.empty(LANES, np.float32)
-    for h in range(h0, h1):
+    for h in range(scores.shape[0]):
         sh = scores[h]
         m = _max(sh, n, lanes)
         _exp_shifted(sh, m, n, bits)
@@ -408,6 +407,14 @@ def _pieces(tq, tk, causal, window):
 
 
 @_jit
+def _scratch(tq, tk, causal, window, num_heads, head_dim):
+    """The pieces' starts (:func:`_pieces`) and what each piece leaves for :func:`_merge`."""
+    starts = _pieces(tq, tk, causal, window)
+    return (starts, np.empty((starts[-1], num_heads * head_dim), np.float32),
+            np.empty((starts[-1], 2, num_heads), np.float32))
+
+
+@_jit
 def _attend_piece(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, piece, sums, stats):
     """Piece ``piece`` (a query row's keys ``[a, b)``, :func:`_pieces`) on the compiled cores
     (``spec``: the head size's), every head: its softmax-weighted values into ``sums[piece]``,
@@ -420,16 +427,17 @@ def _attend_piece(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, 
     scale = np.float32(1.0 / math.sqrt(head_dim))
     probs = np.empty((num_heads, b - a), np.float32)  # the scores, then their softmax
     bits = np.empty(b - a, np.int32)
-    scores(spec, q[r], 0, kv_heads, groups, k, a, b, scale, probs, AHEAD_K)
-    _softmax_rows(probs, 0, num_heads, b - a, bits, stats[piece])
-    weighted(spec, probs, 0, kv_heads, groups, v, a, b, sums[piece], AHEAD_K)
+    scores(spec, q[r], kv_heads, groups, k, a, b, scale, probs, AHEAD_K)
+    _softmax_rows(probs, b - a, bits, stats[piece])
+    weighted(spec, probs, kv_heads, groups, v, a, b, sums[piece], AHEAD_K)
 
 
-@_jit
+@_exact  # no reciprocal approximation: a lone piece's share is exactly 1
 def _merge(starts, sums, stats, num_heads, head_dim, out):
     """Each query row's pieces as one softmax over all its keys: piece ``p``'s weighted values
     times its share ``w_p / sum(w)`` of the exps, ``w_p = sum_p * exp(max_p - max)``, added in
     piece order.  A row of one piece keeps its values' bits (its share is exactly 1)."""
+    weights = np.empty(starts[-1], np.float32)
     for r in range(len(starts) - 1):
         p0, p1 = starts[r], starts[r + 1]
         for h in range(num_heads):
@@ -438,20 +446,21 @@ def _merge(starts, sums, stats, num_heads, head_dim, out):
                 m = _above(stats[p, 0, h], m)
             total = np.float32(0.0)
             for p in range(p0, p1):
-                total += stats[p, 1, h] * np.exp(stats[p, 0, h] - m)
-            o = out[r, h * head_dim:(h + 1) * head_dim]
-            for p in range(p0, p1):
-                share = stats[p, 1, h] * np.exp(stats[p, 0, h] - m) / total
-                part = sums[p, h * head_dim:(h + 1) * head_dim]
+                weights[p] = stats[p, 1, h] * np.exp(stats[p, 0, h] - m)
+                total += weights[p]
+            o, at = out[r], h * head_dim
+            share = weights[p0] / total
+            for i in range(head_dim):
+                o[at + i] = share * sums[p0, at + i]
+            for p in range(p0 + 1, p1):
+                share = weights[p] / total
                 for i in range(head_dim):
-                    o[i] = share * part[i] if p == p0 else o[i] + share * part[i]
+                    o[at + i] += share * sums[p, at + i]
 
 
 @_jit
 def _attention_serial(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out):
-    starts = _pieces(q.shape[0], k.shape[0], causal, window)
-    sums = np.empty((starts[-1], num_heads * head_dim), np.float32)
-    stats = np.empty((starts[-1], 2, num_heads), np.float32)
+    starts, sums, stats = _scratch(q.shape[0], k.shape[0], causal, window, num_heads, head_dim)
     for piece in range(starts[-1]):
         _attend_piece(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, piece, sums, stats)
     _merge(starts, sums, stats, num_heads, head_dim, out)
@@ -463,9 +472,7 @@ def _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, wi
     two threads reading alternate halves of each row of K read 9-15 GB/s here, against 27-30 for
     halves of the rows (each core's prefetcher fetched the other's lines too), and one row over
     1024 keys took 146-151 us on two threads from memory, 157-185 on one; in pieces 90-97."""
-    starts = _pieces(q.shape[0], k.shape[0], causal, window)
-    sums = np.empty((starts[-1], num_heads * head_dim), np.float32)
-    stats = np.empty((starts[-1], 2, num_heads), np.float32)
+    starts, sums, stats = _scratch(q.shape[0], k.shape[0], causal, window, num_heads, head_dim)
     for piece in prange(starts[-1]):
         _attend_piece(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, piece, sums, stats)
     _merge(starts, sums, stats, num_heads, head_dim, out)
