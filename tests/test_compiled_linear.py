@@ -98,6 +98,31 @@ def test_edges_empty_rows_nan_inf_non_contiguous_read_only(dtype):
     assert np.isnan(y[1]).all() and not np.isfinite(y[2]).any() and np.isfinite(y[[0, 3]]).all()
 
 
+@pytest.mark.parametrize("dtype", [DType.F32, DType.F16, DType.BF16, DType.Q4_0], ids=lambda d: d.name)
+def test_linear_many_gives_each_products_bits(dtype):
+    """One launch for several weights (float types; the others one call each): for every weight
+    exactly ``linear``'s bits, with weights large enough to be threaded, on 1 and 2 threads, odd
+    row counts of the weights (1, 0) and of ``x``."""
+    ws = [weight(dtype, n, 512, seed=s) for s, n in enumerate((700, 1, 250, 0))]
+    rng = np.random.default_rng(6)
+    try:
+        for threads in (2, 1):
+            set_threads(threads)
+            for group in (ws[:2], ws[:3], [ws[2], ws[3], ws[0]], ws):  # four: one call each
+                for m in (1, 3, 9):
+                    x = rng.standard_normal((m, 512)).astype(np.float32)
+                    for act in ("f32", "q8_0"):
+                        got = compiled.linear_many(x, group, activations=act)
+                        for y, w in zip(got, group, strict=True):
+                            assert np.array_equal(y.view(np.uint32), linear(x, w, activations=act).view(np.uint32))
+        assert [y.shape for y in compiled.linear_many(np.zeros((0, 512), np.float32), ws[:2])] == [(0, 700), (0, 1)]
+        assert compiled.linear_many(x, []) == []
+    finally:
+        set_threads(numba.config.NUMBA_NUM_THREADS)
+    with pytest.raises(ValueError, match="columns differ"):
+        compiled.linear_many(x, [ws[0], weight(dtype, 4, 256)])
+
+
 def test_bad_arguments_are_refused():
     w = weight(DType.F32, 4, 64)
     with pytest.raises(ValueError, match="does not match"):

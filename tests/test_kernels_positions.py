@@ -155,3 +155,19 @@ def test_pos_embed_gpt2_style_and_errors():
     np.testing.assert_array_equal(y, table[9:10])
     with pytest.raises(DistRuntimeError, match=r"position 10 .*has 10 rows"):
         run(PosEmbed(offset=1), np.zeros((2, 3), np.float32), table, np.array([8.0], np.float32))
+
+
+def test_cached_cos_sin_rows_are_the_computed_ones():
+    """The block cache (cos_sin_rows) gives rope_cos_sin's bits: inside a block, across a block's
+    end, past two blocks (computed directly), and no rows; its slices are read-only."""
+    from dist_runtime.kernels.positions import ROPE_BLOCK, cos_sin_rows, rope_cos_sin
+
+    for rope_dim, base in ((64, 10000.0), (128, 500000.0)):
+        for start, length in ((0, 1), (37, 16), (ROPE_BLOCK - 3, 7), (5 * ROPE_BLOCK + 1, 1),
+                              (ROPE_BLOCK - 1, 2 * ROPE_BLOCK + 5), (9, 0)):
+            got, want = cos_sin_rows(start, length, rope_dim, base), rope_cos_sin(start, length, rope_dim, base)
+            for g, w in zip(got, want):
+                assert g.shape == w.shape == (length, rope_dim // 2)
+                assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (start, length)
+    cos, _ = cos_sin_rows(3, 2, 64, 10000.0)
+    assert not cos.flags.writeable

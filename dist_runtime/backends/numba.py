@@ -45,14 +45,13 @@ backend by default (:func:`dist_runtime.backends.default_backends`), and a node 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Sequence
 
 import numba
 import numpy as np
 
-from dist_runtime.kernels.positions import position, rope_cos_sin
+from dist_runtime.kernels.positions import cos_sin_rows, position
 
 from ..dtypes import DType
 from ..ir.graph import Node, TensorSpec
@@ -138,7 +137,7 @@ def _silu_mul_compiled(gate, up):
 
 
 #: Every Rope node of a step (q and k of every layer) rotates by the same positions.
-_cos_sin = functools.lru_cache(maxsize=64)(rope_cos_sin)
+_cos_sin = cos_sin_rows
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
@@ -198,7 +197,7 @@ def _bind_swiglu(backend: NumbaBackend, node: Node) -> BoundKernel:
         x, w_gate, w_up = inputs
         if not (_takes_weight(x, w_gate) and _takes_weight(x, w_up) and w_gate.shape == w_up.shape):
             return reference(inputs, ctx)
-        gate, up = backend.linear(x, w_gate), backend.linear(x, w_up)
+        gate, up = backend.linear_many(x, [w_gate, w_up])
         _silu_mul_compiled(gate.reshape(-1), up.reshape(-1))
         return (gate,)
     return run
@@ -354,6 +353,15 @@ class NumbaBackend(TableBackend):
         else:
             y = compiled.linear(x2, w, activations=self.activations)
         return y.reshape(*x.shape[:-1], w.shape[0])
+
+    def linear_many(self, x: np.ndarray, ws: list[Array]) -> list[np.ndarray]:
+        """``[self.linear(x, w) for w in ws]``, the compiled products in one launch
+        (:func:`compiled.linear_many`)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if not self.invariant and x2.shape[0] >= BLAS_ROWS:
+            return [self.linear(x, w) for w in ws]
+        ys = compiled.linear_many(x2, ws, activations=self.activations)
+        return [y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, ws)]
 
     def reference(self, node: Node) -> BoundKernel:
         """The CPU library's kernel for ``node``: what runs off the fast path."""

@@ -44,7 +44,7 @@ if numba.config.THREADING_LAYER == "default":
 
 from ...dtypes import DType  # noqa: E402
 from ...tensor import Array, QuantizedArray  # noqa: E402
-from .registry import KERNELS, kernel  # noqa: E402,F401  (the family modules register there)
+from .registry import JOINT, KERNELS, kernel  # noqa: E402,F401  (the family modules register there)
 
 #: The activation modes of :func:`linear`.
 ACTIVATIONS = ("f32", "q8_0")
@@ -69,23 +69,51 @@ def _float_dtype(w: np.ndarray) -> DType | None:
         return None
 
 
-def linear(x: np.ndarray, w: Array, *, activations: str = "f32") -> np.ndarray:
-    """``x [M, K] @ W[N, K]^T`` as f32 ``[M, N]`` (see the module docstring)."""
+def _stored(w: Array) -> tuple[DType | None, np.ndarray]:
+    """The weight's element type and the array its kernel reads (F16/BF16 as u16)."""
+    if isinstance(w, QuantizedArray):
+        return w.dtype, w.data
+    dtype = _float_dtype(w)
+    return dtype, (w.view(np.uint16) if dtype in (DType.F16, DType.BF16) else w)
+
+
+def _activations(x: np.ndarray, k: int, activations: str) -> np.ndarray:
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
-    n, k = w.shape
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"linear: x {list(x.shape)} does not match the weight's {k} columns")
-    x = np.ascontiguousarray(x, np.float32)
-    if isinstance(w, QuantizedArray):
-        dtype, data = w.dtype, w.data
-    else:
-        dtype = _float_dtype(w)
-        data = w.view(np.uint16) if dtype in (DType.F16, DType.BF16) else w
+    return np.ascontiguousarray(x, np.float32)
+
+
+def linear(x: np.ndarray, w: Array, *, activations: str = "f32") -> np.ndarray:
+    """``x [M, K] @ W[N, K]^T`` as f32 ``[M, N]`` (see the module docstring)."""
+    n, k = w.shape
+    x = _activations(x, k, activations)
+    dtype, data = _stored(w)
     out = np.empty((x.shape[0], n), np.float32)
     if x.shape[0] and n:
         KERNELS[dtype](x, data, out, activations == "q8_0")
     return out
+
+
+def linear_many(x: np.ndarray, ws: list[Array], *, activations: str = "f32") -> list[np.ndarray]:
+    """``[linear(x, w) for w in ws]``, the same bits, in one threaded launch where the weights
+    share a type whose module has a joint kernel (:data:`registry.JOINT`): the threads then never
+    wait between the products (a 125M model's gate and up products, 2 threads, from memory: 539
+    against 607 us as two launches)."""
+    if not ws:
+        return []
+    k = ws[0].shape[1]
+    if any(w.shape[1] != k for w in ws):
+        raise ValueError(f"linear_many: the weights' columns differ ({[list(w.shape) for w in ws]})")
+    x = _activations(x, k, activations)
+    stored = [_stored(w) for w in ws]
+    dtype = stored[0][0]
+    if dtype not in JOINT or any(d != dtype for d, _ in stored) or not x.shape[0]:
+        return [linear(x, w, activations=activations) for w in ws]
+    outs = [np.empty((x.shape[0], w.shape[0]), np.float32) for w in ws]
+    JOINT[dtype](x, [data for _, data in stored], outs, activations == "q8_0")
+    return outs
 
 
 from . import floats, kquants, legacy  # noqa: E402,F401  (each registers its kernels)

@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 
 from ...dtypes import DType
 from . import cpu, simd
-from .registry import Drivers, kernel, run
+from .registry import SERIAL_BYTES, Drivers, joint_kernel, kernel, run
 
 #: Lanes of one multiply-add (8 f32 = one AVX2 register).
 LANES = 8
@@ -209,6 +209,20 @@ def _rows(spec, x, w, out, m, n, k, lo, hi):
         _chunk(spec, x, w, out, m, n, k, task)
 
 
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _threaded_joint(spec, x, m, k, w0, out0, n0, w1, out1, n1, w2, out2, n2):
+    """Up to three weights' products with one ``x`` in one launch: their chunks in one range (a
+    weight of ``n`` = 0 has none), so the threads never wait between products."""
+    t0, t1, t2 = (n0 + CHUNK - 1) // CHUNK, (n1 + CHUNK - 1) // CHUNK, (n2 + CHUNK - 1) // CHUNK
+    for task in prange(t0 + t1 + t2):
+        if task < t0:
+            _chunk(spec, x, w0, out0, m, n0, k, task)
+        elif task < t0 + t1:
+            _chunk(spec, x, w1, out1, m, n1, k, task - t0)
+        else:
+            _chunk(spec, x, w2, out2, m, n2, k, task - t0 - t1)
+
+
 _DRIVERS = Drivers(_rows, _threaded)
 
 
@@ -217,5 +231,17 @@ def _run(spec: np.ndarray, x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bo
     run(_DRIVERS, w.nbytes * m, (spec, x.reshape(-1), w.reshape(-1), out.reshape(-1), m, n, x.shape[1]), n)
 
 
+def _run_joint(spec: np.ndarray, x: np.ndarray, ws: list, outs: list, q8: bool) -> None:
+    m, k = x.shape
+    if sum(w.nbytes for w in ws) * m < SERIAL_BYTES or numba.get_num_threads() == 1 or len(ws) > 3:
+        for w, out in zip(ws, outs):
+            _run(spec, x, w, out, q8)
+        return
+    slots = [(w.reshape(-1), out.reshape(-1), w.shape[0]) for w, out in zip(ws, outs)]
+    slots += [(ws[0].reshape(-1)[:0], outs[0].reshape(-1)[:0], 0)] * (3 - len(ws))
+    _threaded_joint(spec, x.reshape(-1), m, k, *(v for slot in slots for v in slot))
+
+
 for _dtype, _fmt in ((DType.F32, "f32"), (DType.F16, "f16"), (DType.BF16, "bf16")):
     kernel(_dtype)(functools.partial(_run, SPECS((_fmt, cpu.PATH))))
+    joint_kernel(_dtype)(functools.partial(_run_joint, SPECS((_fmt, cpu.PATH))))

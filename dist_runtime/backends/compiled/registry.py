@@ -15,6 +15,21 @@ from ...dtypes import DType
 KERNELS: dict[DType, Callable] = {}
 
 
+#: element type -> ``joint(x, ws, outs, q8)``: the products of one ``x`` with several weights of
+#: that type (``ws``, ``outs``: lists of :data:`KERNELS`' ``w`` and ``out``), where the type's
+#: module runs them in one threaded launch; the others run one :data:`KERNELS` call each.
+JOINT: dict[DType, Callable] = {}
+
+
+def joint_kernel(*dtypes: DType):
+    """Register the decorated function as the joint kernel of ``dtypes`` (:data:`JOINT`)."""
+    def register(fn):
+        for d in dtypes:
+            JOINT[d] = fn
+        return fn
+    return register
+
+
 def kernel(*dtypes: DType):
     """Register the decorated function as the kernel of ``dtypes``."""
     def register(fn):
