@@ -71,6 +71,46 @@ class _Step:
     kv_cache: KvCache | None  # the payload, for a stateful KvCache step
 
 
+#: Suffix of the name under which a shared launch's first step passes a sibling its result.
+_SHARED = "@shared"
+
+
+def _shared_launches(steps: list[_Step], graph: Graph, backends: list[Backend], constants) -> list[_Step]:
+    """Adjacent steps that read one tensor and a weight each, on one backend that launches them
+    together (its optional ``bind_siblings(nodes)``: the q, k and v products of a layer), as one
+    launch: the first step computes every result, and each other step passes its own on (under
+    ``<output>@shared``), so every node keeps its step, its observation and its errors.  A 125M
+    model's q, k and v products from memory: 241 us as three launches, 199 as one."""
+    out, i = [], 0
+    while i < len(steps):
+        j = i + 1
+        while j < len(steps) and _sibling(steps[i], steps[j], backends, constants):
+            j += 1
+        bind = getattr(backends[i], "bind_siblings", None)
+        fn = bind([graph.nodes[s.index] for s in steps[i:j]]) if bind and j - i > 1 else None
+        if fn is None:
+            out.append(steps[i])
+            i += 1
+            continue
+        lead, rest = steps[i], steps[i + 1:j]
+        out.append(_Step(lead.index, fn, (*lead.reads, *(s.reads[1] for s in rest)),
+                         (*lead.writes, *(s.writes[0] + _SHARED for s in rest)), lead.frees, None))
+        out += [_Step(s.index, _pass_on, (s.writes[0] + _SHARED,), s.writes, (*s.frees, s.writes[0] + _SHARED), None)
+                for s in rest]
+        i = j
+    return out
+
+
+def _sibling(first: _Step, step: _Step, backends: list[Backend], constants) -> bool:
+    return (backends[step.index] is backends[first.index] and step.kv_cache is None and first.kv_cache is None
+            and len(step.reads) == len(first.reads) == 2 and len(step.writes) == len(first.writes) == 1
+            and step.reads[0] == first.reads[0] and step.reads[1] in constants and first.reads[1] in constants)
+
+
+def _pass_on(inputs, ctx) -> tuple:
+    return (inputs[0],)
+
+
 def _prepared_weights(graph: Graph, weights: Mapping[str, Array]) -> tuple[dict[str, Array], dict[tuple[int, int], str]]:
     """Weights as the steps read them, and the renamed reads.
 
@@ -164,7 +204,7 @@ class GraphExecutor:
             reads = tuple(widened.get((i, s), name) for s, name in enumerate(node.inputs))
             kv = node.op if isinstance(node.op, KvCache) else None
             steps.append(_Step(i, assigned.backend.bind(node), reads, tuple(node.outputs), frees, kv))
-        return steps
+        return _shared_launches(steps, graph, [a.backend for a in self.assignments], self._constants)
 
     # -- sessions ------------------------------------------------------------------------------
     def session(self, sid: Hashable = DEFAULT_SESSION, *, seed: int | None = None) -> Session:
@@ -288,7 +328,8 @@ class GraphExecutor:
                 for name in step.frees:
                     del values[name]
                 if observe is not None:
-                    observe(self.graph.nodes[step.index], outs, values.keys())
+                    node = self.graph.nodes[step.index]
+                    observe(node, outs[:len(node.outputs)], values.keys())
         except Exception as e:  # noqa: BLE001 -- re-raised as the project's error, naming the node
             raise self._node_error(e, step, values) from e
 
@@ -349,9 +390,22 @@ class GraphExecutor:
     def plan(self) -> list[dict]:
         """Per node: id, op, backend and the reason it was chosen, and its rows' kind in a batched
         pass (``inspect --plan``)."""
-        return [{"id": n.id, "op": n.op_name, "backend": a.backend.name, "reason": a.reason,
+        launches = self._launches()
+        return [{"id": n.id, "op": n.op_name, "backend": a.backend.name, "reason": a.reason + launches.get(i, ""),
                  "rows": n.op.spec.row_kind(n.op)}
-                for n, a in zip(self.graph.nodes, self.assignments)]
+                for i, (n, a) in enumerate(zip(self.graph.nodes, self.assignments))]
+
+    def _launches(self) -> dict[int, str]:
+        """What the plan says of the shared launches (:func:`_shared_launches`), by node position."""
+        notes, lead = {}, None
+        for step in self._steps:
+            if step.fn is not _pass_on:
+                lead = step
+                continue
+            notes[step.index] = f"; launched with node {self.graph.nodes[lead.index].id}"
+            ids = notes.get(lead.index, "; launched with node(s)")
+            notes[lead.index] = f"{ids} {self.graph.nodes[step.index].id}"
+        return notes
 
     def batching(self) -> str:
         """Whether sessions' rows can share a pass, and if not, why (``inspect --plan``)."""

@@ -353,3 +353,38 @@ def test_a_node_hinted_numba_runs_on_numba():
     assert plan["Sdpa"] == {("cpu", "default numpy-blas does not support it; fallback to cpu")}
     plan = plan_of(model, ["numpy-blas"])
     assert plan["Rope"] == {("cpu", "hint numba not in use; default numpy-blas does not support it; fallback to cpu")}
+
+
+def test_products_reading_one_x_share_a_launch(monkeypatch):
+    """A layer's q, k and v (Matmuls reading one x) run in one launch (the executor's shared
+    launches, NumbaBackend.bind_siblings): the same bits as three launches, in a run and in a
+    batched pass (rows enough to be threaded), and every node still observed with its own output."""
+    import dist_runtime.executor as executor_module
+    from dist_runtime.batching import Segment
+
+    cfg = LlamaConfig(vocab=64, hidden=256, layers=2, heads=4, kv_heads=2, ffn=128)
+    weights = llama_weights(cfg, seed=5)
+    g = llama_graph(cfg)
+    specs = {n: TensorSpec(w.shape, DType.from_numpy(w.dtype)) for n, w in weights.items()}
+    graph = Graph(g.nodes, g.inputs, g.outputs, specs)
+    shared = GraphExecutor((graph, weights), batch_invariant=True)
+    monkeypatch.setattr(executor_module, "_shared_launches", lambda steps, *args: steps)
+    separate = GraphExecutor((graph, weights), batch_invariant=True)
+    passed_on = [shared.graph.nodes[s.index].outputs for s in shared._steps if s.fn is executor_module._pass_on]
+    assert len(passed_on) == 2 * cfg.layers  # k and v of every layer
+    assert not any(s.fn is executor_module._pass_on for s in separate._steps)
+    seen = []
+
+    def observe(node, outs, live):
+        seen.append(len(outs) == len(node.outputs))
+        assert not any(name.endswith("@shared") for name in node.outputs)
+
+    for tokens in ([3, 17, 42, 5, 9, 8, 11, 2, 30], [4], [9]):
+        ids = np.asarray(tokens, np.int32)
+        got = shared.run({"tokens": ids}, observe=observe)["logits"]
+        assert np.array_equal(got.view(np.uint32), separate.run({"tokens": ids})["logits"].view(np.uint32))
+    assert seen and all(seen)
+    ids = np.array([7, 1, 2, 3, 60, 61, 5], np.int32)
+    segments = [Segment("a", 3), Segment("b", 4)]
+    got, want = (ex.run_batch({"tokens": ids}, segments)["logits"] for ex in (shared, separate))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -363,6 +363,22 @@ class NumbaBackend(TableBackend):
         ys = compiled.linear_many(x2, ws, activations=self.activations)
         return [y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, ws)]
 
+    def bind_siblings(self, nodes: Sequence[Node]) -> BoundKernel | None:
+        """One kernel for Matmuls reading the same ``x`` (the executor's shared launches: a
+        layer's q, k and v): ``(x, W_1, .., W_n) -> (y_1, .., y_n)``, the products in one launch
+        (:meth:`linear_many`, each row's bits as alone), or each node's own kernel off the fast
+        path.  None for any other group."""
+        if not all(isinstance(n.op, Matmul) and n.op.transpose_b for n in nodes):
+            return None
+        singles = [self.bind(n) for n in nodes]
+
+        def run(inputs, ctx):
+            x, ws = inputs[0], inputs[1:]
+            if all(_takes_weight(x, w) for w in ws):
+                return tuple(self.linear_many(x, list(ws)))
+            return tuple(single([x, w], ctx)[0] for single, w in zip(singles, ws))
+        return run
+
     def reference(self, node: Node) -> BoundKernel:
         """The CPU library's kernel for ``node``: what runs off the fast path."""
         return self._cpu.bind(node)
