@@ -388,11 +388,11 @@ class GraphExecutor:
 
     # -- reporting -----------------------------------------------------------------------------
     def plan(self) -> list[dict]:
-        """Per node: id, op, backend and the reason it was chosen, and its rows' kind in a batched
-        pass (``inspect --plan``)."""
+        """Per node: id, op, backend and the reason it was chosen, its rows' kind in a batched
+        pass, and the shared launch it is part of ("" if none) (``inspect --plan``)."""
         launches = self._launches()
-        return [{"id": n.id, "op": n.op_name, "backend": a.backend.name, "reason": a.reason + launches.get(i, ""),
-                 "rows": n.op.spec.row_kind(n.op)}
+        return [{"id": n.id, "op": n.op_name, "backend": a.backend.name, "reason": a.reason,
+                 "rows": n.op.spec.row_kind(n.op), "launch": launches.get(i, "")}
                 for i, (n, a) in enumerate(zip(self.graph.nodes, self.assignments))]
 
     def _launches(self) -> dict[int, str]:
@@ -402,8 +402,8 @@ class GraphExecutor:
             if step.fn is not _pass_on:
                 lead = step
                 continue
-            notes[step.index] = f"; launched with node {self.graph.nodes[lead.index].id}"
-            ids = notes.get(lead.index, "; launched with node(s)")
+            notes[step.index] = f"launched with node {self.graph.nodes[lead.index].id}"
+            ids = notes.get(lead.index, "launched with node(s)")
             notes[lead.index] = f"{ids} {self.graph.nodes[step.index].id}"
         return notes
 

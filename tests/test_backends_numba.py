@@ -373,6 +373,9 @@ def test_products_reading_one_x_share_a_launch(monkeypatch):
     passed_on = [shared.graph.nodes[s.index].outputs for s in shared._steps if s.fn is executor_module._pass_on]
     assert len(passed_on) == 2 * cfg.layers  # k and v of every layer
     assert not any(s.fn is executor_module._pass_on for s in separate._steps)
+    launches = [p["launch"] for p in shared.plan() if p["launch"]]
+    assert len(launches) == 3 * cfg.layers and sum(t.startswith("launched with node(s) ") for t in launches) == cfg.layers
+    assert not any(p["launch"] for p in separate.plan())
     seen = []
 
     def observe(node, outs, live):

@@ -105,7 +105,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             _print_inspect(report)
             print("\nbackend plan (batch-invariant, as generation runs it):")
             for p in report["plan"]:
-                print(f"  node {p['id']:>4} {p['op']:<16} {p['backend']:<6} rows {p['rows']:<12} {p['reason']}")
+                launch = f" ({p['launch']})" if p["launch"] else ""
+                print(f"  node {p['id']:>4} {p['op']:<16} {p['backend']:<6} rows {p['rows']:<12} {p['reason']}{launch}")
             print(f"batching: {report['batching']}")
             print(f"weights: {report['weights']}")
             return 0
