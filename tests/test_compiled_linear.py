@@ -123,6 +123,26 @@ def test_linear_many_gives_each_products_bits(dtype):
         compiled.linear_many(x, [ws[0], weight(dtype, 4, 256)])
 
 
+@pytest.mark.parametrize("dtypes", [(DType.Q4_K, DType.Q4_K, DType.Q6_K), (DType.Q5_K, DType.Q6_K),
+                                    (DType.Q8_0, DType.Q4_0, DType.Q5_1), (DType.Q4_K, DType.Q8_0, DType.F32)],
+                         ids=lambda ds: "+".join(d.name for d in ds))
+def test_linear_many_mixes_the_types_of_one_family(dtypes):
+    """A Q4_K_M layer's q, k and v (Q4_K, Q4_K, Q6_K) share one launch, as do the legacy block
+    types; across families each product runs alone.  Every product's bits are linear's."""
+    ws = [weight(d, n, 512, seed=s) for s, (d, n) in enumerate(zip(dtypes, (900, 300, 301)))]
+    rng = np.random.default_rng(7)
+    try:
+        for threads in (2, 1):
+            set_threads(threads)
+            for m in (1, 5):
+                x = rng.standard_normal((m, 512)).astype(np.float32)
+                for act in ("f32", "q8_0"):
+                    for y, w in zip(compiled.linear_many(x, ws, activations=act), ws, strict=True):
+                        assert np.array_equal(y.view(np.uint32), linear(x, w, activations=act).view(np.uint32))
+    finally:
+        set_threads(numba.config.NUMBA_NUM_THREADS)
+
+
 def test_bad_arguments_are_refused():
     w = weight(DType.F32, 4, 64)
     with pytest.raises(ValueError, match="does not match"):

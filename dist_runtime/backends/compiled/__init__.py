@@ -97,8 +97,9 @@ def linear(x: np.ndarray, w: Array, *, activations: str = "f32") -> np.ndarray:
 
 
 def linear_many(x: np.ndarray, ws: list[Array], *, activations: str = "f32") -> list[np.ndarray]:
-    """``[linear(x, w) for w in ws]``, the same bits, in one threaded launch where the weights
-    share a type whose module has a joint kernel (:data:`registry.JOINT`): the threads then never
+    """``[linear(x, w) for w in ws]``, the same bits, in one threaded launch where the weights'
+    types share one joint kernel (:data:`registry.JOINT`: the float types each, the legacy block
+    types together, the K-quants together): the threads then never
     wait between the products (a 125M model's gate and up products, 2 threads, from memory: 539
     against 607 us as two launches)."""
     if not ws:
@@ -108,11 +109,11 @@ def linear_many(x: np.ndarray, ws: list[Array], *, activations: str = "f32") -> 
         raise ValueError(f"linear_many: the weights' columns differ ({[list(w.shape) for w in ws]})")
     x = _activations(x, k, activations)
     stored = [_stored(w) for w in ws]
-    dtype = stored[0][0]
-    if dtype not in JOINT or any(d != dtype for d, _ in stored) or not x.shape[0]:
+    joint = JOINT.get(stored[0][0])
+    if joint is None or any(JOINT.get(d) is not joint for d, _ in stored) or not x.shape[0]:
         return [linear(x, w, activations=activations) for w in ws]
     outs = [np.empty((x.shape[0], w.shape[0]), np.float32) for w in ws]
-    JOINT[dtype](x, [data for _, data in stored], outs, activations == "q8_0")
+    joint(x, [data for _, data in stored], outs, activations == "q8_0", [d for d, _ in stored])
     return outs
 
 

@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 
 from ...dtypes import DType
 from . import cpu, simd
-from .registry import SERIAL_BYTES, Drivers, joint_kernel, kernel, run
+from .registry import Drivers, joint_kernel, joint_slots, kernel, run, serial
 
 #: Lanes of one multiply-add (8 f32 = one AVX2 register).
 LANES = 8
@@ -231,15 +231,14 @@ def _run(spec: np.ndarray, x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bo
     run(_DRIVERS, w.nbytes * m, (spec, x.reshape(-1), w.reshape(-1), out.reshape(-1), m, n, x.shape[1]), n)
 
 
-def _run_joint(spec: np.ndarray, x: np.ndarray, ws: list, outs: list, q8: bool) -> None:
+def _run_joint(spec: np.ndarray, x: np.ndarray, ws: list, outs: list, q8: bool, dtypes: list) -> None:
     m, k = x.shape
-    if sum(w.nbytes for w in ws) * m < SERIAL_BYTES or numba.get_num_threads() == 1 or len(ws) > 3:
+    if serial(sum(w.nbytes for w in ws) * m) or len(ws) > 3:
         for w, out in zip(ws, outs):
             _run(spec, x, w, out, q8)
         return
-    slots = [(w.reshape(-1), out.reshape(-1), w.shape[0]) for w, out in zip(ws, outs)]
-    slots += [(ws[0].reshape(-1)[:0], outs[0].reshape(-1)[:0], 0)] * (3 - len(ws))
-    _threaded_joint(spec, x.reshape(-1), m, k, *(v for slot in slots for v in slot))
+    flat = joint_slots([w.reshape(-1) for w in ws], [o.reshape(-1) for o in outs], [w.shape[0] for w in ws], 0)
+    _threaded_joint(spec, x.reshape(-1), m, k, *flat)
 
 
 for _dtype, _fmt in ((DType.F32, "f32"), (DType.F16, "f16"), (DType.BF16, "bf16")):

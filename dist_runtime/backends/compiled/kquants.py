@@ -23,7 +23,7 @@ import numpy as np
 
 from ...dtypes import DType
 from . import cpu
-from .registry import CHUNKS, Drivers, kernel, run
+from .registry import CHUNKS, Drivers, joint_kernel, joint_slots, kernel, run, serial
 from .simd_k import (TILE, q4_k_avx2, q4_k_q8, q4_k_q8_tile, q5_k_avx2, q5_k_q8, q5_k_q8_tile, q6_k_avx2, q6_k_q8,
                      q6_k_q8_tile)
 
@@ -316,15 +316,70 @@ def _k_q8_threaded(x, w, out, kind, vec):
         _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, c * n // chunks, (c + 1) * n // chunks)
 
 
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _k_threaded_joint(x, vec, w0, out0, kind0, w1, out1, kind1, w2, out2, kind2):
+    """Up to three weights' products with one ``x`` in one launch (registry.JOINT), ``x``'s sums once."""
+    xsum = _x_sums(x, x.shape[1] // 32)
+    c0, c1, c2 = min(w0.shape[0], CHUNKS), min(w1.shape[0], CHUNKS), min(w2.shape[0], CHUNKS)
+    for c in numba.prange(c0 + c1 + c2):
+        if c < c0:
+            n = w0.shape[0]
+            _k_rows(x, w0, out0, kind0, vec, xsum, c * n // c0, (c + 1) * n // c0)
+        elif c < c0 + c1:
+            n, i = w1.shape[0], c - c0
+            _k_rows(x, w1, out1, kind1, vec, xsum, i * n // c1, (i + 1) * n // c1)
+        else:
+            n, i = w2.shape[0], c - c0 - c1
+            _k_rows(x, w2, out2, kind2, vec, xsum, i * n // c2, (i + 1) * n // c2)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _k_q8_threaded_joint(x, vec, w0, out0, kind0, w1, out1, kind1, w2, out2, kind2):
+    """As :func:`_k_threaded_joint`, ``x`` quantized to Q8_K once."""
+    q8, dx, sums32, sums16 = _quantize_q8_k(x)
+    c0, c1, c2 = min(w0.shape[0], CHUNKS), min(w1.shape[0], CHUNKS), min(w2.shape[0], CHUNKS)
+    for c in numba.prange(c0 + c1 + c2):
+        if c < c0:
+            n = w0.shape[0]
+            _k_q8_rows(x, w0, out0, kind0, vec, q8, dx, sums16 if kind0 == 6 else sums32, c * n // c0, (c + 1) * n // c0)
+        elif c < c0 + c1:
+            n, i = w1.shape[0], c - c0
+            _k_q8_rows(x, w1, out1, kind1, vec, q8, dx, sums16 if kind1 == 6 else sums32, i * n // c1, (i + 1) * n // c1)
+        else:
+            n, i = w2.shape[0], c - c0 - c1
+            _k_q8_rows(x, w2, out2, kind2, vec, q8, dx, sums16 if kind2 == 6 else sums32, i * n // c2, (i + 1) * n // c2)
+
+
 #: Each driver prepares ``x`` (its sub-block sums, or its Q8_K quantization) in its own compiled
 #: call: a separate call returning the arrays to Python cost ~2 us a product.
 _F32, _Q8 = Drivers(_k_serial, _k_threaded), Drivers(_k_q8_serial, _k_q8_threaded)
 
 
+#: A K-quant weight byte costs the threading threshold (registry.SERIAL_BYTES) this many F32 bytes:
+#: these kernels are compute-bound (one thread in cache: Q4_K 6.5 GB/s with f32 activations, 10.9
+#: with Q8_K, against 24.5 for F32), so a 768 x 768 Q4_K product (0.33 MB) pays for two threads:
+#: in a Q4_K_M decode step 88 -> 52 us (Q8_K activations) and 110 -> 65 (f32).
+COST = 4
+
+
 def linear_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, kind: int, vec: bool, q8: bool = False) -> None:
     """``out = x @ W^T`` for ``kind`` 4, 5 or 6 (Q4_K, Q5_K, Q6_K), on the AVX2 path (``vec``) or
     the portable one, with f32 or (``q8``) Q8_K activations."""
-    run(_Q8 if q8 else _F32, w.nbytes * x.shape[0], (x, w, out, kind, vec), w.shape[0])
+    run(_Q8 if q8 else _F32, w.nbytes * x.shape[0] * COST, (x, w, out, kind, vec), w.shape[0])
+
+
+_KINDS = {DType.Q4_K: 4, DType.Q5_K: 5, DType.Q6_K: 6}
+
+
+@joint_kernel(*_KINDS)
+def _joint(x: np.ndarray, ws: list, outs: list, q8: bool, dtypes: list) -> None:
+    """Two or three K-quant products with one ``x`` in one launch (registry.JOINT); alone when small."""
+    if serial(sum(w.nbytes for w in ws) * x.shape[0] * COST) or len(ws) > 3:
+        for w, out, d in zip(ws, outs, dtypes):
+            linear_k(x, w, out, _KINDS[d], cpu.AVX2, q8)
+        return
+    driver = _k_q8_threaded_joint if q8 else _k_threaded_joint
+    driver(x, cpu.AVX2, *joint_slots(ws, outs, [_KINDS[d] for d in dtypes], 4))
 
 
 def _register(dtype: DType, kind: int) -> None:
@@ -334,5 +389,5 @@ def _register(dtype: DType, kind: int) -> None:
         linear_k(x, w, out, kind, cpu.AVX2, q8)
 
 
-for _dtype, _kind in ((DType.Q4_K, 4), (DType.Q5_K, 5), (DType.Q6_K, 6)):
+for _dtype, _kind in _KINDS.items():
     _register(_dtype, _kind)

@@ -32,7 +32,7 @@ import numpy as np
 from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
 from . import cpu
-from .registry import CHUNKS, Drivers, kernel, run
+from .registry import CHUNKS, KERNELS, Drivers, joint_kernel, joint_slots, kernel, run, serial
 from .simd_int8 import FORMATS, centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
@@ -245,6 +245,7 @@ if cpu.AVX2:
             _q8_avx2(xq, xd, xs, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
 
     _F32, _Q8 = Drivers(_f32_avx2, _f32_avx2_threaded), Drivers(_q8_avx2_serial, _q8_avx2_threaded)
+    _f32_rows, _q8_rows = _f32_avx2, _q8_avx2
 else:
     @numba.njit(nogil=True, cache=True, parallel=True)
     def _f32_portable_threaded(x, w, out, fmt, qk):
@@ -265,6 +266,53 @@ else:
             _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
 
     _F32, _Q8 = Drivers(_f32_portable, _f32_portable_threaded), Drivers(_q8_portable_serial, _q8_portable_threaded)
+    _f32_rows, _q8_rows = _f32_portable, _q8_portable
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _f32_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
+    """Up to three weights' products with one ``x`` in one launch (registry.JOINT)."""
+    c0, c1, c2 = min(w0.shape[0], CHUNKS), min(w1.shape[0], CHUNKS), min(w2.shape[0], CHUNKS)
+    for c in numba.prange(c0 + c1 + c2):
+        if c < c0:
+            n = w0.shape[0]
+            _f32_rows(x, w0, out0, fmt0, qk, c * n // c0, (c + 1) * n // c0)
+        elif c < c0 + c1:
+            n, i = w1.shape[0], c - c0
+            _f32_rows(x, w1, out1, fmt1, qk, i * n // c1, (i + 1) * n // c1)
+        else:
+            n, i = w2.shape[0], c - c0 - c1
+            _f32_rows(x, w2, out2, fmt2, qk, i * n // c2, (i + 1) * n // c2)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _q8_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
+    """As :func:`_f32_joint`, ``x`` quantized once."""
+    xq, xd, xs, xsum = _quantized(x, qk)
+    c0, c1, c2 = min(w0.shape[0], CHUNKS), min(w1.shape[0], CHUNKS), min(w2.shape[0], CHUNKS)
+    for c in numba.prange(c0 + c1 + c2):
+        if c < c0:
+            n = w0.shape[0]
+            _q8_rows(xq, xd, xs, xsum, w0, out0, fmt0, qk, c * n // c0, (c + 1) * n // c0)
+        elif c < c0 + c1:
+            n, i = w1.shape[0], c - c0
+            _q8_rows(xq, xd, xs, xsum, w1, out1, fmt1, qk, i * n // c1, (i + 1) * n // c1)
+        else:
+            n, i = w2.shape[0], c - c0 - c1
+            _q8_rows(xq, xd, xs, xsum, w2, out2, fmt2, qk, i * n // c2, (i + 1) * n // c2)
+
+
+_CODES = {dtype: code for code, dtype in FORMATS.items()}
+
+
+@joint_kernel(*_CODES)
+def _joint(x: np.ndarray, ws: list, outs: list, q8: bool, dtypes: list) -> None:
+    """Two or three legacy-block products with one ``x`` in one launch (registry.JOINT); alone when small."""
+    if serial(sum(w.nbytes for w in ws) * x.shape[0]) or len(ws) > 3:
+        for w, out, d in zip(ws, outs, dtypes):
+            KERNELS[d](x, w, out, q8)
+        return
+    (_q8_joint if q8 else _f32_joint)(x, QK, *joint_slots(ws, outs, [_CODES[d] for d in dtypes], 0))
 
 
 def _register(code: int, dtype: DType) -> None:

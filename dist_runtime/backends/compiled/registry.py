@@ -15,9 +15,10 @@ from ...dtypes import DType
 KERNELS: dict[DType, Callable] = {}
 
 
-#: element type -> ``joint(x, ws, outs, q8)``: the products of one ``x`` with several weights of
-#: that type (``ws``, ``outs``: lists of :data:`KERNELS`' ``w`` and ``out``), where the type's
-#: module runs them in one threaded launch; the others run one :data:`KERNELS` call each.
+#: element type -> ``joint(x, ws, outs, q8, dtypes)``: the products of one ``x`` with two or three
+#: weights (``ws``, ``outs``: lists of :data:`KERNELS`' ``w`` and ``out``; ``dtypes`` theirs) in one
+#: threaded launch, for weights whose types all map to this same function (a family's module:
+#: Q4_K_M's q, k and v are Q4_K, Q4_K and Q6_K); other groups run one :data:`KERNELS` call each.
 JOINT: dict[DType, Callable] = {}
 
 
@@ -62,9 +63,21 @@ class Drivers(NamedTuple):
     threaded: Callable
 
 
+def joint_slots(ws: list, outs: list, extras: list, empty_extra) -> list:
+    """The arguments of a three-weight joint driver, ``w, out, extra`` per weight (two or three of
+    them), a missing third as empty arrays (no rows: no chunks) with ``empty_extra``."""
+    slots = list(zip(ws, outs, extras)) + [(ws[0][:0], outs[0][..., :0], empty_extra)] * (3 - len(ws))
+    return [v for slot in slots for v in slot]
+
+
+def serial(work_bytes: int) -> bool:
+    """Whether a product of this much work runs on the calling thread (see :data:`SERIAL_BYTES`)."""
+    return work_bytes < SERIAL_BYTES or numba.get_num_threads() == 1
+
+
 def run(drivers: Drivers, work_bytes: int, args: tuple, n: int) -> None:
     """One product, threaded only when it is large enough to pay for waking the pool."""
-    if work_bytes < SERIAL_BYTES or numba.get_num_threads() == 1:
+    if serial(work_bytes):
         drivers.rows(*args, 0, n)
     else:
         drivers.threaded(*args)
