@@ -10,10 +10,19 @@ activations and (block types) Q8_0 activations.  GB/s = the weight's stored byte
 time; "vs numpy" = our GB/s / the reference's GB/s at the same ``M``.  The runs are interleaved,
 round after round of every product (the reference's turn is a request to the child, which times
 its product alone and answers once OpenBLAS's threads stop spinning, while this process waits),
-so a burst of load from elsewhere slows all alike, and each measured product follows an untimed
-one over ``--flush-mb`` of another weight (1 GiB by default, more than the 480 MiB of L3 this VM
-reports), so that its weight comes from memory, as in a decode step of a model larger than the
-cache (run after run of one product would find its weight in cache).  A decode step streams every weight once, so GB/s at ``M`` = 1 bounds decoding
+so a burst of load from elsewhere slows all alike, and each measured product follows untimed
+ones over ``--flush-mb`` of other f32 weights of its shape (1 GiB by default, more than the
+480 MiB of L3 this VM reports; 16 weights of 64 MB, a product each, in both processes), so that its
+weight comes from memory, as in a decode step of a model larger than the cache (run after run of
+one product would find its weight in cache).  Until session 10 the flush was one product over one
+1 GiB weight (``--flush-as-one``): after it every compiled product read slower than after the
+same bytes as weight-sized products -- the Q4_0 product with Q8_0 activations 10.3-13.8 GB/s
+against 16.6-18.0 in an isolated test, with its output preallocated and the pool's threads woken
+first alike -- while numpy's reference hardly moved (22.6 against 23.8 GB/s in one session), so
+the ratios measured something a decode step, a chain of weight-sized products, never does: F32
+0.90 against 1.00x, Q8_0 (q8 act.) 0.74 against 0.97x, Q4_0 0.47 against 0.74x, Q4_K 0.44
+against 0.54x, in two runs one after the other.  Why one long product leaves the next slower
+here is not found.  A decode step streams every weight once, so GB/s at ``M`` = 1 bounds decoding
 speed.  The last table gives each type's time at ``M`` = 8 over its time at ``M`` = 1 (each weight block is read once for
 all rows, so this stays well under 8 until the arithmetic, not the memory, is the limit).
 
@@ -52,12 +61,12 @@ class NumpyReference:
     """numpy's f32 ``x @ W.T`` in a child process that never loads numba (numpy_matvec_child.py):
     ``reference(m)`` runs one product there and returns the seconds the child measured.
 
-    As in a decode step, every measured product follows another one on another weight in its own
-    process, untimed (:func:`main`'s ``before``, the child's ``flush``), so that the process's
+    As in a decode step, every measured product follows others on other weights in its own
+    process, untimed (:func:`main`'s ``before``, the child's ``flushes``), so that the process's
     threads are awake: this process's sleep during the reference's turn (:func:`settle`), and the
     compiled F32 product at M = 1, always first after numpy's turn, read 15.4-25.1 GB/s in three
-    runs while its M = 8 read 36-50 (with the untimed product first: 23.8-28.4).  That untimed
-    product reads ``--flush-mb`` of another weight, the same in both processes: by default more
+    runs while its M = 8 read 36-50 (with the untimed product first: 23.8-28.4).  Those untimed
+    products read ``--flush-mb`` of other weights, the same in both processes: by default more
     than the 480 MiB of L3 this machine reports, so that every measured weight comes from memory
     as in a decode step of a large model.  With a 42 MB one (``--flush-mb 42``, the earlier
     protocol) the reference cycled 109 MB while the compiled products shared the cache with every
@@ -66,9 +75,10 @@ class NumpyReference:
     over eight -- the reference had the cache, not a faster kernel.
     """
 
-    def __init__(self, n: int, k: int, ms: list[int], flush_rows: int):
+    def __init__(self, n: int, k: int, ms: list[int], flush_rows: int, as_one: bool):
         child = Path(__file__).resolve().with_name("numpy_matvec_child.py")
-        self.proc = subprocess.Popen([sys.executable, str(child), str(n), str(k), ",".join(map(str, ms)), str(flush_rows)],
+        self.proc = subprocess.Popen([sys.executable, str(child), str(n), str(k), ",".join(map(str, ms)), str(flush_rows),
+                                      "one" if as_one else "many"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("ready "):
@@ -118,6 +128,9 @@ def main() -> None:
                         help="MB of another weight read (untimed) before each measured product, in both "
                              "processes (default 1024: more than this VM's reported L3, so every weight "
                              "comes from memory; 42 was the earlier protocol)")
+    parser.add_argument("--flush-as-one", action="store_true",
+                        help="read the flush as one product over one weight of --flush-mb (session 9's protocol) "
+                             "instead of products over weights of the measured shape, as a decode step does")
     parser.add_argument("--numpy-here", action="store_true",
                         help="also time numpy in this process, beside numba's threads (what the reference was)")
     args = parser.parse_args()
@@ -138,7 +151,7 @@ def main() -> None:
         parser.error(f"--ms must be positive row counts, got {args.ms!r}")
     measured = ms + ([8] if 1 in ms and 8 not in ms else [])
     flush_rows = max(1, args.flush_mb * 2**20 // (4 * args.k))
-    numpy_ref = NumpyReference(args.n, args.k, measured, flush_rows)
+    numpy_ref = NumpyReference(args.n, args.k, measured, flush_rows, args.flush_as_one)
     print(f"reference: numpy {numpy_ref.info['numpy']} in a child process without numba; BLAS: {numpy_ref.info['blas']}")
     print(f"compiled products: {compiled.cpu.REASON}; {numba.get_num_threads()} thread(s), "
           f"layer {numba.threading_layer() if hasattr(numba, 'threading_layer') else '?'}")
@@ -150,8 +163,12 @@ def main() -> None:
     types = [d for d in (DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0,
                          DType.Q4_K, DType.Q5_K, DType.Q6_K) if d in compiled.KERNELS]
     weights = {d: weight(d, args.n, args.k) for d in types}  # K-quants: random codes, sane scales
-    print(f"\nW [{args.n}, {args.k}], median of {args.runs} runs, each after {flush_rows * args.k * 4 / 2**20:.0f} MB "
-          f"of another weight; GB/s of weight bytes (vs numpy f32 at the same M)\n")
+    flushes = ([np.full((flush_rows, args.k), 0.5, np.float32)] if args.flush_as_one else
+               [weight(DType.F32, args.n, args.k, seed=100 + i) for i in range(-(-flush_rows // args.n))])
+    flushed = sum(f.nbytes for f in flushes) / 2**20
+    what = "one other weight" if args.flush_as_one else f"{len(flushes)} other f32 weights of this shape, a product each"
+    print(f"\nW [{args.n}, {args.k}], median of {args.runs} runs, each after {flushed:.0f} MB of {what}; "
+          f"GB/s of weight bytes (vs numpy f32 at the same M)\n")
     head = f"| {'product':<26} | {'MB':>6} |" + "".join(f" {'M=' + str(m):>15} |" for m in ms)
     print(head)
     print("|" + "-" * 28 + "|" + "-" * 8 + "|" + "".join("-" * 17 + "|" for _ in ms))
@@ -165,11 +182,11 @@ def main() -> None:
             rows.append((f"compiled {d.name}" + (" q8 act." if mode == "q8_0" else ""), weights[d].nbytes,
                          lambda x, s=weights[d], a=mode: compiled.linear(x, s, activations=a)))
     xs = {m: rng.standard_normal((m, args.k), dtype=np.float32) for m in measured}
-    flush = np.full((flush_rows, args.k), 0.5, np.float32)  # another weight, --flush-mb of it
 
     def before(key):
         if key[0] != rows[0][0]:  # the child flushes its own
-            compiled.linear(xs[1], flush)
+            for flush in flushes:
+                compiled.linear(xs[1], flush)
 
     try:
         times = medians({(name, m): (lambda fn=fn, x=xs[m]: fn(x)) for name, _, fn in rows for m in measured},

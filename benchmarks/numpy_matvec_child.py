@@ -6,10 +6,11 @@ benchmark's own process made OpenBLAS's threads slower (numpy's M = 1 fell to 9 
 interleaved run).  The weight is built as the tests' ``weight(DType.F32, n, k)`` builds it (seeded
 standard normal, f32), the rows of ``x`` likewise.
 
-Protocol, one line each way: arguments ``n k m1,m2,... [flush_rows]``; it answers ``ready <json>`` (numpy's
+Protocol, one line each way: arguments ``n k m1,m2,... [flush_rows [one|many]]``; it answers ``ready <json>`` (numpy's
 version, the BLAS, whether numba got loaded: it must not), then for each line ``<m>`` read from
-stdin runs an untimed product on another weight of ``flush_rows`` rows (its threads awake and the
-cache holding that weight, not this one, as the parent does before each of its products), then the
+stdin runs untimed products on ``flush_rows`` rows of other weights (``many``, the default: weights of
+the measured one's shape, one product each; ``one``: one weight of all those rows), its threads awake and the
+cache holding those weights, not this one, as the parent does before each of its products, then the
 product, and answers its seconds (``time.perf_counter``
 around that product alone) once OpenBLAS's threads have stopped spinning (:func:`settle`); an
 empty line or EOF ends it.
@@ -51,10 +52,14 @@ def blas() -> str:
 def main() -> None:
     n, k, ms = int(sys.argv[1]), int(sys.argv[2]), [int(v) for v in sys.argv[3].split(",")]
     flush_rows = int(sys.argv[4]) if len(sys.argv) > 4 else 2560
+    as_one = len(sys.argv) > 5 and sys.argv[5] == "one"
     w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
     rng = np.random.default_rng(1)
     xs = {m: rng.standard_normal((m, k), dtype=np.float32) for m in ms}
-    flush = np.full((flush_rows, k), 0.5, np.float32)  # the parent's size (bench_matvec --flush-mb)
+    # The parent's flush (bench_matvec --flush-mb, --flush-as-one): other weights of this one's shape
+    # read one product each, as in a decode step, or one weight of all those rows.
+    flushes = ([np.full((flush_rows, k), 0.5, np.float32)] if as_one else
+               [rng.standard_normal((n, k), dtype=np.float32) for _ in range(-(-flush_rows // n))])
     for x in xs.values():
         x @ w.T  # warm up: page the weight in, start OpenBLAS's threads
     print("ready " + json.dumps({"numpy": np.__version__, "blas": blas(), "numba_loaded": "numba" in sys.modules}),
@@ -63,7 +68,8 @@ def main() -> None:
         if not line.strip():
             break
         x = xs[int(line)]
-        xs[1] @ flush.T  # as the parent does before each product: its threads awake
+        for flush in flushes:  # as the parent does before each product: its threads awake
+            xs[1] @ flush.T
         start = time.perf_counter()
         x @ w.T
         seconds = time.perf_counter() - start
