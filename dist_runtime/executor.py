@@ -75,7 +75,8 @@ class _Step:
 _SHARED = "@shared"
 
 
-def _shared_launches(steps: list[_Step], graph: Graph, backends: list[Backend], constants) -> list[_Step]:
+def _shared_launches(steps: list[_Step], graph: Graph, backends: list[Backend], constants,
+                     rows: RowPlan) -> list[_Step]:
     """Adjacent steps that read one tensor and a weight each, on one backend that launches them
     together (its optional ``bind_siblings(nodes)``: the q, k and v products of a layer), as one
     launch: the first step computes every result, and each other step passes its own on (under
@@ -84,7 +85,7 @@ def _shared_launches(steps: list[_Step], graph: Graph, backends: list[Backend], 
     out, i = [], 0
     while i < len(steps):
         j = i + 1
-        while j < len(steps) and _sibling(steps[i], steps[j], backends, constants):
+        while j < len(steps) and _sibling(steps[i], steps[j], backends, constants, rows):
             j += 1
         bind = getattr(backends[i], "bind_siblings", None)
         fn = bind([graph.nodes[s.index] for s in steps[i:j]]) if bind and j - i > 1 else None
@@ -101,8 +102,12 @@ def _shared_launches(steps: list[_Step], graph: Graph, backends: list[Backend], 
     return out
 
 
-def _sibling(first: _Step, step: _Step, backends: list[Backend], constants) -> bool:
-    return (backends[step.index] is backends[first.index] and step.kv_cache is None and first.kv_cache is None
+def _sibling(first: _Step, step: _Step, backends: list[Backend], constants, rows: RowPlan) -> bool:
+    """Whether ``step`` can join ``first``'s launch: one backend, one input tensor, a weight each,
+    one output each, and both computed once over a batched pass's rows (a per-segment call slices
+    its node's own inputs only)."""
+    once = not (rows.nodes[first.index].per_segment or rows.nodes[step.index].per_segment)
+    return (once and backends[step.index] is backends[first.index] and step.kv_cache is None and first.kv_cache is None
             and len(step.reads) == len(first.reads) == 2 and len(step.writes) == len(first.writes) == 1
             and step.reads[0] == first.reads[0] and step.reads[1] in constants and first.reads[1] in constants)
 
@@ -204,7 +209,7 @@ class GraphExecutor:
             reads = tuple(widened.get((i, s), name) for s, name in enumerate(node.inputs))
             kv = node.op if isinstance(node.op, KvCache) else None
             steps.append(_Step(i, assigned.backend.bind(node), reads, tuple(node.outputs), frees, kv))
-        return _shared_launches(steps, graph, [a.backend for a in self.assignments], self._constants)
+        return _shared_launches(steps, graph, [a.backend for a in self.assignments], self._constants, self.rows)
 
     # -- sessions ------------------------------------------------------------------------------
     def session(self, sid: Hashable = DEFAULT_SESSION, *, seed: int | None = None) -> Session:

@@ -32,6 +32,11 @@ BoundKernel = Callable[[Sequence[Array], object], tuple]
 
 @runtime_checkable
 class Backend(Protocol):
+    """What the executor asks of a backend.  Optionally also ``bind_siblings(nodes) -> BoundKernel |
+    None``: one kernel for adjacent nodes that read one tensor and a weight each, taking
+    ``(x, W_1, .., W_n)`` and returning their outputs (the executor's shared launches; the numba
+    backend's products of a layer's q, k and v); None where it would not share a launch."""
+
     name: str
     hint: BackendHint  # the value a node's backend_hint uses to ask for this backend
 
