@@ -84,7 +84,7 @@ def _rotation(start: int, length: int, rope_dim: int, base: float, dtype: np.dty
     """``(C, S)``, ``[length, 1, rope_dim]`` in ``dtype``, read-only: the rotation as
     ``x * C + concat(x2, x1) * S`` with ``C = [cos, cos]`` and ``S = [-sin, sin]``.  Every Rope
     node of a step (q and k of every layer) rotates by the same positions: computed once, cached."""
-    cos, sin = rope_cos_sin(start, length, rope_dim, base)
+    cos, sin = cos_sin_rows(start, length, rope_dim, base)
     c = np.concatenate([cos, cos], axis=-1)[:, None, :].astype(dtype)
     s = np.concatenate([-sin, sin], axis=-1)[:, None, :].astype(dtype)
     c.flags.writeable = s.flags.writeable = False

@@ -136,10 +136,6 @@ def _silu_mul_compiled(gate, up):
         gate[i] = g / (np.float32(1.0) + np.exp(-g)) * up[i]
 
 
-#: Every Rope node of a step (q and k of every layer) rotates by the same positions.
-_cos_sin = cos_sin_rows
-
-
 def _rows(x: np.ndarray) -> np.ndarray:
     """``x`` as contiguous 2-D rows of its last dim (a view when it already is)."""
     return np.ascontiguousarray(x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x)
@@ -250,7 +246,7 @@ def _bind_rope(backend: NumbaBackend, node: Node) -> BoundKernel:
         if not (_is_f32(x) and x.ndim == 2 and op.head_dim and x.shape[1] % op.head_dim == 0
                 and op.rope_dim <= op.head_dim):
             return reference(inputs, ctx)
-        cos, sin = _cos_sin(position("Rope", pos), x.shape[0], op.rope_dim, float(op.base))
+        cos, sin = cos_sin_rows(position("Rope", pos), x.shape[0], op.rope_dim, float(op.base))
         out = np.empty(x.shape, F32)
         _rope_rows(_rows(x), cos, sin, op.head_dim, op.rope_dim, out)
         return (out,)

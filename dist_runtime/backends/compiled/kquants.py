@@ -23,7 +23,7 @@ import numpy as np
 
 from ...dtypes import DType
 from . import cpu
-from .registry import CHUNKS, Drivers, joint_kernel, joint_slots, kernel, run, serial
+from .registry import CHUNKS, Drivers, joint_kernel, joint_part, joint_slots, kernel, run, serial
 from .simd_k import (TILE, q4_k_avx2, q4_k_q8, q4_k_q8_tile, q5_k_avx2, q5_k_q8, q5_k_q8_tile, q6_k_avx2, q6_k_q8,
                      q6_k_q8_tile)
 
@@ -320,34 +320,32 @@ def _k_q8_threaded(x, w, out, kind, vec):
 def _k_threaded_joint(x, vec, w0, out0, kind0, w1, out1, kind1, w2, out2, kind2):
     """Up to three weights' products with one ``x`` in one launch (registry.JOINT), ``x``'s sums once."""
     xsum = _x_sums(x, x.shape[1] // 32)
-    c0, c1, c2 = min(w0.shape[0], CHUNKS), min(w1.shape[0], CHUNKS), min(w2.shape[0], CHUNKS)
+    n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
+    c0, c1, c2 = min(n0, CHUNKS), min(n1, CHUNKS), min(n2, CHUNKS)
     for c in numba.prange(c0 + c1 + c2):
-        if c < c0:
-            n = w0.shape[0]
-            _k_rows(x, w0, out0, kind0, vec, xsum, c * n // c0, (c + 1) * n // c0)
-        elif c < c0 + c1:
-            n, i = w1.shape[0], c - c0
-            _k_rows(x, w1, out1, kind1, vec, xsum, i * n // c1, (i + 1) * n // c1)
+        slot, lo, hi = joint_part(c, c0, c1, c2, n0, n1, n2)
+        if slot == 0:
+            _k_rows(x, w0, out0, kind0, vec, xsum, lo, hi)
+        elif slot == 1:
+            _k_rows(x, w1, out1, kind1, vec, xsum, lo, hi)
         else:
-            n, i = w2.shape[0], c - c0 - c1
-            _k_rows(x, w2, out2, kind2, vec, xsum, i * n // c2, (i + 1) * n // c2)
+            _k_rows(x, w2, out2, kind2, vec, xsum, lo, hi)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _k_q8_threaded_joint(x, vec, w0, out0, kind0, w1, out1, kind1, w2, out2, kind2):
     """As :func:`_k_threaded_joint`, ``x`` quantized to Q8_K once."""
     q8, dx, sums32, sums16 = _quantize_q8_k(x)
-    c0, c1, c2 = min(w0.shape[0], CHUNKS), min(w1.shape[0], CHUNKS), min(w2.shape[0], CHUNKS)
+    n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
+    c0, c1, c2 = min(n0, CHUNKS), min(n1, CHUNKS), min(n2, CHUNKS)
     for c in numba.prange(c0 + c1 + c2):
-        if c < c0:
-            n = w0.shape[0]
-            _k_q8_rows(x, w0, out0, kind0, vec, q8, dx, sums16 if kind0 == 6 else sums32, c * n // c0, (c + 1) * n // c0)
-        elif c < c0 + c1:
-            n, i = w1.shape[0], c - c0
-            _k_q8_rows(x, w1, out1, kind1, vec, q8, dx, sums16 if kind1 == 6 else sums32, i * n // c1, (i + 1) * n // c1)
+        slot, lo, hi = joint_part(c, c0, c1, c2, n0, n1, n2)
+        if slot == 0:
+            _k_q8_rows(x, w0, out0, kind0, vec, q8, dx, sums16 if kind0 == 6 else sums32, lo, hi)
+        elif slot == 1:
+            _k_q8_rows(x, w1, out1, kind1, vec, q8, dx, sums16 if kind1 == 6 else sums32, lo, hi)
         else:
-            n, i = w2.shape[0], c - c0 - c1
-            _k_q8_rows(x, w2, out2, kind2, vec, q8, dx, sums16 if kind2 == 6 else sums32, i * n // c2, (i + 1) * n // c2)
+            _k_q8_rows(x, w2, out2, kind2, vec, q8, dx, sums16 if kind2 == 6 else sums32, lo, hi)
 
 
 #: Each driver prepares ``x`` (its sub-block sums, or its Q8_K quantization) in its own compiled

@@ -32,7 +32,7 @@ import numpy as np
 from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
 from . import cpu
-from .registry import CHUNKS, KERNELS, Drivers, joint_kernel, joint_slots, kernel, run, serial
+from .registry import CHUNKS, KERNELS, Drivers, joint_kernel, joint_part, joint_slots, kernel, run, serial
 from .simd_int8 import FORMATS, centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
@@ -272,34 +272,32 @@ else:
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _f32_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
     """Up to three weights' products with one ``x`` in one launch (registry.JOINT)."""
-    c0, c1, c2 = min(w0.shape[0], CHUNKS), min(w1.shape[0], CHUNKS), min(w2.shape[0], CHUNKS)
+    n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
+    c0, c1, c2 = min(n0, CHUNKS), min(n1, CHUNKS), min(n2, CHUNKS)
     for c in numba.prange(c0 + c1 + c2):
-        if c < c0:
-            n = w0.shape[0]
-            _f32_rows(x, w0, out0, fmt0, qk, c * n // c0, (c + 1) * n // c0)
-        elif c < c0 + c1:
-            n, i = w1.shape[0], c - c0
-            _f32_rows(x, w1, out1, fmt1, qk, i * n // c1, (i + 1) * n // c1)
+        slot, lo, hi = joint_part(c, c0, c1, c2, n0, n1, n2)
+        if slot == 0:
+            _f32_rows(x, w0, out0, fmt0, qk, lo, hi)
+        elif slot == 1:
+            _f32_rows(x, w1, out1, fmt1, qk, lo, hi)
         else:
-            n, i = w2.shape[0], c - c0 - c1
-            _f32_rows(x, w2, out2, fmt2, qk, i * n // c2, (i + 1) * n // c2)
+            _f32_rows(x, w2, out2, fmt2, qk, lo, hi)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _q8_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
     """As :func:`_f32_joint`, ``x`` quantized once."""
     xq, xd, xs, xsum = _quantized(x, qk)
-    c0, c1, c2 = min(w0.shape[0], CHUNKS), min(w1.shape[0], CHUNKS), min(w2.shape[0], CHUNKS)
+    n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
+    c0, c1, c2 = min(n0, CHUNKS), min(n1, CHUNKS), min(n2, CHUNKS)
     for c in numba.prange(c0 + c1 + c2):
-        if c < c0:
-            n = w0.shape[0]
-            _q8_rows(xq, xd, xs, xsum, w0, out0, fmt0, qk, c * n // c0, (c + 1) * n // c0)
-        elif c < c0 + c1:
-            n, i = w1.shape[0], c - c0
-            _q8_rows(xq, xd, xs, xsum, w1, out1, fmt1, qk, i * n // c1, (i + 1) * n // c1)
+        slot, lo, hi = joint_part(c, c0, c1, c2, n0, n1, n2)
+        if slot == 0:
+            _q8_rows(xq, xd, xs, xsum, w0, out0, fmt0, qk, lo, hi)
+        elif slot == 1:
+            _q8_rows(xq, xd, xs, xsum, w1, out1, fmt1, qk, lo, hi)
         else:
-            n, i = w2.shape[0], c - c0 - c1
-            _q8_rows(xq, xd, xs, xsum, w2, out2, fmt2, qk, i * n // c2, (i + 1) * n // c2)
+            _q8_rows(xq, xd, xs, xsum, w2, out2, fmt2, qk, lo, hi)
 
 
 _CODES = {dtype: code for code, dtype in FORMATS.items()}

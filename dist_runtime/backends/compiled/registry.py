@@ -22,22 +22,19 @@ KERNELS: dict[DType, Callable] = {}
 JOINT: dict[DType, Callable] = {}
 
 
-def joint_kernel(*dtypes: DType):
-    """Register the decorated function as the joint kernel of ``dtypes`` (:data:`JOINT`)."""
-    def register(fn):
-        for d in dtypes:
-            JOINT[d] = fn
-        return fn
-    return register
+def _registrar(table: dict[DType, Callable], what: str):
+    def register_as(*dtypes: DType):
+        def register(fn):
+            for d in dtypes:
+                table[d] = fn
+            return fn
+        return register
+    register_as.__doc__ = f"Register the decorated function as the {what} of ``dtypes``."
+    return register_as
 
 
-def kernel(*dtypes: DType):
-    """Register the decorated function as the kernel of ``dtypes``."""
-    def register(fn):
-        for d in dtypes:
-            KERNELS[d] = fn
-        return fn
-    return register
+kernel = _registrar(KERNELS, "kernel (:data:`KERNELS`)")
+joint_kernel = _registrar(JOINT, "joint kernel (:data:`JOINT`)")
 
 
 #: Below this many weight bytes times rows a product runs on the calling thread.  With TBB's
@@ -68,6 +65,19 @@ def joint_slots(ws: list, outs: list, extras: list, empty_extra) -> list:
     them), a missing third as empty arrays (no rows: no chunks) with ``empty_extra``."""
     slots = list(zip(ws, outs, extras)) + [(ws[0][:0], outs[0][..., :0], empty_extra)] * (3 - len(ws))
     return [v for slot in slots for v in slot]
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def joint_part(c, c0, c1, c2, n0, n1, n2):
+    """Chunk ``c`` of a joint launch whose three weights (``n0``, ``n1``, ``n2`` rows) take
+    ``c0``, ``c1``, ``c2`` chunks: ``(weight, first row, end row)``."""
+    if c < c0:
+        return 0, c * n0 // c0, (c + 1) * n0 // c0
+    if c < c0 + c1:
+        i = c - c0
+        return 1, i * n1 // c1, (i + 1) * n1 // c1
+    i = c - c0 - c1
+    return 2, i * n2 // c2, (i + 1) * n2 // c2
 
 
 def serial(work_bytes: int) -> bool:
