@@ -11,9 +11,11 @@ portable path does the same arithmetic in plain numba with multiplies and adds u
 
 ``q8=True``: llama.cpp's numerics (``vec_dot_q4_K_q8_K``): each row of ``x`` is
 quantized to Q8_K (``quantize_row_q8_K_ref``), each super-block's integer sums are exact
-(``pmaddubsw``/``pmaddwd`` on AVX2), and ``acc += (dx * d) * isum - (dx * dmin) * imin`` in f32,
-block after block: both paths give the same bits.  Q6_K likewise (``vec_dot_q6_K_q8_K``: codes
-0..63 times ``q8``, less 32 times the sums of 16 codes; no min term).
+(``pmaddubsw``/``pmaddwd`` on AVX2) and kept in 8 lanes, as llama.cpp's AVX2 kernels keep them;
+per lane ``acc += (dx * d) * isum`` then ``acc -= (dx * dmin) * imin`` in f32, block after block,
+and the 8 lanes added in one fixed tree at the end: both paths give the same bits.  Q6_K likewise
+(``vec_dot_q6_K_q8_K``: codes 0..63 times ``q8``, less 32 times the sums of 16 codes; no min
+term).
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ import numpy as np
 from ...dtypes import DType
 from . import cpu
 from .registry import CHUNKS, Drivers, joint_kernel, joint_part, joint_slots, kernel, run, serial
-from .simd_k import (TILE, q4_k_avx2, q4_k_q8, q4_k_q8_tile, q5_k_avx2, q5_k_q8, q5_k_q8_tile, q6_k_avx2, q6_k_q8,
-                     q6_k_q8_tile)
+from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2, q6_k_q8
 
 QK_K = 256
 #: Lanes per row of ``x``: one ``<8 x float>``.
@@ -45,6 +46,13 @@ def _f16(lo, hi):
     else:
         value = np.float32(mant | (np.int32(0x400) if e else np.int32(0))) * _POW2[e]
     return -value if bits & np.int32(0x8000) else value
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _i8(byte):
+    """A stored byte as the int8 it holds."""
+    code = np.int32(byte)
+    return code - np.int32(256) if code > 127 else code
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -69,8 +77,7 @@ def _row_scales(w, kind, size, ds, dm):
         if kind == 6:
             d = _f16(w[at + 208], w[at + 209])
             for j in range(16):
-                code = np.int32(w[at + 192 + j])
-                ds[16 * b + j] = d * np.float32(code - np.int32(256) if code > 127 else code)
+                ds[16 * b + j] = d * np.float32(_i8(w[at + 192 + j]))
             continue
         d = _f16(w[at], w[at + 1])
         dmin = _f16(w[at + 2], w[at + 3])
@@ -171,31 +178,6 @@ def _quantize_q8_k(x):
     return q, d, sums, sums16
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _k_q8_portable(w, at, kind, q8, q8at, sums, sat, codes, sc, mn):
-    """:data:`.simd_k.q4_k_q8`'s (and ``q5_k_q8``'s, ``q6_k_q8``'s) integers in plain numba."""
-    _codes_portable(w, at, kind, codes, np.int64(32))
-    if kind == 6:
-        isum = 0
-        for j in range(16):
-            part = 0
-            for l in range(16 * j, 16 * j + 16):
-                part += np.int32(codes[l]) * np.int32(q8[q8at + l])
-            code = np.int32(w[at + 192 + j])
-            isum += (code - np.int32(256) if code > 127 else code) * part
-        return isum, 0, _f16(w[at + 208], w[at + 209]), np.float32(0.0)
-    _scale_codes_q45_k(w, at, sc, mn)
-    isum = 0
-    imin = 0
-    for j in range(8):
-        part = 0
-        for l in range(32 * j, 32 * j + 32):
-            part += np.int32(codes[l]) * np.int32(q8[q8at + l])
-        isum += sc[j] * part
-        imin += mn[j] * sums[sat + j]
-    return isum, imin, _f16(w[at], w[at + 1]), _f16(w[at + 2], w[at + 3])
-
-
 @numba.njit(nogil=True, cache=True)
 def _k_rows(x, w, out, kind, vec, xsum, lo, hi):
     """Weight rows ``lo..hi`` of ``out = x @ W^T`` for ``kind`` 4, 5 or 6 (Q4_K, Q5_K, Q6_K);
@@ -243,12 +225,45 @@ def _k_threaded(x, w, out, kind, vec):
         _k_rows(x, w, out, kind, vec, xsum, c * n // chunks, (c + 1) * n // chunks)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _k_q8_lanes(w, at, kind, q8, q8at, sums, sat, codes, sc, mn, isum, imin):
+    """:data:`.simd_k.q4_k_q8`'s (and ``q5_k_q8``'s, ``q6_k_q8``'s) lanes of one super-block in
+    plain numba: the exact integers into ``isum`` and ``imin``; returns ``d``, ``dmin``."""
+    _codes_portable(w, at, kind, codes, np.int64(32))
+    for l in range(LANES):
+        isum[l] = 0
+        imin[l] = 0
+    if kind == 6:
+        for p in range(8):
+            for l in range(LANES):
+                e = 32 * p + 4 * l
+                part = 0
+                for i in range(e, e + 4):  # the stored codes 0..63, as the AVX2 path multiplies them
+                    part += (np.int32(codes[i]) + np.int32(32)) * np.int32(q8[q8at + i])
+                isum[l] += _i8(w[at + 192 + e // 16]) * part
+        for l in range(LANES):
+            isum[l] -= 32 * (_i8(w[at + 192 + 2 * l]) * sums[sat + 2 * l] + _i8(w[at + 193 + 2 * l]) * sums[sat + 2 * l + 1])
+        return _f16(w[at + 208], w[at + 209]), np.float32(0.0)
+    _scale_codes_q45_k(w, at, sc, mn)
+    for j in range(8):
+        for l in range(LANES):
+            e = 32 * j + 4 * l
+            part = 0
+            for i in range(e, e + 4):
+                part += np.int32(codes[i]) * np.int32(q8[q8at + i])
+            isum[l] += sc[j] * part
+    for l in range(LANES):
+        imin[l] = mn[l] * sums[sat + l]
+    return _f16(w[at], w[at + 1]), _f16(w[at + 2], w[at + 3])
+
+
 @numba.njit(nogil=True, cache=True)
 def _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, lo, hi):
     """Weight rows ``lo..hi`` with ``x`` quantized to Q8_K (``q8``, ``dx``, ``sums``): per
-    super-block, integer dot products (exact), then ``acc += (dx * d) * isum - (dx * dmin) * imin``
-    in f32, block after block, for each row of ``x``.  On the AVX2 path :data:`.simd_k.TILE` rows
-    of ``x`` share each decoded super-block, then rows one by one: the same operations per row."""
+    super-block, integer dot products in 8 lanes (exact), then per lane
+    ``acc += (d * dx) * isum``, ``acc -= (dmin * dx) * imin`` in f32, block after block, the 8 lanes
+    added in one fixed tree at the end (:mod:`.simd_k`'s ``q4_k_q8``; the portable path the same
+    operations), for each row of ``x``: the same operations whatever the rows beside it."""
     m_rows, k = x.shape
     blocks = k // QK_K
     size = w.shape[1] // blocks
@@ -257,42 +272,32 @@ def _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, lo, hi):
     codes = np.empty(QK_K, np.float32)
     sc = np.empty(8, np.int32)
     mn = np.empty(8, np.int32)
-    acc = np.empty(TILE, np.float32)
-    tiled = m_rows // TILE * TILE if vec else 0
+    isum = np.empty(LANES, np.int32)
+    imin = np.empty(LANES, np.int32)
+    acc = np.empty(m_rows * LANES, np.float32)
     for r in range(lo, hi):
         row = w[r]
-        for m in range(0, tiled, TILE):
-            acc[:] = 0.0
-            for b in range(blocks):
-                at, q8at, sat = b * size, m * k + b * QK_K, (m * blocks + b) * per_block
-                if kind == 4:
-                    isums, imins, d, dmin = q4_k_q8_tile(row, at, q8, q8at, sums, sat, k, bstep)
-                elif kind == 5:
-                    isums, imins, d, dmin = q5_k_q8_tile(row, at, q8, q8at, sums, sat, k, bstep)
-                else:
-                    isums, imins, d, dmin = q6_k_q8_tile(row, at, q8, q8at, sums, sat, k, bstep)
-                for t in range(TILE):
-                    scale = dx[(m + t) * blocks + b]
-                    acc[t] += (scale * d) * np.float32(isums[t]) - (scale * dmin) * np.float32(imins[t])
-            for t in range(TILE):
-                out[m + t, r] = acc[t]
-        for m in range(tiled, m_rows):
-            one = np.float32(0.0)
-            for b in range(blocks):
-                at, q8at, sat = b * size, m * k + b * QK_K, (m * blocks + b) * per_block
-                if not vec:
-                    isum, imin, d, dmin = _k_q8_portable(row, at, kind, q8, q8at, sums, sat, codes, sc, mn)
-                else:
-                    if kind == 4:
-                        isums, imins, d, dmin = q4_k_q8(row, at, q8, q8at, sums, sat, k, bstep)
-                    elif kind == 5:
-                        isums, imins, d, dmin = q5_k_q8(row, at, q8, q8at, sums, sat, k, bstep)
-                    else:
-                        isums, imins, d, dmin = q6_k_q8(row, at, q8, q8at, sums, sat, k, bstep)
-                    isum, imin = isums[0], imins[0]
-                scale = dx[m * blocks + b]
-                one += (scale * d) * np.float32(isum) - (scale * dmin) * np.float32(imin)
-            out[m, r] = one
+        if not vec:
+            for m in range(m_rows):
+                for l in range(LANES):
+                    acc[LANES * m + l] = 0.0
+                for b in range(blocks):
+                    d, dmin = _k_q8_lanes(row, b * size, kind, q8, m * k + b * QK_K, sums, m * bstep + b * per_block,
+                                          codes, sc, mn, isum, imin)
+                    scale = dx[m * blocks + b]
+                    for l in range(LANES):
+                        lane = acc[LANES * m + l] + (d * scale) * np.float32(isum[l])
+                        if kind != 6:
+                            lane = lane - (dmin * scale) * np.float32(imin[l])
+                        acc[LANES * m + l] = lane
+        elif kind == 4:
+            q4_k_q8(row, size, blocks, q8, k, dx, sums, bstep, acc, m_rows)
+        elif kind == 5:
+            q5_k_q8(row, size, blocks, q8, k, dx, sums, bstep, acc, m_rows)
+        else:
+            q6_k_q8(row, size, blocks, q8, k, dx, sums, bstep, acc, m_rows)
+        for m in range(m_rows):
+            out[m, r] = _lanes_sum(acc, LANES * m)
 
 
 @numba.njit(nogil=True, cache=True)

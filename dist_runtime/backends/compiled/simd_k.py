@@ -15,9 +15,14 @@ scale (one ``fma``); for Q4_K/Q5_K the mins then come off as ``lanes -= dm * xsu
 lane ``j`` = sub-block ``j``).  Every row sees the same
 operations in the same order in a tile or alone: the result is batch-invariant.
 
-Q8_K activations (``q4_k_q8``, ``q5_k_q8``, ``q6_k_q8``): one call takes one super-block to one row
-(or, ``*_tile``, :data:`TILE` rows, the codes decoded once for them) of quantized activations and
-returns its exact integer sums (llama.cpp's ``vec_dot_q*_K_q8_K``).
+Q8_K activations (``q4_k_q8``, ``q5_k_q8``, ``q6_k_q8``): one call takes one weight row to every
+row of quantized activations, :data:`TILE` rows at a time (the codes decoded once for them), then
+one at a time.  Per super-block each row's exact integer sums (llama.cpp's
+``vec_dot_q*_K_q8_K``) stay in 8 lanes, as llama.cpp's AVX2 kernels keep them, and are scaled
+into 8 f32 lanes held in a register over the whole row: no horizontal sum and no return to the
+driver per super-block (1024 x 4096, one thread, in cache, against the per-super-block kernels
+before: M = 1 Q4_K 0.83-0.88x the time, Q5_K 0.90-0.99x, Q6_K 0.76-0.81x; M = 8 0.74-0.80x; from
+memory, 24 weights of 4096 x 4096 in a chain, two threads: Q4_K 15.6 -> 19.8 GB/s).
 
 numba's on-disk cache keys :mod:`.kquants`'s drivers by their own file only: after editing this
 one, delete ``__pycache__/kquants.*.nb[ic]`` (or touch kquants.py) to recompile.
@@ -37,6 +42,8 @@ from . import cpu, simd
 _F16C = "f16c" in cpu.FEATURES
 #: Rows of ``x`` that share each decoded sub-block (4 rows x 2 vectors + 4 codes: 12 of 16 ymm).
 TILE = 4
+#: Elements of a super-block.
+QK_K = 256
 
 F32 = ir.FloatType()
 I8 = ir.IntType(8)
@@ -282,12 +289,21 @@ V16I16 = ir.VectorType(ir.IntType(16), 16)
 #: DIST_RUNTIME_PORTABLE, because numba's cache is keyed by the CPU); elsewhere the same sums in
 #: generic IR (equal here: the products never saturate 16 bits).
 _X86_AVX2 = "avx2" in cpu.FEATURES
-#: 32-code pieces of a super-block per integer operation, per K-quant type: two (512-bit ``zmm``)
-#: for Q6_K with AVX-512BW, else one.  The sums are exact integers either way: the same bits.
-#: Measured (1024 x 4096, one thread, in cache, two runs): Q6_K M = 1 245-259 -> 216-220 us,
-#: M = 8 1655-1667 -> 1129-1147; Q4_K M = 1 175-178 -> 191-219, M = 8 982-989 -> 1088-1096 (Q5_K
-#: alike), so Q4_K and Q5_K stay at one.
+#: 32-code pieces of a super-block per integer operation where a call computes one row of
+#: activations: two (512-bit ``zmm``) with AVX-512BW, else one; tiles of rows keep one.  The sums
+#: are exact integers either way: the same bits.  Measured on an AMD EPYC with AVX-512 (1024 x
+#: 4096, one thread, in cache, as a fraction of the per-super-block kernels' time before the row
+#: kernels): Q4_K M = 1 0.78-0.88x with two pieces, 0.93x with one; Q5_K 0.81-0.99x, 0.92x; at
+#: M = 8 one piece did 5-10% better, and Q6_K's tiles no different either way.  (On an earlier
+#: Intel machine, with the per-super-block kernels, two pieces had made Q4_K slower.)
 WIDE = 2 if {"avx512f", "avx512bw"} <= cpu.FEATURES else 1
+
+
+def _width(rows: int) -> int:
+    """32-code pieces per integer operation for a call over ``rows`` rows (:data:`WIDE`)."""
+    return WIDE if rows == 1 else 1
+
+
 _INTRINSICS = {(32, "ubs"): "llvm.x86.avx2.pmadd.ub.sw", (64, "ubs"): "llvm.x86.avx512.pmaddubs.w.512",
                (16, "wd"): "llvm.x86.avx2.pmadd.wd", (32, "wd"): "llvm.x86.avx512.pmaddw.d.512"}
 
@@ -396,35 +412,43 @@ def _dot_add(builder, total, pairs, scale):
 
 
 def _emit_q45_k_q8(blk, rows, high):
-    """Per row ``(sum_j scale_j * sum_l q_l * q8_l, sum_j min_j * bsum_j)``, and ``d``, ``dmin``, of
-    one Q4_K/Q5_K super-block against 256 Q8_K codes of each row (``bsums``: sums of 32 codes);
-    the codes decoded once for all rows.  Sub-block ``j``: nibble ``j % 2`` of ``qs[32 (j // 2):]``
-    (and bit ``j`` of ``qh`` as the fifth bit)."""
+    """Per row the lanes of ``sum_j scale_j * sum_l q_l * q8_l`` and of ``min_j * bsum_j`` (lane
+    ``j``), and ``d``, ``dmin``, of one Q4_K/Q5_K super-block against 256 Q8_K codes of each row
+    (``bsums``: sums of 32 codes); the codes decoded once for all rows.  Sub-block ``j``: nibble
+    ``j % 2`` of ``qs[32 (j // 2):]`` (and bit ``j`` of ``qh`` as the fifth bit)."""
     b = blk.builder
     sc, mn = blk.scale_codes_q45_k()
     _, bsat = _q8_rows(blk, rows)
     qs = 48 if high else 16
     pieces = [{"j": j, "at": qs + 32 * (j // 2), "y": 32 * j} for j in range(8)]
-    highs = _bytes(blk, blk.row, [16]) if high else None
 
     def codes_of(group):
         packed = _bytes(blk, blk.row, [p["at"] for p in group])
         codes = _bits(b, packed, [4 * (p["j"] % 2) for p in group], 15)
         if high:
+            highs = _bytes(blk, blk.row, [16] * len(group))
             codes = b.or_(codes, b.shl(_bits(b, highs, [p["j"] for p in group], 1), _per_piece([4] * len(group))))
         return codes
 
     scales = b.trunc(sc, ir.VectorType(ir.IntType(16), 8))
-    totals = _dot_pieces(blk, rows, pieces, codes_of, scales, lambda p: [p["j"]] * 16, 1)
-    imins = [_reduce_add(b, b.mul(mn, blk.load(blk.bsums, at, V8I))) for at in bsat]
-    return [_reduce_add(b, t) for t in totals], imins, blk.half(0), blk.half(2)
+    totals = _dot_pieces(blk, rows, pieces, codes_of, scales, lambda p: [p["j"]] * 16, _width(rows))
+    imins = [b.mul(mn, blk.load(blk.bsums, at, V8I)) for at in bsat]
+    return [_fold(b, t) for t in totals], imins, blk.half(0), blk.half(2)
+
+
+def _fold(builder, v):
+    """A ``<16 x i32>``'s halves added (lane ``l`` + lane ``l + 8``); a ``<8 x i32>`` as it is."""
+    if v.type.count == 8:
+        return v
+    low, high = (builder.shuffle_vector(v, v, ir.Constant(V8I, list(range(h, h + 8)))) for h in (0, 8))
+    return builder.add(low, high)
 
 
 def _emit_q6_k_q8(blk, rows):
-    """Per row ``(sum_i scale_i * sum_l (q_l - 32) * q8_l, 0)``, and ``d``, 0, of one Q6_K
-    super-block (16 sub-blocks of 16; ``bsums``: sums of 16 codes, for the ``- 32``).  Elements
-    ``128 h + 32 g + l``: nibble ``g // 2`` of ``ql[64 h + 32 (g % 2) + l]``, bits ``2 g`` of
-    ``qh[32 h + l]``."""
+    """Per row the lanes of ``sum_i scale_i * sum_l (q_l - 32) * q8_l`` (no mins: the codes are
+    centred), ``d``, of one Q6_K super-block (16 sub-blocks of 16; ``bsums``: sums of 16 codes, for
+    the ``- 32``: lane ``l`` takes sub-blocks ``2 l``, ``2 l + 1``'s).  Elements ``128 h + 32 g + l``:
+    nibble ``g // 2`` of ``ql[64 h + 32 (g % 2) + l]``, bits ``2 g`` of ``qh[32 h + l]``."""
     b = blk.builder
     scales = b.sext(blk.load(blk.row, blk.at(blk.block_at, 192), ir.VectorType(I8, 16), 1), V16I16)
     _, bsat = _q8_rows(blk, rows)
@@ -439,41 +463,72 @@ def _emit_q6_k_q8(blk, rows):
         i = 8 * p["h"] + 2 * p["g"]
         return [i] * 8 + [i + 1] * 8
 
-    totals = _dot_pieces(blk, rows, pieces, codes_of, scales, scale_lanes, WIDE)
+    totals = _dot_pieces(blk, rows, pieces, codes_of, scales, scale_lanes, _width(rows))
     v16i32 = ir.VectorType(I32, 16)
     wide = b.sext(scales, v16i32)
-    offsets = [_reduce_add(b, b.mul(wide, blk.load(blk.bsums, at, v16i32))) for at in bsat]
-    isums = [b.sub(_reduce_add(b, t), b.shl(o, ir.Constant(I32, 5))) for t, o in zip(totals, offsets)]
-    return isums, [ir.Constant(I32, 0)] * rows, blk.half(208), ir.Constant(F32, 0.0)
+    offsets = [_pairs(b, b.mul(wide, blk.load(blk.bsums, at, v16i32)), V8I) for at in bsat]
+    lanes = [b.sub(_fold(b, t), b.shl(o, _i32s(5))) for t, o in zip(totals, offsets)]
+    return lanes, None, blk.half(208), None
 
 
-def _q8_kernel(emit, rows, span):
-    """The intrinsic of ``emit`` for ``rows`` rows of Q8_K codes; ``span``: the super-block's bytes,
-    prefetched ahead (the weight rows, read in order, are the stream that waits on memory)."""
+Q8_ROW_ARGS = ("row", "size", "blocks", "q8", "k", "dx", "bsums", "bstep", "acc", "m_rows")
+
+
+def _q8_row_kernel(emit, span, per_block):
+    """The intrinsic of ``emit`` over a whole weight row: :data:`TILE` rows of Q8_K activations at
+    a time sharing each decoded super-block, then one at a time; each row's 8 f32 lanes held in a
+    register over the row.  Per super-block and row, with ``s`` the row's Q8_K scale of the block:
+    ``lanes += (d * s) * float(isum lanes)``, then ``lanes -= (dmin * s) * float(imin lanes)``
+    (Q4_K/Q5_K), each a multiply then an add, as the portable path does them.  ``span``: the
+    super-block's bytes, prefetched ahead (the weight row is the stream that waits on memory)."""
     @intrinsic
-    def q8_dot(typingctx, row, at, q8, q8at, bsums, bsat, q8step, bstep):
-        ints = types.UniTuple(types.int32, rows)
-        ret = types.Tuple((ints, ints, types.float32, types.float32))
-
+    def q8_row(typingctx, row, size, blocks, q8, k, dx, bsums, bstep, acc, m_rows):
         def codegen(context, builder, sig, args):
-            blk = _Row(context, builder, sig, args, Q8_ARGS)
-            simd.prefetch_ahead(builder, blk.row, blk.block_at, span)
-            isums, imins, d, dmin = emit(blk, rows)
-            return context.make_tuple(builder, ret, [context.make_tuple(builder, ints, isums),
-                                                     context.make_tuple(builder, ints, imins), d, dmin])
+            blk = _Row(context, builder, sig, args, Q8_ROW_ARGS)
+            blk.q8step = blk.k
 
-        return ret(row, at, q8, q8at, bsums, bsat, q8step, bstep), codegen
+            def rows(first, count):
+                b = builder
+                slots = [cgutils.alloca_once(b, V8F) for _ in range(count)]
+                for slot in slots:
+                    b.store(ir.Constant(V8F, [0.0] * 8), slot)
 
-    return q8_dot
+                def block(blk):
+                    simd.prefetch_ahead(b, blk.row, blk.block_at, span)
+                    blk.q8at = blk.at(b.mul(first, blk.k), b.mul(blk.block, blk.const(QK_K)))
+                    blk.bsat = blk.at(b.mul(first, blk.bstep), b.mul(blk.block, blk.const(per_block)))
+                    isums, imins, d, dmin = emit(blk, count)
+                    for r, slot in enumerate(slots):
+                        s = b.load(b.gep(blk.dx, [blk.at(b.mul(blk.at(first, r), blk.blocks), blk.block)]))
+                        lanes = b.fadd(b.load(slot), b.fmul(blk.splat(b.fmul(d, s)), b.sitofp(isums[r], V8F)))
+                        if imins is not None:
+                            lanes = b.fsub(lanes, b.fmul(blk.splat(b.fmul(dmin, s)), b.sitofp(imins[r], V8F)))
+                        b.store(lanes, slot)
+                blk.each_block(block)
+                for r, slot in enumerate(slots):
+                    at = b.mul(blk.at(first, r), blk.const(8))
+                    b.store(b.load(slot), b.bitcast(b.gep(blk.acc, [at]), V8F.as_pointer()), align=4)
+
+            tiled = builder.mul(builder.sdiv(blk.m_rows, blk.const(TILE)), blk.const(TILE))
+            with cgutils.for_range_slice(builder, blk.const(0), tiled, blk.const(TILE), blk.intp) as (m, _):
+                rows(m, TILE)
+            with cgutils.for_range_slice(builder, tiled, blk.m_rows, blk.const(1), blk.intp) as (m, _):
+                rows(m, 1)
+            return context.get_dummy_value()
+
+        return types.void(row, size, blocks, q8, k, dx, bsums, bstep, acc, m_rows), codegen
+
+    return q8_row
 
 
-#: ``f(row, at, q8, q8at, bsums, bsat, q8step, bstep) -> (isums, imins, d, dmin)``: the
-#: super-block at byte ``at`` of ``row`` against rows of Q8_K codes, row ``r``'s at
-#: ``q8[q8at + r q8step:]`` (256, int8), with its sums (int32) of 32 (Q4_K/Q5_K: 8) or 16 (Q6_K: 16)
-#: codes at ``bsums[bsat + r bstep:]``; per row the exact integers
-#: ``isum = sum_j scale_j * sum_l q_l * q8_l`` and ``imin = sum_j min_j * bsum_j`` (0 for Q6_K,
-#: whose codes are centred), and the block's f16 scales ``d``, ``dmin`` (0 for Q6_K).  One row, or
-#: (``_tile``) :data:`TILE` rows of ``x`` sharing each decoded super-block.
-q4_k_q8, q4_k_q8_tile = (_q8_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, False), rows, 144) for rows in (1, TILE))
-q5_k_q8, q5_k_q8_tile = (_q8_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, True), rows, 176) for rows in (1, TILE))
-q6_k_q8, q6_k_q8_tile = (_q8_kernel(_emit_q6_k_q8, rows, 210) for rows in (1, TILE))
+#: ``f(row, size, blocks, q8, k, dx, bsums, bstep, acc, m_rows)``: the weight row ``row``
+#: (``blocks`` super-blocks of ``size`` bytes) against every row of Q8_K activations: row ``m``'s
+#: codes at ``q8[m k:]`` (int8), its scales at ``dx[m blocks:]``, its sums of 32 (Q4_K/Q5_K: 8 a
+#: block) or 16 (Q6_K: 16) codes at ``bsums[m bstep:]``; row ``m``'s 8 lanes go to ``acc[8 m:]``.
+#: Lane ``l`` of a super-block's integers (exact, llama.cpp's ``vec_dot_q*_K_q8_K``'s): the
+#: elements ``32 p + 4 l .. + 3`` of each 32-code piece ``p`` times their sub-block's scale, and
+#: (Q4_K/Q5_K) ``imin`` lane ``l``: sub-block ``l``'s ``min * bsum``; (Q6_K) less ``32 * (scale *
+#: bsum)`` of sub-blocks ``2 l`` and ``2 l + 1``.
+q4_k_q8 = _q8_row_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, False), 144, 8)
+q5_k_q8 = _q8_row_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, True), 176, 8)
+q6_k_q8 = _q8_row_kernel(_emit_q6_k_q8, 210, 16)
