@@ -43,11 +43,16 @@ LANES = 8
 #: once for all 8 (the 125M model's products at M = 8, 2 threads, with the prefetch below: 39.6 ms
 #: against 42.3 for 4 x 3 and 42.3 for 8 x 2, in one run on the busy machine).
 ROWS, COLS = (8, 3) if cpu.REGISTERS >= 32 else (4, 3)
-#: Weight rows per tile for a lone row of ``x`` (``M`` = 1, and the last ``M mod ROWS``): 6 chains
-#: keep the F16 and BF16 conversions and the multiply-adds busy (8 was no faster at M = 1 and needs
-#: chunks of 24, which made M = 4 40% slower).
-ROW_COLS = 6
-#: Weight rows per thread task: a multiple of ``COLS`` and ``ROW_COLS``.
+#: A lone row of ``x`` (``M`` = 1, and the last ``M mod ROWS``) takes one weight row at a time: the
+#: weight then streams from memory in order, one sequential stream a thread.  Tiles of 6 weight rows
+#: read 6 streams 3-8 KB apart, which this machine (AMD EPYC, 2 threads) fetched slower: in a C
+#: test of plain 8-lane chains, 2048 x 768 f32 weights from memory, 1 row at a time 25-35 GB/s, 2
+#: rows 16, 4-6 rows 18-20; here, against 6-row tiles in one process, F32 2048 x 768 0.79-0.87x the
+#: time, 4096 x 4096 0.90-0.97x, the 125M model's f32 decode step 0.89-0.91x; F16 and BF16 within
+#: noise (0.81-1.07x).  One chain of multiply-adds bounds it in cache (4 cycles a piece), not from
+#: memory.  (On an earlier Intel machine 6 rows had kept the F16/BF16 conversions busy.)
+#:
+#: Weight rows per thread task: a multiple of ``COLS``.
 CHUNK = 12
 #: Elements of ``K`` per span when ``M`` > ``ROWS`` (one span, all of ``K``, when a single tile of
 #: rows covers ``x``: nothing to reuse): the span of a chunk's weight rows (12 KB in f32) and of a
@@ -141,9 +146,9 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
 #: Rows of ``x`` in the tile for a remainder of ``M mod ROWS`` >= HALF (tiles of 8 rows: 4, so that
 #: M = 4..7 still share each weight piece among 4 rows; tiles of 4: none, 0).
 HALF = ROWS // 2 if ROWS >= 8 else 0
-#: A full tile, a half tile, one row of ``x`` (the last rows), one weight row (the last of a chunk)
-#: for each of them.
-_TILE, _HALF, _ROW = _tile(ROWS, COLS), _tile(max(HALF, 1), COLS), _tile(1, ROW_COLS)
+#: A full tile, a half tile, and one weight row (the last of a chunk) for each of them; one row of
+#: ``x`` against one weight row (the lone rows of ``x``).
+_TILE, _HALF = _tile(ROWS, COLS), _tile(max(HALF, 1), COLS)
 _COLUMN, _HALF_COLUMN, _ONE = _tile(ROWS, 1), _tile(max(HALF, 1), 1), _tile(1, 1)
 
 
@@ -182,13 +187,8 @@ def _chunk(spec, x, w, out, m, n, k, task):
                 j += 1
             i += HALF
         while i < m:
-            j = lo
-            while j + ROW_COLS <= end:
-                _ROW(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
-                j += ROW_COLS
-            while j < end:
+            for j in range(lo, end):
                 _ONE(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
-                j += 1
             i += 1
         if k1 == whole:
             break
