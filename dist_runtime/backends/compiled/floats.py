@@ -65,7 +65,10 @@ SPAN = 256
 #: 22.06 (256 B and 768 B no better, L2 or non-temporal hints worse, NTA doubled M = 1); near and
 #: far 16 KB, once per line 15.62 / 17.29 (once per 8-element piece 16.42 / 17.85, which also cost
 #: an L1-resident M = 1 product 20%; once per line it costs 4-12%); far 8 KB 17.75 at M = 8, 24 KB
-#: and 64 KB as 16 KB; the far one into L1 18.52, far alone 18.51, against 18.11 for both.
+#: and 64 KB as 16 KB; the far one into L1 18.52, far alone 18.51, against 18.11 for both.  A lone
+#: row of ``x``, one sequential stream (above), takes the near one only: on the AMD EPYC the far one
+#: cost its decode steps 6-8% (one-process A/Bs, 8 rounds each: 0.919 and 0.939 the time without it,
+#: 0.943 without either), the lm_head and FFN products alone 3%.
 
 
 #: The kernels' compile-time choice: (weight format, path) -- each pair its own compiled code.
@@ -116,7 +119,7 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
     lined = builder.add(k0, builder.mul(builder.sdiv(builder.sub(k1, k0), step), step))
     with cgutils.for_range_slice(builder, k0, lined, step) as (i, _):
         for row in wrows:  # a hint, never a fault past the end: this piece's line, ahead
-            simd.prefetch_ahead(builder, at(w, row, i), 0, 64)
+            simd.prefetch_ahead(builder, at(w, row, i), 0, 64, far=rows > 1)
         for u in range(unroll):  # the same pieces in the same order as one at a time
             piece(builder.add(i, i64(u * LANES)))
     with cgutils.for_range_slice(builder, lined, k1, i64(LANES)) as (i, _):
