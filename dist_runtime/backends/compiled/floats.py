@@ -43,16 +43,19 @@ LANES = 8
 #: once for all 8 (the 125M model's products at M = 8, 2 threads, with the prefetch below: 39.6 ms
 #: against 42.3 for 4 x 3 and 42.3 for 8 x 2, in one run on the busy machine).
 ROWS, COLS = (8, 3) if cpu.REGISTERS >= 32 else (4, 3)
-#: A lone row of ``x`` (``M`` = 1, and the last ``M mod ROWS``) takes one weight row at a time: the
-#: weight then streams from memory in order, one sequential stream a thread.  Tiles of 6 weight rows
-#: read 6 streams 3-8 KB apart, which this machine (AMD EPYC, 2 threads) fetched slower: in a C
-#: test of plain 8-lane chains, 2048 x 768 f32 weights from memory, 1 row at a time 25-35 GB/s, 2
-#: rows 16, 4-6 rows 18-20; here, against 6-row tiles in one process, F32 2048 x 768 0.79-0.87x the
-#: time, 4096 x 4096 0.90-0.97x, the 125M model's f32 decode step 0.89-0.91x; F16 and BF16 within
-#: noise (0.81-1.07x).  One chain of multiply-adds bounds it in cache (4 cycles a piece), not from
-#: memory.  (On an earlier Intel machine 6 rows had kept the F16/BF16 conversions busy.)
-#:
-#: Weight rows per thread task: a multiple of ``COLS``.
+#: Weight rows a lone row of ``x`` (``M`` = 1, and the last ``M mod ROWS``) takes at a time, per
+#: stored format: F32 one, so that each thread reads its weight as one sequential stream; F16 and
+#: BF16 two, whose two chains of multiply-adds keep pace with half the bytes a piece.  Tiles of 6
+#: weight rows read 6 streams 3-8 KB apart, which this machine (AMD EPYC, 2 threads) fetched slower:
+#: in a C test of plain 8-lane chains, 2048 x 768 f32 weights from memory, 1 row at a time 25-35
+#: GB/s, 2 rows 16, 4-6 rows 18-20.  Here, in one process, from memory: F32 one row against 6, 2048
+#: x 768 0.79-0.87x the time, 4096 x 4096 0.90-0.97x, the 125M model's f32 decode step 0.89-0.91x;
+#: against 2 or 3 rows 0.93-0.95x at 2048 x 768, no different at 4096 x 4096.  F16 / BF16 two rows
+#: against one: 0.78-0.79x / 0.67-0.70x at 4096 x 4096, 0.78x / 0.95x at 2048 x 768 (one row is a
+#: single chain, 4 cycles a piece: 16 bytes of F16, half F32's).  (On an earlier Intel machine 6
+#: rows had been best.)
+LONE_COLS = {"f32": 1, "f16": 2, "bf16": 2}
+#: Weight rows per thread task: a multiple of ``COLS`` and of :data:`LONE_COLS`.
 CHUNK = 12
 #: Elements of ``K`` per span when ``M`` > ``ROWS`` (one span, all of ``K``, when a single tile of
 #: rows covers ``x``: nothing to reuse): the span of a chunk's weight rows (12 KB in f32) and of a
@@ -66,9 +69,10 @@ SPAN = 256
 #: far 16 KB, once per line 15.62 / 17.29 (once per 8-element piece 16.42 / 17.85, which also cost
 #: an L1-resident M = 1 product 20%; once per line it costs 4-12%); far 8 KB 17.75 at M = 8, 24 KB
 #: and 64 KB as 16 KB; the far one into L1 18.52, far alone 18.51, against 18.11 for both.  A lone
-#: row of ``x``, one sequential stream (above), takes the near one only: on the AMD EPYC the far one
-#: cost its decode steps 6-8% (one-process A/Bs, 8 rounds each: 0.919 and 0.939 the time without it,
-#: 0.943 without either), the lm_head and FFN products alone 3%.
+#: row of ``x`` on F32, one sequential stream (above), takes the near one only: on the AMD EPYC the
+#: far one cost its decode steps 6-8% (one-process A/Bs, 8 rounds each: 0.919 and 0.939 the time
+#: without it, 0.943 without either), the lm_head and FFN products alone 3%; F16 and BF16, whose
+#: chains take longer a byte, keep it (without it, in pairs of rows: 1.4-1.9x the time).
 
 
 #: The kernels' compile-time choice: (weight format, path) -- each pair its own compiled code.
@@ -119,7 +123,7 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
     lined = builder.add(k0, builder.mul(builder.sdiv(builder.sub(k1, k0), step), step))
     with cgutils.for_range_slice(builder, k0, lined, step) as (i, _):
         for row in wrows:  # a hint, never a fault past the end: this piece's line, ahead
-            simd.prefetch_ahead(builder, at(w, row, i), 0, 64, far=rows > 1)
+            simd.prefetch_ahead(builder, at(w, row, i), 0, 64, far=rows > 1 or fmt != "f32")
         for u in range(unroll):  # the same pieces in the same order as one at a time
             piece(builder.add(i, i64(u * LANES)))
     with cgutils.for_range_slice(builder, lined, k1, i64(LANES)) as (i, _):
@@ -150,9 +154,16 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
 #: M = 4..7 still share each weight piece among 4 rows; tiles of 4: none, 0).
 HALF = ROWS // 2 if ROWS >= 8 else 0
 #: A full tile, a half tile, and one weight row (the last of a chunk) for each of them; one row of
-#: ``x`` against one weight row (the lone rows of ``x``).
-_TILE, _HALF = _tile(ROWS, COLS), _tile(max(HALF, 1), COLS)
+#: ``x`` against two weight rows or one (the lone rows of ``x``: :data:`LONE_COLS`).
+_TILE, _HALF, _PAIR = _tile(ROWS, COLS), _tile(max(HALF, 1), COLS), _tile(1, 2)
 _COLUMN, _HALF_COLUMN, _ONE = _tile(ROWS, 1), _tile(max(HALF, 1), 1), _tile(1, 1)
+
+
+@intrinsic
+def _lone_cols(typingctx, spec):
+    """:data:`LONE_COLS` of ``spec``'s weight format, a constant of its compiled code."""
+    cols = LONE_COLS[SPECS.of(spec)[0]]
+    return types.intp(spec), lambda context, builder, sig, args: context.get_constant(types.intp, cols)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -190,8 +201,14 @@ def _chunk(spec, x, w, out, m, n, k, task):
                 j += 1
             i += HALF
         while i < m:
-            for j in range(lo, end):
+            j = lo
+            if _lone_cols(spec) == 2:
+                while j + 2 <= end:
+                    _PAIR(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                    j += 2
+            while j < end:
                 _ONE(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                j += 1
             i += 1
         if k1 == whole:
             break
