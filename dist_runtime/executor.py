@@ -198,6 +198,7 @@ class GraphExecutor:
         if opened is not None and self.placement.packed:  # our own map: its copied pages are not needed
             opened.release(streamed)
         self._steps = self._bind(widened)
+        self._after_pass = [b.after_pass for b in self.backends if callable(getattr(b, "after_pass", None))]
         self._checked: set[tuple] = set()  # input signatures already shape-checked
         self._seed = seed
         self._sessions: dict[Hashable, Session] = {}
@@ -323,7 +324,8 @@ class GraphExecutor:
 
     def _walk(self, values: dict, call, observe) -> None:
         """Every step in order, ``call(step)`` computing its outputs; an exception inside a step
-        leaves as the project's error naming that step's node."""
+        leaves as the project's error naming that step's node.  Then, either way, every backend's
+        ``after_pass()``."""
         step = None
         try:
             for step in self._steps:
@@ -337,6 +339,9 @@ class GraphExecutor:
                     observe(node, outs[:len(node.outputs)], values.keys())
         except Exception as e:  # noqa: BLE001 -- re-raised as the project's error, naming the node
             raise self._node_error(e, step, values) from e
+        finally:
+            for after in self._after_pass:
+                after()
 
     def _call_segments(self, step: _Step, values: Mapping[str, Array], sessions: list[Session],
                        cuts: list[slice]) -> tuple:

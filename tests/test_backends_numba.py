@@ -391,3 +391,40 @@ def test_products_reading_one_x_share_a_launch(monkeypatch):
     segments = [Segment("a", 3), Segment("b", 4)]
     got, want = (ex.run_batch({"tokens": ids}, segments)["logits"] for ex in (shared, separate))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+# -- OpenBLAS's workers after a pass that used BLAS -----------------------------------------------------
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_pass_that_used_blas_sends_openblas_workers_to_sleep(monkeypatch, invariant):
+    """A prefill of BLAS_ROWS rows or more sends its F32 products to BLAS (outside invariant mode);
+    after that pass, and only then, the backend tells OpenBLAS to stop its spinning workers."""
+    from dist_runtime.backends import numba as numba_backend
+
+    calls = []
+    monkeypatch.setattr(numba_backend.openblas, "rest", lambda: calls.append(1) or True)
+    cfg = LlamaConfig(vocab=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64)
+    weights = llama_weights(cfg, seed=1)
+    g = llama_graph(cfg)
+    specs = {n: TensorSpec(w.shape, DType.from_numpy(w.dtype)) for n, w in weights.items()}
+    ex = GraphExecutor((Graph(g.nodes, g.inputs, g.outputs, specs), weights), batch_invariant=invariant)
+    ex.run({"tokens": np.arange(numba_backend.BLAS_ROWS, dtype=np.int32) % cfg.vocab})
+    assert calls == ([] if invariant else [1])
+    ex.run({"tokens": np.array([5], np.int32)})  # a decode step: compiled products only
+    assert calls == ([] if invariant else [1])
+
+
+def test_openblas_rest_stops_its_worker_threads():
+    import os
+
+    from dist_runtime.backends import openblas
+
+    if not openblas.rest():
+        pytest.skip(openblas.REASON)
+    a, b = np.ones((512, 768), np.float32), np.ones((768, 2048), np.float32)
+    tasks = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    a @ b  # starts OpenBLAS's workers (none on a one-core machine or with OPENBLAS_NUM_THREADS=1)
+    running = tasks()
+    assert openblas.rest()
+    workers = (os.cpu_count() or 1) > 1 and os.environ.get("OPENBLAS_NUM_THREADS", "") not in ("1", "0")
+    assert tasks() < running if workers else tasks() <= running
+    np.testing.assert_array_equal(a @ b, np.full((512, 2048), 768, np.float32))  # BLAS works after

@@ -35,7 +35,9 @@ class Backend(Protocol):
     """What the executor asks of a backend.  Optionally also ``bind_siblings(nodes) -> BoundKernel |
     None``: one kernel for adjacent nodes that read one tensor and a weight each, taking
     ``(x, W_1, .., W_n)`` and returning their outputs (the executor's shared launches; the numba
-    backend's products of a layer's q, k and v); None where it would not share a launch."""
+    backend's products of a layer's q, k and v); None where it would not share a launch.  And
+    ``after_pass()``, called once every pass is over, even one that failed (the numba backend
+    sends OpenBLAS's workers to sleep there after a prefill that used them)."""
 
     name: str
     hint: BackendHint  # the value a node's backend_hint uses to ask for this backend

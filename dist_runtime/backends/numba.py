@@ -59,7 +59,7 @@ from ..ir.hints import BackendHint
 from ..ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, LoraApply, Matmul, OpPayload, RmsNorm, Rope,
                       Sdpa, SdpaWindow)
 from ..tensor import Array
-from . import BoundKernel, OpEntry, TableBackend, compiled, register_backend
+from . import BoundKernel, OpEntry, TableBackend, compiled, openblas, register_backend
 from .compiled import attention as compiled_attention
 from .blas import WEIGHT_SLOTS, matmul_family_supports
 from .cpu import CpuBackend
@@ -318,6 +318,7 @@ class NumbaBackend(TableBackend):
         self.invariant = invariant
         self.name = "numba" if activations == "f32" else "numba-q8"
         self._cpu = CpuBackend()
+        self._blas_used = False  # since the last pass: its OpenBLAS workers to send to sleep
 
     def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
         """F32 everywhere, except the weights of the matmul family: any type a compiled product
@@ -346,6 +347,7 @@ class NumbaBackend(TableBackend):
         x2 = x.reshape(-1, x.shape[-1])
         if not self.invariant and x2.shape[0] >= BLAS_ROWS and isinstance(w, np.ndarray) and w.dtype == F32:
             y = x2 @ w.T
+            self._blas_used = True
         else:
             y = compiled.linear(x2, w, activations=self.activations)
         return y.reshape(*x.shape[:-1], w.shape[0])
@@ -358,6 +360,13 @@ class NumbaBackend(TableBackend):
             return [self.linear(x, w) for w in ws]
         ys = compiled.linear_many(x2, ws, activations=self.activations)
         return [y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, ws)]
+
+    def after_pass(self) -> None:
+        """A pass is over: if it sent products to BLAS, its workers sleep now rather than spin
+        beside the next passes' compiled products (:mod:`.openblas`)."""
+        if self._blas_used:
+            self._blas_used = False
+            openblas.rest()
 
     def bind_siblings(self, nodes: Sequence[Node]) -> BoundKernel | None:
         """One kernel for Matmuls reading the same ``x`` (the executor's shared launches: a
