@@ -24,7 +24,7 @@ from dist_runtime.kernels.quant import to_float
 from dist_runtime.kernels.registry import KernelContext
 
 from .arena import pack
-from .backends import Backend, make_backends
+from .backends import Backend, make_backends, openblas
 from .backends.assign import Assignment, assign_backends
 from .batching import SEGMENTED, PerSegment, RowPlan, Segment, offsets, plan_rows
 from .errors import DistRuntimeError, GraphValidationError, KernelError
@@ -328,15 +328,16 @@ class GraphExecutor:
         ``after_pass()``."""
         step = None
         try:
-            for step in self._steps:
-                outs = call(step)
-                for name, value in zip(step.writes, outs):
-                    values[name] = value
-                for name in step.frees:
-                    del values[name]
-                if observe is not None:
-                    node = self.graph.nodes[step.index]
-                    observe(node, outs[:len(node.outputs)], values.keys())
+            with openblas.pass_running():
+                for step in self._steps:
+                    outs = call(step)
+                    for name, value in zip(step.writes, outs):
+                        values[name] = value
+                    for name in step.frees:
+                        del values[name]
+                    if observe is not None:
+                        node = self.graph.nodes[step.index]
+                        observe(node, outs[:len(node.outputs)], values.keys())
         except Exception as e:  # noqa: BLE001 -- re-raised as the project's error, naming the node
             raise self._node_error(e, step, values) from e
         finally:

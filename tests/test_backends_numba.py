@@ -428,3 +428,15 @@ def test_openblas_rest_stops_its_worker_threads():
     workers = (os.cpu_count() or 1) > 1 and os.environ.get("OPENBLAS_NUM_THREADS", "") not in ("1", "0")
     assert tasks() < running if workers else tasks() <= running
     np.testing.assert_array_equal(a @ b, np.full((512, 2048), 768, np.float32))  # BLAS works after
+
+
+def test_openblas_rests_only_when_no_pass_runs(monkeypatch):
+    """Another thread's pass may be inside BLAS: the workers are not shut down under it."""
+    from dist_runtime.backends import openblas
+
+    calls = []
+    monkeypatch.setattr(openblas, "_SHUTDOWN", lambda: calls.append(1))
+    with openblas.pass_running():
+        assert not openblas.rest()
+    assert calls == []
+    assert openblas.rest() and calls == [1]

@@ -13,11 +13,18 @@ only if set before numpy loads OpenBLAS, which a library cannot ensure.
 The library is the one this process loaded (found in ``/proc/self/maps``), so that numpy's
 bundled copy is the one told.  Where none is loaded, or it lacks the symbol, :func:`rest` does
 nothing and :data:`REASON` says why.
+
+Shutting the workers down while another thread is inside BLAS would take its work from under it,
+so executors run their passes inside :func:`pass_running` and :func:`rest` does nothing while any
+pass, in any thread, is running (a server's generation and embedding threads); BLAS that code
+outside the executors calls from other threads at the same time is not covered.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np  # noqa: F401 -- numpy's OpenBLAS must be loaded before the maps are read
@@ -44,10 +51,28 @@ def _find() -> tuple[object | None, str]:
 _SHUTDOWN, REASON = _find()
 
 
+_LOCK = threading.Lock()
+_running = 0  # executor passes in flight, in every thread
+
+
+@contextmanager
+def pass_running():
+    """Around an executor pass: :func:`rest` waits for none."""
+    global _running
+    with _LOCK:
+        _running += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _running -= 1
+
+
 def rest() -> bool:
     """Shut OpenBLAS's worker threads down now (the next BLAS call starts them); False where that
-    is not possible (:data:`REASON`).  Call it only when no other thread is inside BLAS."""
-    if _SHUTDOWN is None:
-        return False
-    _SHUTDOWN()
-    return True
+    is not possible (:data:`REASON`) or a pass is running in some thread."""
+    with _LOCK:  # no pass starts while the workers go
+        if _SHUTDOWN is None or _running:
+            return False
+        _SHUTDOWN()
+        return True
