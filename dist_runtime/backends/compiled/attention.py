@@ -107,6 +107,16 @@ def _prefetch_rows(context, builder, ty, array, first, count, kv_heads, hd):
         _prefetch(builder, _slice(context, builder, ty, array, builder.add(first, _I64(j)), _I64(0)), span)
 
 
+def _prefetch_share(context, builder, ty, array, first, h, heads, kv_heads, hd):
+    """Head ``h``'s share of the ``LANES`` rows from ``first``: rows ``8 h // heads`` up to
+    ``8 (h + 1) // heads``, so that the heads of a block prefetch the block ahead a row or so at a
+    time, every row once, rather than all of it at the block's start (:data:`AHEAD_K`)."""
+    lo = builder.sdiv(builder.mul(h, _I64(LANES)), heads)
+    hi = builder.sdiv(builder.mul(builder.add(h, _I64(1)), _I64(LANES)), heads)
+    with cgutils.for_range_slice(builder, lo, hi, _I64(1)) as (j, _):
+        _prefetch_rows(context, builder, ty, array, builder.add(first, j), 1, kv_heads, hd)
+
+
 def _each_head(builder, kv_heads, groups, body):
     """``body(g, h)`` for each kv head ``g`` and each of its query heads ``h``."""
     with cgutils.for_range(builder, kv_heads) as kv:
@@ -127,7 +137,7 @@ def scores(typingctx, spec, q, kv_heads, groups, k, lo, hi, scale, out, ahead):
     (on kv head ``g = h // groups``) and ``lo <= t < hi`` (``q`` 1-D f32; ``k``, ``out``
     C-contiguous 2-D f32; ``hd`` from ``spec``).  Blocks of 8 key rows in order, all heads on a
     block before the next: the rows stream from memory once, whole, in order, and stay in L1
-    while the heads use them; each block prefetches the rows ``ahead`` of it."""
+    while the heads use them; each block's heads prefetch the rows ``ahead`` of it, a share each."""
     sig = types.void(spec, q, types.intp, types.intp, k, types.intp, types.intp, types.float32, out, types.intp)
     return sig, functools.partial(_scores_codegen, *SPECS.of(spec))
 
@@ -144,10 +154,10 @@ def _scores_codegen(path, hd, context, builder, sig, args):
         return [simd.load(builder, builder.gep(qp, [_I64(p * LANES)]), "f32", LANES, path) for p in range(hd // LANES)]
 
     blocked = _blocks(builder, lo, hi)
+    heads = builder.mul(kv_heads, groups)
     with cgutils.for_range_slice(builder, lo, blocked, _I64(LANES)) as (t, _):
-        _prefetch_rows(context, builder, kty, k, builder.add(t, ahead), LANES, kv_heads, hd)
-
         def block(g, h):
+            _prefetch_share(context, builder, kty, k, builder.add(t, ahead), h, heads, kv_heads, hd)
             koff = builder.mul(g, _I64(hd))
             qv = query(h)
             lanes = [_dot_lanes(builder, path, _slice(context, builder, kty, k, builder.add(t, _I64(j)), koff), qv)
@@ -192,9 +202,13 @@ def _weighted_codegen(path, hd, context, builder, sig, args):
 
     def rows(first, count):
         """Rows ``first .. first + count - 1`` (``count`` a constant) into every head's sums."""
-        _prefetch_rows(context, builder, vty, v, builder.add(first, ahead), count, kv_heads, hd)
+        if count != LANES:
+            _prefetch_rows(context, builder, vty, v, builder.add(first, ahead), count, kv_heads, hd)
 
         def head(g, h):
+            if count == LANES:
+                _prefetch_share(context, builder, vty, v, builder.add(first, ahead), h,
+                                builder.mul(kv_heads, groups), kv_heads, hd)
             ptrs = sums(h)
             accs = [builder.load(ptr, align=4) for ptr in ptrs]
             for j in range(count):
@@ -266,7 +280,11 @@ def _prefetch_row(typingctx, a, row):
 #: on memory once the cache held no longer all the layers' K and V.
 AHEAD_ROWS = 4
 #: Rows ahead of a block that the vector cores prefetch, whole (a block ahead; 0, 16, 32 and 64
-#: measured no faster at 1024 keys, and 32-64 slower in cache).
+#: measured no faster at 1024 keys, and 32-64 slower in cache).  Each head of a block prefetches
+#: its share of those rows (:func:`_prefetch_share`): the whole block's 128 hints at its start left
+#: one query row over 1025 keys from memory (AMD EPYC, one process, interleaved) at 1.32-1.39x the
+#: time, each pass reading ~6 GB/s a thread where a product streams 20-28; 16 rows ahead was no
+#: different with the shares.
 AHEAD_K = 8
 #: Below this many K/V bytes read (times query rows), attention runs on the calling thread.
 SERIAL_KV_BYTES = 1 << 18
