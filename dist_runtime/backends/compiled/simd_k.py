@@ -185,22 +185,27 @@ class _Row:
             xs = self.load(self.xsum, self.at(self.xsum_at[r], b.mul(self.block, self.const(8))), V8F)
             b.store(b.call(self.fma, [dm, xs, b.load(slot)]), slot)
 
-    def rows(self, first, count, emit):
-        """The lanes of rows ``first .. first + count`` over the whole weight row, into ``acc``."""
+    def rows(self, first, count, block):
+        """The lanes of rows ``first .. first + count`` over the whole weight row, into ``acc``:
+        ``block(self, ms)`` for each super-block (``ms``: the rows' indices) adds into
+        :attr:`slots`, one 8-lane accumulator a row."""
         b = self.builder
         self.slots = [cgutils.alloca_once(b, V8F) for _ in range(count)]
         for slot in self.slots:
             b.store(ir.Constant(V8F, [0.0] * 8), slot)
         ms = [self.at(first, r) for r in range(count)]
-        x_rows = [b.mul(m, self.k) for m in ms]
-        self.xsum_at = [b.mul(m, self.nsub) for m in ms]
-
-        def block(blk):
-            self.x_at = [self.at(xr, b.mul(self.block, self.const(256))) for xr in x_rows]
-            emit(blk)
-        self.each_block(block)
+        self.each_block(lambda blk: block(blk, ms))
         for m, slot in zip(ms, self.slots):
             b.store(b.load(slot), b.bitcast(b.gep(self.acc, [b.mul(m, self.const(8))]), V8F.as_pointer()), align=4)
+
+    def tiles(self, block):
+        """:meth:`rows` over every row of ``x``: :data:`TILE` rows at a time, then one at a time."""
+        b, one = self.builder, self.const(1)
+        tiled = b.mul(b.sdiv(self.m_rows, self.const(TILE)), self.const(TILE))
+        with cgutils.for_range_slice(b, self.const(0), tiled, self.const(TILE), self.intp) as (m, _):
+            self.rows(m, TILE, block)
+        with cgutils.for_range_slice(b, tiled, self.m_rows, one, self.intp) as (m, _):
+            self.rows(m, 1, block)
 
 
 def _emit_q45_k(blk, high):
@@ -260,11 +265,12 @@ def _row_kernel(emit_scales, emit):
                 simd.prefetch_ahead(builder, blk.row, blk.block_at, 64)
                 emit_scales(blk)
             blk.each_block(scales)
-            tiled = builder.mul(builder.sdiv(blk.m_rows, blk.const(TILE)), blk.const(TILE))
-            with cgutils.for_range_slice(builder, blk.const(0), tiled, blk.const(TILE), blk.intp) as (m, _):
-                blk.rows(m, TILE, emit)
-            with cgutils.for_range_slice(builder, tiled, blk.m_rows, blk.const(1), blk.intp) as (m, _):
-                blk.rows(m, 1, emit)
+
+            def block(blk, ms):
+                blk.x_at = [blk.at(builder.mul(m, blk.k), builder.mul(blk.block, blk.const(QK_K))) for m in ms]
+                blk.xsum_at = [builder.mul(m, blk.nsub) for m in ms]
+                emit(blk)
+            blk.tiles(block)
             return context.get_dummy_value()
 
         return types.void(row, size, blocks, scales, dm, x, k, xsum, nsub, acc, m_rows), codegen
@@ -328,14 +334,6 @@ def _madd(builder, a, b, kind):
     vt = ir.VectorType(wide, n)
     first = builder.zext(a, vt) if kind == "ubs" else builder.sext(a, vt)
     return _pairs(builder, builder.mul(first, builder.sext(b, vt)), out)
-
-
-def _reduce_add(builder, v):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [v.type]), f"llvm.vector.reduce.add.v{v.type.count}i32")
-    return builder.call(fn, [v])
-
-
-Q8_ARGS = ("row", "block_at", "q8", "q8at", "bsums", "bsat", "q8step", "bstep")
 
 
 def _q8_rows(blk, rows):
@@ -487,33 +485,19 @@ def _q8_row_kernel(emit, span, per_block):
             blk = _Row(context, builder, sig, args, Q8_ROW_ARGS)
             blk.q8step = blk.k
 
-            def rows(first, count):
+            def block(blk, ms):
                 b = builder
-                slots = [cgutils.alloca_once(b, V8F) for _ in range(count)]
-                for slot in slots:
-                    b.store(ir.Constant(V8F, [0.0] * 8), slot)
-
-                def block(blk):
-                    simd.prefetch_ahead(b, blk.row, blk.block_at, span)
-                    blk.q8at = blk.at(b.mul(first, blk.k), b.mul(blk.block, blk.const(QK_K)))
-                    blk.bsat = blk.at(b.mul(first, blk.bstep), b.mul(blk.block, blk.const(per_block)))
-                    isums, imins, d, dmin = emit(blk, count)
-                    for r, slot in enumerate(slots):
-                        s = b.load(b.gep(blk.dx, [blk.at(b.mul(blk.at(first, r), blk.blocks), blk.block)]))
-                        lanes = b.fadd(b.load(slot), b.fmul(blk.splat(b.fmul(d, s)), b.sitofp(isums[r], V8F)))
-                        if imins is not None:
-                            lanes = b.fsub(lanes, b.fmul(blk.splat(b.fmul(dmin, s)), b.sitofp(imins[r], V8F)))
-                        b.store(lanes, slot)
-                blk.each_block(block)
-                for r, slot in enumerate(slots):
-                    at = b.mul(blk.at(first, r), blk.const(8))
-                    b.store(b.load(slot), b.bitcast(b.gep(blk.acc, [at]), V8F.as_pointer()), align=4)
-
-            tiled = builder.mul(builder.sdiv(blk.m_rows, blk.const(TILE)), blk.const(TILE))
-            with cgutils.for_range_slice(builder, blk.const(0), tiled, blk.const(TILE), blk.intp) as (m, _):
-                rows(m, TILE)
-            with cgutils.for_range_slice(builder, tiled, blk.m_rows, blk.const(1), blk.intp) as (m, _):
-                rows(m, 1)
+                simd.prefetch_ahead(b, blk.row, blk.block_at, span)
+                blk.q8at = blk.at(b.mul(ms[0], blk.k), b.mul(blk.block, blk.const(QK_K)))
+                blk.bsat = blk.at(b.mul(ms[0], blk.bstep), b.mul(blk.block, blk.const(per_block)))
+                isums, imins, d, dmin = emit(blk, len(ms))
+                for m, isum, imin, slot in zip(ms, isums, imins or [None] * len(ms), blk.slots):
+                    s = b.load(b.gep(blk.dx, [blk.at(b.mul(m, blk.blocks), blk.block)]))
+                    lanes = b.fadd(b.load(slot), b.fmul(blk.splat(b.fmul(d, s)), b.sitofp(isum, V8F)))
+                    if imins is not None:
+                        lanes = b.fsub(lanes, b.fmul(blk.splat(b.fmul(dmin, s)), b.sitofp(imin, V8F)))
+                    b.store(lanes, slot)
+            blk.tiles(block)
             return context.get_dummy_value()
 
         return types.void(row, size, blocks, q8, k, dx, bsums, bstep, acc, m_rows), codegen
