@@ -31,3 +31,12 @@ REASON = ("AVX2, FMA and F16C present: vector kernels" if AVX2 else
           "portable kernels: " + ("forced by DIST_RUNTIME_PORTABLE=1" if os.environ.get("DIST_RUNTIME_PORTABLE") == "1"
                                   else f"this CPU lacks {', '.join(sorted({'avx2', 'fma', 'f16c'} - FEATURES))}"))
 REASON += f"; {REGISTERS} vector registers" + ("; VNNI dot products" if VNNI else "")
+
+if os.environ.get("DIST_RUNTIME_PORTABLE") == "1":
+    # numba's on-disk cache keys a function by its file and argument types, not by the module
+    # globals it calls: a driver compiled for the vector path would be loaded for the portable
+    # one (the legacy joint products gave the vector path's bits).  The forced path caches apart.
+    import numba
+
+    numba.config.CACHE_DIR = os.path.join(numba.config.CACHE_DIR or os.path.join(os.path.dirname(__file__), "__pycache__"),
+                                          "portable")
