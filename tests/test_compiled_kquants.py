@@ -150,3 +150,14 @@ def test_the_threaded_driver_gives_the_serial_bits(dtype, activations, monkeypat
     finally:
         set_threads(numba.config.NUMBA_NUM_THREADS)
     assert np.array_equal(got.view(np.uint32), alone.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", TYPES, ids=lambda d: d.name)
+def test_q8_activations_nan_and_inf_reach_their_rows(dtype):
+    """A NaN in a block of x made no code bigger and went unseen (a finite wrong answer); an inf
+    divided by zero (ZeroDivisionError).  Both now give their row NaN, the other rows untouched."""
+    w = weight(dtype, 8, 512)
+    x = np.random.default_rng(9).standard_normal((4, 512)).astype(np.float32)
+    x[1, 300], x[2, 3] = np.nan, -np.inf
+    y = linear(x, w, activations="q8_0")
+    assert np.isnan(y[[1, 2]]).all() and np.isfinite(y[[0, 3]]).all()

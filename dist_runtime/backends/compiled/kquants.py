@@ -152,7 +152,8 @@ def _lanes_sum(acc, at):
 def _quantize_q8_k(x):
     """Each row of ``x`` as Q8_K (llama.cpp's ``quantize_row_q8_K_ref``): per 256 elements an f32
     ``d`` and int8 codes ``rint(x * -127 / max)`` (``max`` the element of largest magnitude, with
-    its sign), flat; and the sums (int32) of each 32 and each 16 codes."""
+    its sign), flat; and the sums (int32) of each 32 and each 16 codes.  A block holding a NaN or
+    an inf gets codes 0 and ``d`` NaN."""
     m_rows, k = x.shape
     q = np.zeros(m_rows * k, np.int8)
     d = np.zeros(m_rows * (k // QK_K), np.float32)
@@ -162,10 +163,15 @@ def _quantize_q8_k(x):
         for b in range(k // QK_K):
             big = np.float32(0.0)
             amax = np.float32(0.0)
+            finite = True
             for i in range(b * QK_K, (b + 1) * QK_K):
+                finite &= abs(x[m, i]) < np.inf
                 if abs(x[m, i]) > amax:
                     amax = abs(x[m, i])
                     big = x[m, i]
+            if not finite:  # codes 0, d NaN: the row's results NaN (not a skipped NaN's finite answer)
+                d[m * (k // QK_K) + b] = np.nan
+                continue
             if amax == 0:
                 continue
             iscale = np.float32(-127.0) / big
