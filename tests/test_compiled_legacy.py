@@ -1,5 +1,6 @@
 """The legacy block kernels (``compiled/legacy.py``) beyond the shared harness: the q8_0 activation
-path against an independent numpy model of llama.cpp's formulas (bit for bit), its error against
+path against an independent numpy model of its documented lanes over llama.cpp's integer dots
+(bit for bit), its error against
 the f32 path within a bound derived from the quantization, batch invariance of that path, the
 threaded drivers against the serial ones, and Q5_1.
 """
@@ -11,11 +12,13 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from dist_runtime.backends.compiled import linear, registry, set_threads  # noqa: E402
+from dist_runtime.backends.compiled import legacy, linear, registry, set_threads  # noqa: E402
+from dist_runtime.backends.compiled.simd_int8 import FORMATS  # noqa: E402
 from dist_runtime.dtypes import DType  # noqa: E402
 from dist_runtime.kernels.quant import dequantize, quantize  # noqa: E402
 
 LEGACY = [DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1]
+CODES = {dtype: code for code, dtype in FORMATS.items()}
 F16_EPS = 2.0**-11  # relative rounding of an f16
 
 
@@ -54,19 +57,25 @@ def ggml_quantize_row_q8(x: np.ndarray):
     return q, d.astype(np.float16).astype(np.float32), s, d
 
 
-def ggml_vec_dot(x: np.ndarray, w) -> np.ndarray:
-    """ggml's ggml_vec_dot_*_q8_0 / _q8_1 (generic C): per block an integer sumi, then in f32, block
-    after block, sumf += sumi * (d_w * d_x) (+ m_w * s_x for Q4_1 / Q5_1)."""
+def lanes_dot(x: np.ndarray, w) -> np.ndarray:
+    """The q8_0 path's documented numerics (docs/ops.md): per block the exact integer dots of
+    ggml's ``vec_dot_*_q8_0`` / ``_q8_1``, kept in 4 lanes (lane l: elements 4l..4l+3 and
+    16+4l..16+4l+3), even blocks in lanes 0-3 and odd ones in 4-7; then, block after block, in
+    f32, ``lane += (d_w * d_x) * sumi``; the 8 lanes added in one fixed tree; Q4_1 / Q5_1 plus
+    ``m_w * s_x`` summed per block parity, the two added after."""
     qw, dw, mw = ggml_codes(w)
     qx, dx, sx, _ = ggml_quantize_row_q8(x)
-    sumi = np.einsum("nbj,mbj->mnb", qw, qx)
-    acc = np.zeros((x.shape[0], w.shape[0]), np.float32)
-    for b in range(qw.shape[1]):
-        t = sumi[:, :, b].astype(np.float32) * (dw[None, :, b] * dx[:, None, b])
-        if w.dtype in (DType.Q4_1, DType.Q5_1):
-            t = t + mw[None, :, b] * sx[:, None, b]
-        acc = acc + t
-    return acc
+    m, n, nb = x.shape[0], w.shape[0], qw.shape[1]
+    sumi = np.einsum("nbj,mbj->mnbj", qw, qx).reshape(m, n, nb, 2, 4, 4).sum(axis=(3, 5))
+    acc, mins = np.zeros((m, n, 8), np.float32), np.zeros((m, n, 2), np.float32)
+    for b in range(nb):
+        h = b % 2
+        scale = (dw[None, :, b] * dx[:, None, b])[..., None]
+        acc[..., 4 * h:4 * h + 4] = acc[..., 4 * h:4 * h + 4] + scale * sumi[:, :, b].astype(np.float32)
+        mins[..., h] = mins[..., h] + mw[None, :, b] * sx[:, None, b]
+    a = acc
+    total = ((a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])) + ((a[..., 4] + a[..., 5]) + (a[..., 6] + a[..., 7]))
+    return total + (mins[..., 0] + mins[..., 1]) if w.dtype in (DType.Q4_1, DType.Q5_1) else total
 
 
 def data(dtype: DType, m: int, n: int, k: int, seed: int = 0):
@@ -78,11 +87,49 @@ def data(dtype: DType, m: int, n: int, k: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
-@pytest.mark.parametrize("m, k", [(7, 512), (1, 352), (2, 288)])  # tiles and lone rows, groups of 8 blocks and tails
-def test_q8_activations_are_llama_cpp_bit_for_bit(dtype, m, k):
+@pytest.mark.parametrize("m, k", [(7, 512), (1, 352), (2, 288), (5, 32)])  # tiles and lone rows; odd block counts
+def test_q8_activations_are_the_lanes_formula_bit_for_bit(dtype, m, k):
     x, w = data(dtype, m, 45, k)
     got = linear(x, w, activations="q8_0")
-    assert np.array_equal(got.view(np.uint32), ggml_vec_dot(x, w).view(np.uint32))
+    assert np.array_equal(got.view(np.uint32), lanes_dot(x, w).view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
+@pytest.mark.parametrize("m, k", [(5, 352), (1, 64)])
+def test_q8_portable_path_gives_the_same_bits(dtype, m, k):
+    """The portable path (CPUs without AVX2) computes the same lanes; called here directly, since
+    the package picks the vector path on this CPU."""
+    x, w = data(dtype, m, 23, k, seed=5)
+    out = np.empty((m, 23), np.float32)
+    legacy._q8_portable(*legacy._quantized(x, 32), w.data.reshape(23, -1), out, CODES[dtype], 32, 0, 23)
+    assert np.array_equal(out.view(np.uint32), lanes_dot(x, w).view(np.uint32))
+
+
+@pytest.mark.skipif(not hasattr(legacy, "quantize_row"), reason="the vector quantizer: AVX2 only")
+@pytest.mark.parametrize("m, k", [(3, 352), (1, 32), (2, 4096)])
+def test_vector_quantizer_gives_the_scalar_ones_arrays(m, k):
+    """The vector path's quantizer against the scalar one both paths share the definition of:
+    every code, lane sum, scale and block sum, for blocks of zeros, huge and tiny values, halves
+    exactly between two codes, a NaN and an inf."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((m, k)) * np.exp(rng.uniform(-30, 30, (m, k // 32, 1))).repeat(32, 1).reshape(m, k)
+         ).astype(np.float32)
+    x[0, :32] = 0.0
+    if k > 96:
+        x[0, 32:64] = np.arange(32, dtype=np.float32) - 15.5  # d = 15.5 / 127: some x * (1 / d) near .5
+        x[-1, 70], x[-1, 100] = np.nan, np.inf
+    want = [np.zeros(a.shape, a.dtype) for a in legacy._quantized(x, 32)]
+    legacy._quantize_rows(x, 32, *want)
+    for got, ref in zip(legacy._quantized(x, 32), want, strict=True):
+        assert np.array_equal(got, ref, equal_nan=got.dtype.kind == "f")
+
+
+@pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
+def test_q8_activations_nan_and_inf_reach_their_rows(dtype):
+    x, w = data(dtype, 4, 8, 128, seed=8)
+    x[1, 40], x[2, 3] = np.nan, np.inf
+    y = linear(x, w, activations="q8_0")
+    assert np.isnan(y[1]).all() and not np.isfinite(y[2]).any() and np.isfinite(y[[0, 3]]).all()
 
 
 @pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)

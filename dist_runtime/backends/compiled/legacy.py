@@ -2,13 +2,11 @@
 
 Threads take output rows ``n`` (``prange``); each weight row is read once, block by block, for all
 rows of ``x``.  On the vector path (``cpu.AVX2``) one call of a :mod:`.simd_int8` intrinsic runs
-whole weight rows against a tile of rows of ``x`` (f32: one weight row, 4 rows of ``x``; q8_0:
-2 weight rows x 4 rows of ``x``, then each row left (all of them at ``M`` = 1) against 4 weight
-rows but Q8_0's: the serial f32 sums of q8_0's numerics run side by side), each block decoded
-once per tile; the portable path decodes each block once for all rows into a small scratch and
-runs plain loops (block length passed at run time so that numba does not unroll them): a fallback,
-measured 10-20x slower than the vector path here.  Both keep, for every ``(m, n)``, one fixed
-sequence of operations whatever ``M``: bitwise batch-invariant.
+a whole weight row against a tile of rows of ``x`` (f32: 4 rows; q8_0: 8, then 4, then one at a
+time), each block decoded once per tile; the portable path decodes each block once for all rows
+into a small scratch and runs plain loops (block length passed at run time so that numba does not
+unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep, for every
+``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
 
 Activations (``q8``):
 
@@ -17,9 +15,12 @@ Activations (``q8``):
 - q8_0: each 32-block of each row of ``x`` is quantized once per call, in compiled code, as
   llama.cpp's ``quantize_row_q8_0`` (and ``kernels.quant.quantize``): ``d = max|x| / 127``,
   codes ``roundf(x * (1 / d))``, ``d`` kept as f16; Q4_1 and Q5_1 also take Q8_1's block sum
-  ``s = f16(d * sum(codes))``.  Per block an exact integer dot ``sumi`` then, in f32 and block
-  order, ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for the affine formats): ggml's
-  ``vec_dot_*_q8_0`` / ``_q8_1`` formulas (tests/test_compiled_legacy.py holds them bit for bit).
+  ``s = f16(d * sum(codes))``; a block holding a NaN gets ``d`` NaN (its row's results NaN).  The
+  exact integer dots of ggml's ``vec_dot_*_q8_0`` / ``_q8_1`` stay in 8 lanes of 8 elements (each
+  lane one block's), scaled into f32 lanes block by block, ``lane += (d_w * d_x) * sumi``, the
+  lanes added in one fixed tree at the end; the affine formats add ``m_w * s_x`` into two sums
+  (even and odd blocks) added after (:func:`.simd_int8.q8_lanes`; the portable path the same
+  operations; tests/test_compiled_legacy.py holds the formula bit for bit).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
 from . import cpu
 from .registry import CHUNKS, KERNELS, Drivers, joint_kernel, joint_part, joint_slots, kernel, run, serial
-from .simd_int8 import FORMATS, centre
+from .simd_int8 import FORMATS, LANES, PAIR, centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
 _SPEC = np.array([[_LEGACY[d].bits, centre(_LEGACY[d]), _LEGACY[d].scales + _LEGACY[d].high_bits,
@@ -107,29 +108,32 @@ def _f32_portable(x, w, out, fmt, qk, lo, hi):
 
 
 @numba.njit(nogil=True, cache=True)
-def _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, lo, hi):
-    m_rows, nb = xq.shape[0], xq.shape[1] // qk
-    step, shift, affine = _SPEC[fmt, 4], np.int32(_SPEC[fmt, 1]), _SPEC[fmt, 3]
-    q, acc = np.empty(qk, np.int32), np.empty(m_rows, np.float32)
+def _q8_portable(xp, xn, xd, xs, w, out, fmt, qk, lo, hi):
+    """:func:`.simd_int8.q8_lanes`' lanes in plain loops: the same operations, the same bits."""
+    m_rows, step, affine = xp.shape[0], _SPEC[fmt, 4], _SPEC[fmt, 3]
+    nb, shift = w.shape[1] // step, np.int32(_SPEC[fmt, 1])
+    q, acc, mins = np.empty(qk, np.int32), np.empty((m_rows, LANES), np.float32), np.empty((m_rows, 2), np.float32)
     for n in range(lo, hi):
         row = w[n]
         acc[:] = 0
+        mins[:] = 0
         for b in range(nb):
-            at = b * step
+            at, p, h = b * step, b // 2, b % 2
             _codes(row, at, fmt, qk, q)
             dw = _f16(row[at], row[at + 1])
             mw = _f16(row[at + 2], row[at + 3]) if affine else np.float32(0)
             for m in range(m_rows):
-                sumi, xb = np.int32(0), xq[m, b * qk:(b + 1) * qk]
-                for j in range(qk):
-                    sumi += q[j] * np.int32(xb[j])
-                sumi -= shift * xsum[b, m]
-                t = np.float32(sumi) * (dw * xd[b, m])
+                for lane in range(4):
+                    sumi = np.int32(0)
+                    for j in (4 * lane, 4 * lane + 1, 4 * lane + 2, 4 * lane + 3,
+                              16 + 4 * lane, 17 + 4 * lane, 18 + 4 * lane, 19 + 4 * lane):
+                        sumi += (q[j] - shift) * np.int32(xp[m, p * PAIR + j // 16 * qk + h * 16 + j % 16])
+                    at_lane = p * LANES + 4 * h + lane
+                    acc[m, 4 * h + lane] += (dw * xd[m, at_lane]) * np.float32(sumi)
                 if affine:
-                    t += mw * xs[b, m]
-                acc[m] += t
+                    mins[m, h] += mw * xs[m, 2 * p + h]
         for m in range(m_rows):
-            out[m, n] = acc[m]
+            out[m, n] = _lanes_sum(acc[m]) + (mins[m, 0] + mins[m, 1]) if affine else _lanes_sum(acc[m])
 
 
 @numba.njit(nogil=True, cache=True)
@@ -149,50 +153,59 @@ def _to_f16(v):
 
 
 @numba.njit(nogil=True, cache=True)  # ~2 ns an element: one thread; a parallel launch costs more
-def _quantize_rows(x, qk, xq, xd, xs, xsum):
+def _quantize_rows(x, qk, xp, xn, xd, xs):
     for m in range(x.shape[0]):
         for b in range(x.shape[1] // qk):
             amax = np.float32(0)
             for j in range(b * qk, (b + 1) * qk):
-                amax = max(amax, abs(x[m, j]))
+                a = abs(x[m, j])
+                if amax == amax and not a <= amax:  # a NaN stays: the block's d, and its row's results, NaN
+                    amax = a
             d = amax / np.float32(127)
             inv = np.float32(1) / d if d != 0 else np.float32(0)
-            total = np.int32(0)
-            for j in range(b * qk, (b + 1) * qk):
-                v = np.float64(x[m, j] * inv)  # roundf: half away from zero, exact in f64
-                q = np.int32(np.trunc(v + np.copysign(0.5, v)))
-                xq[m, j] = q
+            total, p, h = np.int32(0), b // 2, b % 2
+            finite = abs(d) < np.inf  # else codes 0 (not whatever a NaN converts to): the results are NaN anyway
+            for j in range(qk):
+                v = np.float64(x[m, b * qk + j] * inv)  # roundf: half away from zero, exact in f64
+                q = np.int32(np.trunc(v + np.copysign(0.5, v))) if finite else np.int32(0)
+                xp[m, p * PAIR + j // 16 * qk + h * 16 + j % 16] = q
                 total += q
-            xd[b, m], xs[b, m], xsum[b, m] = _to_f16(d), _to_f16(np.float32(total) * d), total
+            for lane in range(4):
+                part = np.int32(0)
+                for j in range(4 * lane, 4 * lane + 4):
+                    part += np.int32(xp[m, p * PAIR + h * 16 + j]) + np.int32(xp[m, p * PAIR + qk + h * 16 + j])
+                xn[m, p * LANES + 4 * h + lane] = -part
+                xd[m, p * LANES + 4 * h + lane] = _to_f16(d)
+            xs[m, 2 * p + h] = _to_f16(np.float32(total) * d)
 
 
 @numba.njit(nogil=True, cache=True)
 def _quantized(x, qk):
-    """``x`` f32 [M, K] as llama.cpp's ``quantize_row_q8_1_ref`` makes it (Q8_0 is the same
-    without ``s``): ``d = max|x| / 127``, codes ``roundf(x * (1 / d))`` int8 [M, K], ``d`` as f16
-    and ``s = f16(d * sum(codes))`` with the f32 ``d``, both f32, and the code sums int32, these
-    three [K/32, M] (a tile's rows side by side).  In the product's own compiled call: a
-    separate one, and its arrays made in Python, cost 3-4 us a product (85 a 125M model's token)."""
+    """``x`` f32 [M, K] quantized per 32-block as llama.cpp's ``quantize_row_q8_1_ref`` makes it
+    (Q8_0 is the same without ``s``): ``d = max|x| / 127``, codes ``roundf(x * (1 / d))``, ``d``
+    as f16, ``s = f16(d * sum(codes))`` with the f32 ``d``; laid out by pairs of blocks for
+    :func:`.simd_int8.q8_lanes` (its docstring: ``xp``, ``xn``, ``xd``, ``xs``), an odd last block's
+    partner all zeros.  In the product's own compiled call: a separate one, and its arrays made in
+    Python, cost 3-4 us a product (85 a 125M model's token)."""
     m, k = x.shape
-    xq = np.empty((m, k), np.int8)
-    xd, xs = np.empty((k // qk, m), np.float32), np.empty((k // qk, m), np.float32)
-    xsum = np.empty((k // qk, m), np.int32)
-    _quantize_rows(x, qk, xq, xd, xs, xsum)
-    return xq, xd, xs, xsum
+    pairs = (k // qk + 1) // 2
+    xp, xn = np.zeros((m, pairs * PAIR), np.int8), np.zeros((m, pairs * LANES), np.int32)
+    xd, xs = np.zeros((m, pairs * LANES), np.float32), np.zeros((m, pairs * 2), np.float32)
+    _quantize_all(x, qk, xp, xn, xd, xs)  # the path's own: below
+    return xp, xn, xd, xs
 
 
 if cpu.AVX2:
-    from .simd_int8 import f32_rows, q8_rows
+    from .simd_int8 import f32_rows, q8_lanes, quantize_row  # noqa: F401 (quantize_row: its test)
 
     _F32_FOUR, _F32_ONE = f32_rows(4), f32_rows(1)
-    #: Tiles of (rows of x, weight rows): each call's serial f32 sums (one per pair) run side by
-    #: side; a lone chain waits one ``addss`` latency a block, which bounds a nibble format's row
-    #: below the memory's speed.  Not for Q8_0 at M = 1: it is memory-bound there, and 4 weight
-    #: rows read side by side measured 9 GB/s against 16.7 one after the other (2048 x 768, weights
-    #: not in cache, one thread).
-    _Q8_FOUR_BY_TWO, _Q8_FOUR = q8_rows(4, 2), q8_rows(4)
-    _Q8_ONE_BY_FOUR, _Q8_ONE = q8_rows(1, 4), q8_rows(1)
-    _Q8_0 = next(code for code, dtype in FORMATS.items() if dtype == DType.Q8_0)
+    _Q8_EIGHT, _Q8_FOUR, _Q8_ONE = q8_lanes(8), q8_lanes(4), q8_lanes(1)
+
+    @numba.njit(nogil=True, cache=True)
+    def _quantize_all(x, _qk, xp, xn, xd, xs):
+        """:func:`_quantize_rows`' arrays, a block in vectors: 4096 elements in 2 us, not 30."""
+        for r in range(x.shape[0]):
+            quantize_row(x, r, xp, xn, xd, xs)
 
     @numba.njit(nogil=True, cache=True)
     def _f32_avx2(x, w, out, fmt, qk, lo, hi):
@@ -207,24 +220,19 @@ if cpu.AVX2:
                 m += 1
 
     @numba.njit(nogil=True, cache=True)
-    def _q8_avx2(xq, xd, xs, xsum, w, out, fmt, _qk, lo, hi):  # _qk: the portable signature
-        m_rows = xq.shape[0]
-        tiled = m_rows // 4 * 4
-        n = lo
-        while n + 2 <= hi:
-            for m in range(0, tiled, 4):
-                _Q8_FOUR_BY_TWO(w, xq, xd, xs, xsum, out, n, m, fmt)
-            n += 2
-        for n in range(n, hi):
-            for m in range(0, tiled, 4):
-                _Q8_FOUR(w, xq, xd, xs, xsum, out, n, m, fmt)
-        for m in range(tiled, m_rows):
-            n = lo
-            while n + 4 <= hi and fmt != _Q8_0:
-                _Q8_ONE_BY_FOUR(w, xq, xd, xs, xsum, out, n, m, fmt)
-                n += 4
-            for n in range(n, hi):
-                _Q8_ONE(w, xq, xd, xs, xsum, out, n, m, fmt)
+    def _q8_avx2(xp, xn, xd, xs, w, out, fmt, _qk, lo, hi):  # _qk: the portable signature
+        m_rows = xp.shape[0]
+        for n in range(lo, hi):
+            m = 0
+            while m + 8 <= m_rows:
+                _Q8_EIGHT(w, xp, xn, xd, xs, out, n, m, fmt)
+                m += 8
+            while m + 4 <= m_rows:
+                _Q8_FOUR(w, xp, xn, xd, xs, out, n, m, fmt)
+                m += 4
+            while m < m_rows:
+                _Q8_ONE(w, xp, xn, xd, xs, out, n, m, fmt)
+                m += 1
 
     @numba.njit(nogil=True, cache=True, parallel=True)
     def _f32_avx2_threaded(x, w, out, fmt, qk):
@@ -234,19 +242,21 @@ if cpu.AVX2:
 
     @numba.njit(nogil=True, cache=True)
     def _q8_avx2_serial(x, w, out, fmt, qk, lo, hi):
-        xq, xd, xs, xsum = _quantized(x, qk)
-        _q8_avx2(xq, xd, xs, xsum, w, out, fmt, qk, lo, hi)
+        xp, xn, xd, xs = _quantized(x, qk)
+        _q8_avx2(xp, xn, xd, xs, w, out, fmt, qk, lo, hi)
 
     @numba.njit(nogil=True, cache=True, parallel=True)
     def _q8_avx2_threaded(x, w, out, fmt, qk):
-        xq, xd, xs, xsum = _quantized(x, qk)
+        xp, xn, xd, xs = _quantized(x, qk)
         n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
         for c in numba.prange(chunks):
-            _q8_avx2(xq, xd, xs, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
+            _q8_avx2(xp, xn, xd, xs, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
 
     _F32, _Q8 = Drivers(_f32_avx2, _f32_avx2_threaded), Drivers(_q8_avx2_serial, _q8_avx2_threaded)
     _f32_rows, _q8_rows = _f32_avx2, _q8_avx2
 else:
+    _quantize_all = _quantize_rows
+
     @numba.njit(nogil=True, cache=True, parallel=True)
     def _f32_portable_threaded(x, w, out, fmt, qk):
         n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
@@ -255,15 +265,15 @@ else:
 
     @numba.njit(nogil=True, cache=True)
     def _q8_portable_serial(x, w, out, fmt, qk, lo, hi):
-        xq, xd, xs, xsum = _quantized(x, qk)
-        _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, lo, hi)
+        xp, xn, xd, xs = _quantized(x, qk)
+        _q8_portable(xp, xn, xd, xs, w, out, fmt, qk, lo, hi)
 
     @numba.njit(nogil=True, cache=True, parallel=True)
     def _q8_portable_threaded(x, w, out, fmt, qk):
-        xq, xd, xs, xsum = _quantized(x, qk)
+        xp, xn, xd, xs = _quantized(x, qk)
         n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
         for c in numba.prange(chunks):
-            _q8_portable(xq, xd, xs, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
+            _q8_portable(xp, xn, xd, xs, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
 
     _F32, _Q8 = Drivers(_f32_portable, _f32_portable_threaded), Drivers(_q8_portable_serial, _q8_portable_threaded)
     _f32_rows, _q8_rows = _f32_portable, _q8_portable
@@ -287,17 +297,17 @@ def _f32_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _q8_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
     """As :func:`_f32_joint`, ``x`` quantized once."""
-    xq, xd, xs, xsum = _quantized(x, qk)
+    xp, xn, xd, xs = _quantized(x, qk)
     n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
     c0, c1, c2 = min(n0, CHUNKS), min(n1, CHUNKS), min(n2, CHUNKS)
     for c in numba.prange(c0 + c1 + c2):
         slot, lo, hi = joint_part(c, c0, c1, c2, n0, n1, n2)
         if slot == 0:
-            _q8_rows(xq, xd, xs, xsum, w0, out0, fmt0, qk, lo, hi)
+            _q8_rows(xp, xn, xd, xs, w0, out0, fmt0, qk, lo, hi)
         elif slot == 1:
-            _q8_rows(xq, xd, xs, xsum, w1, out1, fmt1, qk, lo, hi)
+            _q8_rows(xp, xn, xd, xs, w1, out1, fmt1, qk, lo, hi)
         else:
-            _q8_rows(xq, xd, xs, xsum, w2, out2, fmt2, qk, lo, hi)
+            _q8_rows(xp, xn, xd, xs, w2, out2, fmt2, qk, lo, hi)
 
 
 _CODES = {dtype: code for code, dtype in FORMATS.items()}

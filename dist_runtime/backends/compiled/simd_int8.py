@@ -1,25 +1,25 @@
-"""LLVM vector IR (AVX2, FMA, F16C) for the legacy block products: one call runs a whole weight
-row against a tile of rows of ``x``, each block decoded once for the tile.
+"""LLVM vector IR (AVX2, FMA, F16C; VNNI where present) for the legacy block products: one call
+runs a whole weight row against a tile of rows of ``x``, each block decoded once for the tile.
 
-Two intrinsics, each built for a tile height ``rows`` and every legacy format (the format is a
+Each intrinsic is built for a tile height ``rows`` and every legacy format (the format is a
 run-time code; the block loop of each format is emitted once, behind a switch outside the loop):
 
 - :func:`f32_rows`: each block's 32 codes become their dequantized f32 values, rounded as
   ``dequantize`` rounds them (``d * (q - c)``, ``d * q + m``), in four 8-lane vectors,
   and every row of the tile keeps four 8-lane accumulators, ``acc_j = fma(w_j, x_j, acc_j)``;
   at the end of the row they are summed in one fixed tree.
-- :func:`q8_rows`: llama.cpp's integer products on Q8_0/Q8_1-quantized activations.  Per block,
-  ``pmaddubsw`` (unsigned x signed bytes -> i16 pairs) then ``pmaddwd`` by ones (-> 8 x i32)
-  and an exact integer sum: the block's ``sumi``.  Q8_0's signed codes go through the
-  ``|w|, sign(x, w)`` trick (``psignb``) as in ``ggml_vec_dot_q8_0_q8_0``; the nibble formats use their
-  unsigned codes and subtract ``c * sum(x codes)`` (Q4_0's c = 8, Q5_0's 16): the same integer.
-  Where a call's group holds an even number of blocks (``M`` = 1: two), the nibble formats decode
-  two adjacent blocks at once (:func:`_nibble_pair`: one ``and`` and one shift for 64 codes, x's
-  halves swapped to match), exactly the same integers: Q4_0 at ``M`` = 1 (1024 x 4096, one
-  thread, in cache) 188-196 -> 150-155 us, Q4_1 208-212 -> 178-186.  Then in
-  f32, block after block: ``acc += sumi * (d_w * d_x)`` (``+ m_w * s_x`` for Q4_1/Q5_1).  That
-  serial f32 sum (one ``addss`` latency a block) is the scalar reference's numerics and bounds a
-  row: everything else runs 8 (block, row) pairs at a time beside it (:func:`q8_rows`).
+- :func:`q8_lanes`: llama.cpp's exact integer dot products on Q8_0/Q8_1-quantized activations,
+  kept in 8 lanes as its AVX2 kernels keep them, and scaled into 8 f32 lanes held over the whole
+  row.  Two adjacent blocks go together: their nibbles decode with one ``and`` and one shift for
+  64 codes (:func:`_nibble_pair`), and ``x`` is stored in the matching order by the quantizer
+  (:func:`quantize_row`), so each lane holds 8 elements of one block.  Per pair and row: two
+  ``vpdpbusd`` (``pmaddubsw`` + ``pmaddwd`` without VNNI) starting from ``- c * sum(x)`` (the
+  centre of the unsigned codes), one conversion, two multiplies and one add.  A row of ``W`` is
+  one stream read in order.  Before (session 12), the blocks' integer sums were folded
+  horizontally and added into one serial f32 sum per (row, weight row), ggml's generic C order:
+  its one-``addss``-a-block latency made the lone-row path read 4 weight rows side by side, which
+  fetch slower here than one (1024 x 4096 Q8_0 in cache, one thread: 181 -> 134 us; 4096 x 4096
+  from memory, two threads: Q4_0 0.82-0.87x the time, Q8_0 0.89-0.95x; Q4_1 and Q5_0 alike).
 
 Every row of ``x`` goes through the same instructions whatever the tile and its place in it,
 so results are batch-invariant; nothing here carries fast-math flags, so LLVM may not reorder.
@@ -40,8 +40,6 @@ I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntTy
 V8F, V8I, V32B = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I8, 32)
 V16B, V16S = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
 
-#: (block, row) pairs whose integer sums :func:`q8_rows` folds together: one <8 x i32>.
-GROUP = 8
 #: format code (the run-time argument of the intrinsics) -> element type.
 FORMATS = {0: DType.Q8_0, 1: DType.Q4_0, 2: DType.Q4_1, 3: DType.Q5_0, 4: DType.Q5_1}
 
@@ -148,11 +146,13 @@ def _nibble_pair(builder, blk0, blk1, fmt):
     one 32-byte load's worth of nibbles, so one ``and`` / shift decodes 64 codes, where one block
     at a time needs a shuffle to put its low and high nibbles together (:func:`_codes`)."""
     body = fmt.scales + fmt.high_bits
-    packed = _concat(builder, [_load(builder, blk, _i(body), V16B) for blk in (blk0, blk1)])
+    packed = _concat(builder, [_load(builder, blk, _i(body), V16B) if blk is not None else ir.Constant(V16B, None)
+                               for blk in (blk0, blk1)])
     low = builder.and_(packed, _vec(V32B, [15] * 32))
     high = builder.and_(builder.lshr(packed, _vec(V32B, [4] * 32)), _vec(V32B, [15] * 32))
     if fmt.bits == 5:  # element e of half h: bit 16 h + e of its block's little-endian qh
-        qh = _concat(builder, [_load(builder, blk, _i(fmt.scales), ir.VectorType(I8, 4)) for blk in (blk0, blk1)])
+        qh = _concat(builder, [_load(builder, blk, _i(fmt.scales), ir.VectorType(I8, 4)) if blk is not None
+                               else ir.Constant(ir.VectorType(I8, 4), None) for blk in (blk0, blk1)])
         none, five = ir.Constant(V32B, None), _vec(V32B, [16] * 32)
         bit = _vec(V32B, [((1 << e % 8) ^ 0x80) - 0x80 for e in range(16)] * 2)
         halves = []
@@ -165,24 +165,6 @@ def _nibble_pair(builder, blk0, blk1, fmt):
     return low, high
 
 
-def _x_pair(builder, xrow, at):
-    """The x codes of two adjacent blocks at byte ``at`` of ``xrow`` in :func:`_nibble_pair`'s order."""
-    x0, x1 = _load(builder, xrow, at, V32B), _load(builder, xrow, builder.add(at, _i(QK)), V32B)
-    mask = ir.VectorType(I32, 32)
-    return (builder.shuffle_vector(x0, x1, _vec(mask, [*range(16), *range(32, 48)])),
-            builder.shuffle_vector(x0, x1, _vec(mask, [*range(16, 32), *range(48, 64)])))
-
-
-def _pair_row_sums(builder, pairs, order):
-    """Lane sums of four <8 x i32>, each two 4-lane sums (lanes 0-3 and 4-7), as one <8 x i32>:
-    two levels of ``phaddd`` leave [every vector's first sum | every vector's second], then lane
-    ``i`` of the result is lane ``order[i]`` of that (exact: integers)."""
-    hadd = "llvm.x86.avx2.phadd.d"
-    low, high = (_call(builder, hadd, V8I, pairs[i], pairs[i + 1]) for i in (0, 2))
-    sums = _call(builder, hadd, V8I, low, high)
-    if list(order) == list(range(8)):
-        return sums
-    return builder.shuffle_vector(sums, sums, _vec(ir.VectorType(I32, 8), order))
 
 
 def _array(context, builder, ty, value):
@@ -197,13 +179,17 @@ def _by_format(builder, code, body):
             body(_LEGACY[dtype], dtype.block_bytes)
 
 
-def _hsum(builder, accs):
-    """Four <8 x float> summed in one fixed order: vectors pairwise, then lanes pairwise."""
-    v = builder.fadd(builder.fadd(accs[0], accs[1]), builder.fadd(accs[2], accs[3]))
-    lanes = [builder.extract_element(v, _i(i, I32)) for i in range(8)]
+def _tree(builder, v):
+    """The lanes of ``v`` added pairwise, ``((l0 + l1) + (l2 + l3)) + ...``: one fixed order."""
+    lanes = [builder.extract_element(v, _i(i, I32)) for i in range(v.type.count)]
     while len(lanes) > 1:
         lanes = [builder.fadd(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
     return lanes[0]
+
+
+def _hsum(builder, accs):
+    """Four <8 x float> summed in one fixed order: vectors pairwise, then lanes pairwise."""
+    return _tree(builder, builder.fadd(builder.fadd(accs[0], accs[1]), builder.fadd(accs[2], accs[3])))
 
 
 def f32_rows(rows: int):
@@ -253,153 +239,188 @@ def _concat(builder, parts):
     return parts[0]
 
 
-def _spread(builder, halves, rows):
-    """f16 scalars, each on ``rows`` lanes in order, as one f32 vector (one conversion for all)."""
-    v = ir.Constant(ir.VectorType(ir.HalfType(), len(halves)), ir.Undefined)
-    for g, value in enumerate(halves):
-        v = builder.insert_element(v, value, _i(g, I32))
-    spread = _vec(ir.VectorType(I32, len(halves) * rows), [g for g in range(len(halves)) for _ in range(rows)])
-    return builder.fpext(builder.shuffle_vector(v, v, spread), ir.VectorType(F32, len(halves) * rows))
 
 
-def _pair_sums(builder, a, b):
-    """<8 x i32> whose lanes 0-3 are the sums of a's lane pairs and 4-7 of b's."""
-    mask = ir.VectorType(I32, 8)
-    even = builder.shuffle_vector(a, b, _vec(mask, range(0, 16, 2)))
-    return builder.add(even, builder.shuffle_vector(a, b, _vec(mask, range(1, 16, 2))))
 
 
-def _row_sums(builder, quads):
-    """The lane sums of each <8 x i32> in ``quads`` (1, 2, 4 or 8 of them) as one <rows x i32>,
-    in order: pairwise folds that keep every row's partial sums together (exact: integers)."""
-    rows = len(quads)
-    if rows == 8:  # phaddd within 128-bit halves, the halves added once at the end: 9 ops, not 14
-        sums = [_call(builder, "llvm.x86.avx2.phadd.d", V8I, quads[i], quads[i + 1]) for i in range(0, 8, 2)]
-        sums = [_call(builder, "llvm.x86.avx2.phadd.d", V8I, sums[i], sums[i + 1]) for i in (0, 2)]
-        mask = ir.VectorType(I32, 8)
-        halves = [builder.shuffle_vector(*sums, _vec(mask, [*range(h, h + 4), *range(h + 8, h + 12)])) for h in (0, 4)]
-        return builder.add(*halves)
-    while len(quads) > 1:
-        quads = [_pair_sums(builder, quads[i], quads[i + 1]) for i in range(0, len(quads), 2)]
-    v = quads[0]
-    for _ in range(3 - rows.bit_length() + 1):  # until one lane per row: log2(8 / rows) folds
-        v = _pair_sums(builder, v, v)
-    return builder.shuffle_vector(v, v, _vec(ir.VectorType(I32, rows), range(rows)))
+#: Elements of a pair of blocks in :func:`q8_lanes`' layout, and its f32 lanes.
+PAIR, LANES = 2 * QK, 8
 
 
-def q8_rows(rows: int, wrows: int = 1):
-    """``q8_rows(w, xq, xd, xs, xsum, out, n, m, fmt)``: ``out[m + r, n + j] = x[m + r] . W[n + j]``
-    for ``r < rows``, ``j < wrows``, on activations quantized per block: codes ``xq`` int8 [M, K];
-    per block and row (transposed, so a tile's rows are adjacent), scales ``xd`` and sums ``xs``
-    (Q8_1's ``s``) f32 [nb, M], code sums ``xsum`` int32 [nb, M].
+def _pair_codes(builder, blk0, blk1, fmt):
+    """Two adjacent blocks' codes (``blk1`` None: the second's as zeros) as two <32 x i8> in the
+    paired order: elements 0-15 of both blocks, then 16-31 of both.  Unsigned: the nibble formats'
+    codes, Q8_0's plus 128 (``xor 0x80``, VNNI only: ``pmaddubsw`` would saturate on them)."""
+    if fmt.bits != 8:
+        return _nibble_pair(builder, blk0, blk1, fmt)
+    body, zero = fmt.scales + fmt.high_bits, ir.Constant(V16B, None)
+    halves = []
+    for h in (0, 16):
+        parts = [_load(builder, blk, _i(body + h), V16B) if blk is not None else None for blk in (blk0, blk1)]
+        if cpu.VNNI:
+            parts = [builder.xor(p, _vec(V16B, [-128] * 16)) if p is not None else zero for p in parts]
+        halves.append(_concat(builder, [p if p is not None else zero for p in parts]))
+    return halves
 
-    Blocks go ``GROUP // (rows * wrows)`` at a time: the integer sums of their 8 (block, weight
-    row, row) triples are folded together into one <8 x i32> and their f32 products
-    ``sumi * (d_w * d_x)`` run as one <8 x float>; then each block's lanes are added to the
-    <wrows * rows x float> accumulator, block after block.  Each lane does exactly what a lone
-    (row, weight row) does, in the same order.  Several weight rows (``wrows``) at ``M`` = 1 give
-    the serial f32 sums independent chains to overlap: one chain is one ``addss`` latency a block."""
-    tile_n = rows * wrows
-    vec_f = ir.VectorType(F32, tile_n)
-    group = GROUP // tile_n
+
+def _pair_halves(builder, blk0, blk1, at):
+    """The f16 at byte ``at`` of the two blocks (``blk1`` None: 0) as a <2 x float>."""
+    v = ir.Constant(ir.VectorType(ir.HalfType(), 2), None)
+    for s, blk in enumerate((blk0, blk1)):
+        if blk is not None:
+            v = builder.insert_element(v, _f16(builder, blk, at), _i(s, I32))
+    return builder.fpext(v, ir.VectorType(F32, 2))
+
+
+def q8_lanes(rows: int):
+    """``q8_lanes(w, xp, xn, xd, xs, out, n, m, fmt)``: ``out[m + r, n] = x[m + r] . W[n]`` for
+    ``r < rows``, on activations quantized per 32-block to Q8_0 / Q8_1 and laid out by pairs of
+    blocks (``legacy._quantized``): codes ``xp`` int8 [M, P * 64], each pair's elements 0-15 of
+    both blocks then 16-31 of both; ``xn`` int32 [M, P * 8], minus the x codes' sum of each lane;
+    ``xd`` f32 [M, P * 8], each lane's block scale; ``xs`` f32 [M, P * 2], Q8_1's ``s`` per block.
+
+    Lane ``l`` of a pair holds block ``2p + l // 4``'s elements ``4 (l % 4) .. + 3`` and
+    ``16 + 4 (l % 4) .. + 3``: its exact integer dot ``sumi`` (codes centred as ggml's, through
+    ``- c * sum(x)`` from ``xn``), then ``acc += (d_w * d_x) * sumi`` in 8 f32 lanes held over the
+    whole row, added in one fixed tree at the end (Q4_1/Q5_1: plus ``m_w * s_x`` summed per
+    block parity in two lanes, added after).  One weight row streams in order; each decoded pair
+    serves the tile's ``rows`` rows, each of which does exactly what it does alone."""
+    v2f = ir.VectorType(F32, 2)
 
     @intrinsic
-    def run(typingctx, w, xq, xd, xs, xsum, out, n, m, fmt):
+    def run(typingctx, w, xp, xn, xd, xs, out, n, m, fmt):
         def codegen(context, builder, sig, args):
             arrays = [_array(context, builder, t, v) for t, v in zip(sig.args[:6], args[:6])]
-            (wa, _, wst), (qa, (_, k), _), (da, (nb, mt), _), (sa, _, _), (ca, _, _), (oa, (_, ncols), _) = arrays
+            (wa, (_, wcols), wst), (pa, (_, kp), _), (na, _, _), (da, _, _), (sa, _, _), (oa, (_, ncols), _) = arrays
             n_, m_, code = args[6:]
-            base = builder.bitcast(wa.data, I8.as_pointer())
-            wrow = [builder.gep(base, [builder.mul(builder.add(n_, _i(j)), wst[0])]) for j in range(wrows)]
-            ahead = builder.mul(_i(wrows), wst[0])
-            xrows = [builder.gep(qa.data, [builder.mul(builder.add(m_, _i(r)), k)]) for r in range(rows)]
-            acc = cgutils.alloca_once_value(builder, ir.Constant(vec_f, None))
+            row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
+            pairs = builder.sdiv(kp, _i(PAIR))
+            xrow = [builder.add(m_, _i(r)) for r in range(rows)]
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(rows)]
+            mins = [cgutils.alloca_once_value(builder, ir.Constant(v2f, None)) for _ in range(rows)]
 
-            def tile(ptr, at, ty):
-                return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=4)
+            def at(ptr, r, per, p, ty, align, extra=0):
+                """Pair ``p``'s ``per`` entries of row ``r`` (+ ``extra``) in a [M, P * per] array."""
+                base = builder.add(builder.mul(builder.add(builder.mul(xrow[r], pairs), p), _i(per)), _i(extra))
+                return builder.load(builder.bitcast(builder.gep(ptr, [base]), ty.as_pointer()), align=align)
 
-            def blocks(fmt, bb, first, count):
-                """Blocks ``first .. first + count`` (count * tile_n = 1..8 lanes) into ``acc``."""
-                lanes = count * tile_n
-                vf, vi = ir.VectorType(F32, lanes), ir.VectorType(I32, lanes)
-                quads, dw, mw = [], [], []
-                if wrows == 1:  # a row read in order: its blocks ahead (several rows: the next tile's, below)
-                    simd.prefetch_ahead(builder, wrow[0], builder.mul(first, _i(bb)), count * bb)
-                paired = fmt.bits != 8 and count == GROUP // tile_n and count % 2 == 0
-                for g in range(count if not paired else 0):
-                    b = builder.add(first, _i(g))
-                    for j in range(wrows):
-                        blk = builder.gep(wrow[j], [builder.mul(b, _i(bb))])
-                        if wrows > 1:  # the next tile's block: interleaved rows defeat the hardware's prefetcher
-                            simd.prefetch(builder, blk, ahead, 3)
-                        q = _codes(builder, blk, fmt)
-                        if fmt.bits == 8:  # |w| unsigned, x carrying w's sign: pmaddubsw's operands
-                            signs, q = q, _call(builder, "llvm.x86.avx2.psign.b", V32B, q, q)
-                        for r in range(rows):
-                            xv = _load(builder, xrows[r], builder.mul(b, _i(QK)), V32B)
-                            if fmt.bits == 8:
-                                xv = _call(builder, "llvm.x86.avx2.psign.b", V32B, xv, signs)
-                            quads.append(dot_u8_s8(builder, q, xv))
-                        dw.append(_f16(builder, blk, 0))
-                        if fmt.affine:
-                            mw.append(_f16(builder, blk, 2))
-
-                for p in range(count // 2 if paired else 0):  # blocks 2p, 2p + 1 of the group together
-                    b = builder.add(first, _i(2 * p))
-                    for j in range(wrows):
-                        blks = [builder.gep(wrow[j], [builder.mul(builder.add(b, _i(s)), _i(bb))]) for s in (0, 1)]
-                        if wrows > 1:
-                            for blk in blks:
-                                simd.prefetch(builder, blk, ahead, 3)
-                        low, high = _nibble_pair(builder, *blks, fmt)
-                        for r in range(rows):
-                            xlo, xhi = _x_pair(builder, xrows[r], builder.mul(b, _i(QK)))
-                            quads.append(dot_add_u8_s8(builder, dot_u8_s8(builder, low, xlo), high, xhi))
-                    for s in (0, 1):  # the scales in lane order: block, then weight row
-                        for j in range(wrows):
-                            blk = builder.gep(wrow[j], [builder.mul(builder.add(b, _i(s)), _i(bb))])
-                            dw.append(_f16(builder, blk, 0))
-                            if fmt.affine:
-                                mw.append(_f16(builder, blk, 2))
-
-                def per_row(ptr, ty):  # the [nb, M] entries of the tile's rows, in lane order
-                    at = [builder.add(builder.mul(builder.add(first, _i(g)), mt), m_) for g in range(count)]
-                    return _concat(builder, [tile(ptr, a, ir.VectorType(ty, rows)) for a in at for _ in range(wrows)])
-
-                if paired:  # quads[(p * wrows + j) * rows + r] holds lanes (2p, j, r) and (2p + 1, j, r)
-                    lane = {}
-                    for t in range(len(quads)):
-                        p, i = divmod(t, tile_n)
-                        lane[(2 * p) * tile_n + i], lane[(2 * p + 1) * tile_n + i] = t, 4 + t
-                    sumi = _pair_row_sums(builder, quads, [lane[i] for i in range(8)])
-                else:
-                    sumi = _row_sums(builder, quads)
-                if centre(fmt):
-                    sumi = builder.sub(sumi, builder.mul(per_row(ca.data, I32), _vec(vi, [centre(fmt)] * lanes)))
-                scale = builder.fmul(_spread(builder, dw, rows), per_row(da.data, F32))
-                t = builder.fmul(builder.sitofp(sumi, vf), scale)
-                if fmt.affine:
-                    t = builder.fadd(t, builder.fmul(_spread(builder, mw, rows), per_row(sa.data, F32)))
-                for g in range(count):
-                    lanes_g = _vec(ir.VectorType(I32, tile_n), range(g * tile_n, (g + 1) * tile_n))
-                    part = builder.shuffle_vector(t, t, lanes_g)
-                    builder.store(builder.fadd(builder.load(acc), part), acc)
+            def pair(fmt, bb, p, blk0, blk1):
+                lo, hi = _pair_codes(builder, blk0, blk1, fmt)
+                if fmt.bits == 8 and not cpu.VNNI:  # |w| and x carrying w's sign, as ggml's AVX2 q8_0
+                    signs, (lo, hi) = (lo, hi), [_call(builder, "llvm.x86.avx2.psign.b", V32B, v, v) for v in (lo, hi)]
+                dw = _pair_halves(builder, blk0, blk1, 0)
+                dw8 = builder.shuffle_vector(dw, dw, _vec(ir.VectorType(I32, 8), [0] * 4 + [1] * 4))
+                mw = _pair_halves(builder, blk0, blk1, 2) if fmt.affine else None
+                shift = {8: 7 if cpu.VNNI else 0, 4: 3, 5: 4}[fmt.bits] if not fmt.affine else 0
+                for r in range(rows):
+                    xlo, xhi = (at(pa.data, r, PAIR, p, V32B, 1, h) for h in (0, QK))
+                    if fmt.bits == 8 and not cpu.VNNI:
+                        xlo, xhi = (_call(builder, "llvm.x86.avx2.psign.b", V32B, v, s) for v, s in zip((xlo, xhi), signs))
+                    init = ir.Constant(V8I, None)
+                    if shift:
+                        init = builder.shl(at(na.data, r, LANES, p, V8I, 4), _vec(V8I, [shift] * 8))
+                    isum = dot_add_u8_s8(builder, dot_add_u8_s8(builder, init, lo, xlo), hi, xhi)
+                    scale = builder.fmul(dw8, at(da.data, r, LANES, p, V8F, 4))
+                    builder.store(builder.fadd(builder.load(acc[r]), builder.fmul(scale, builder.sitofp(isum, V8F))), acc[r])
+                    if fmt.affine:
+                        part = builder.fmul(mw, at(sa.data, r, 2, p, v2f, 4))
+                        builder.store(builder.fadd(builder.load(mins[r]), part), mins[r])
 
             def loop(fmt, bb):
-                grouped = builder.mul(builder.sdiv(nb, _i(group)), _i(group))
-                with cgutils.for_range_slice(builder, _i(0), grouped, _i(group)) as (b, _):
-                    blocks(fmt, bb, b, group)
-                with cgutils.for_range_slice(builder, grouped, nb, _i(1)) as (b, _):
-                    blocks(fmt, bb, b, 1)
+                nb = builder.sdiv(wcols, _i(bb))
+                full = builder.sdiv(nb, _i(2))
+                with cgutils.for_range(builder, full) as pl:
+                    p = pl.index
+                    blk0 = builder.gep(row, [builder.mul(p, _i(2 * bb))])
+                    simd.prefetch_ahead(builder, row, builder.mul(p, _i(2 * bb)), 2 * bb)
+                    pair(fmt, bb, p, blk0, builder.gep(blk0, [_i(bb)]))
+                with builder.if_then(builder.icmp_signed("!=", builder.mul(full, _i(2)), nb)):
+                    pair(fmt, bb, full, builder.gep(row, [builder.mul(full, _i(2 * bb))]), None)
 
             _by_format(builder, code, loop)
-            total = builder.load(acc)
-            for j in range(wrows):
-                for r in range(rows):
-                    where = builder.add(builder.mul(builder.add(m_, _i(r)), ncols), builder.add(n_, _i(j)))
-                    builder.store(builder.extract_element(total, _i(j * rows + r, I32)), builder.gep(oa.data, [where]))
+            for r in range(rows):
+                total = _tree(builder, builder.load(acc[r]))
+                mv = builder.load(mins[r])
+                with_mins = builder.fadd(total, builder.fadd(builder.extract_element(mv, _i(0, I32)),
+                                                             builder.extract_element(mv, _i(1, I32))))
+                affine = builder.or_(*(builder.icmp_signed("==", code, _i(c)) for c, d in FORMATS.items() if _LEGACY[d].affine))
+                total = builder.select(affine, with_mins, total)
+                where = builder.add(builder.mul(xrow[r], ncols), n_)
+                builder.store(total, builder.gep(oa.data, [where]))
             return context.get_dummy_value()
 
-        return types.void(w, xq, xd, xs, xsum, out, n, m, fmt), codegen
+        return types.void(w, xp, xn, xd, xs, out, n, m, fmt), codegen
 
     return run
+
+
+def _fold(builder, v, fn):
+    """The lanes of ``v`` folded by ``fn`` (two vectors -> one), halves at a time."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo, hi = (builder.shuffle_vector(v, v, _vec(ir.VectorType(I32, n), range(s, s + n))) for s in (0, n))
+        v = fn(lo, hi)
+    return builder.extract_element(v, _i(0, I32))
+
+
+@intrinsic
+def quantize_row(typingctx, x, m, xp, xn, xd, xs):
+    """Row ``m`` of ``x`` (f32 [M, K], C order) into :func:`q8_lanes`' arrays, as the scalar
+    ``legacy._quantize_rows`` does, a block at a time in vectors: ``d = max|x| / 127`` (a NaN
+    makes ``d`` NaN: ``llvm.maximum``), codes ``round(x * (1 / d))`` (``llvm.round``: C's
+    ``roundf``), ``d`` and ``s = d * sum(codes)`` rounded to f16 (``fptrunc``: to nearest even, as
+    F16C's ``GGML_FP32_TO_FP16``)."""
+    def codegen(context, builder, sig, args):
+        (xa, (_, k), _), (pa, (_, kp), _), (na, _, _), (da, _, _), (sa, _, _) = (
+            _array(context, builder, t, v) for t, v in zip(sig.args[:1] + sig.args[2:], args[:1] + args[2:]))
+        m_ = args[1]
+        pairs = builder.sdiv(kp, _i(PAIR))
+        row = builder.bitcast(builder.gep(xa.data, [builder.mul(m_, k)]), I8.as_pointer())
+        v16b, v4i, v4f = ir.VectorType(I8, 16), ir.VectorType(I32, 4), ir.VectorType(F32, 4)
+
+        def fn(name, ret, *vals):
+            return _call(builder, name, ret, *vals)
+
+        with cgutils.for_range(builder, builder.sdiv(k, _i(QK))) as blocks:
+            b = blocks.index
+            v = [_load(builder, row, builder.mul(builder.add(builder.mul(b, _i(4)), _i(i)), _i(32)), V8F, 4)
+                 for i in range(4)]
+            a = [fn("llvm.fabs.v8f32", V8F, vi) for vi in v]
+            top = fn("llvm.maximum.v8f32", V8F, fn("llvm.maximum.v8f32", V8F, a[0], a[1]),
+                     fn("llvm.maximum.v8f32", V8F, a[2], a[3]))
+            amax = _fold(builder, top, lambda p, q: fn(f"llvm.maximum.v{p.type.count}f32", p.type, p, q))
+            d = builder.fdiv(amax, ir.Constant(F32, 127.0))
+            inv = builder.select(builder.fcmp_unordered("!=", d, ir.Constant(F32, 0.0)),
+                                 builder.fdiv(ir.Constant(F32, 1.0), d), ir.Constant(F32, 0.0))
+            finite = builder.fcmp_ordered("<", d, ir.Constant(F32, float("inf")))
+            codes = [builder.select(finite, builder.fptosi(fn("llvm.round.v8f32", V8F, builder.fmul(vi, _splat(builder, inv, V8F))),
+                                                           V8I), ir.Constant(V8I, None))
+                     for vi in v]
+            total = _fold(builder, builder.add(builder.add(codes[0], codes[1]), builder.add(codes[2], codes[3])),
+                          builder.add)
+            p, h = builder.sdiv(b, _i(2)), builder.srem(b, _i(2))
+            base = builder.add(builder.mul(builder.add(builder.mul(m_, pairs), p), _i(PAIR)), builder.mul(h, _i(16)))
+            for half in (0, 1):
+                part = builder.trunc(_concat(builder, codes[2 * half:2 * half + 2]), ir.VectorType(I8, 16))
+                at = builder.gep(pa.data, [builder.add(base, _i(QK * half))])
+                builder.store(part, builder.bitcast(at, v16b.as_pointer()), align=1)
+            # lane l: elements 4l..4l+3 and 16+4l..16+4l+3, i.e. groups of 4 of (codes 0-15 + codes 16-31)
+            e, f = builder.add(codes[0], codes[2]), builder.add(codes[1], codes[3])
+            both = _concat(builder, [e, f])
+            for _ in range(2):  # adjacent pairs summed twice: groups of 4
+                n = both.type.count // 2
+                even, odd = (builder.shuffle_vector(both, both, _vec(ir.VectorType(I32, n), range(s, 2 * n, 2)))
+                             for s in (0, 1))
+                both = builder.add(even, odd)
+            lanes_at = builder.add(builder.mul(builder.add(builder.mul(m_, pairs), p), _i(LANES)), builder.mul(h, _i(4)))
+            builder.store(builder.sub(ir.Constant(v4i, None), both),
+                          builder.bitcast(builder.gep(na.data, [lanes_at]), v4i.as_pointer()), align=4)
+            d16 = builder.fpext(builder.fptrunc(d, ir.HalfType()), F32)
+            builder.store(_splat(builder, d16, v4f), builder.bitcast(builder.gep(da.data, [lanes_at]), v4f.as_pointer()),
+                          align=4)
+            s16 = builder.fpext(builder.fptrunc(builder.fmul(builder.sitofp(total, F32), d), ir.HalfType()), F32)
+            builder.store(s16, builder.gep(sa.data, [builder.add(builder.mul(builder.add(builder.mul(m_, pairs), p), _i(2)), h)]))
+        return context.get_dummy_value()
+
+    return types.void(x, m, xp, xn, xd, xs), codegen
