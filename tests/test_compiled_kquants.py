@@ -161,3 +161,21 @@ def test_q8_activations_nan_and_inf_reach_their_rows(dtype):
     x[1, 300], x[2, 3] = np.nan, -np.inf
     y = linear(x, w, activations="q8_0")
     assert np.isnan(y[[1, 2]]).all() and np.isfinite(y[[0, 3]]).all()
+
+
+def test_q8_k_quantizer_is_the_reference_bit_for_bit():
+    """The compiled Q8_K quantizer against :func:`q8_k` (and its sums of 16 and 32 codes), with
+    blocks where both signs reach the largest magnitude (the first must win), one where only the
+    last element does, a negative largest, -0.0 and an all-zero block."""
+    x = np.random.default_rng(16).standard_normal((3, 2048)).astype(np.float32)
+    x[0, 10], x[0, 200] = 9.0, -9.0  # +9 first
+    x[0, 256 + 5], x[0, 256 + 100] = -9.0, 9.0  # -9 first
+    x[1, 255] = -7.5  # the last element, negative
+    x[1, 256:512] = 0.0
+    x[1, 300] = -0.0
+    x[2, 512:768] = -0.0
+    q, d, sums, sums16 = kquants._quantize_q8_k(x)
+    codes, want_d = q8_k(x)
+    assert np.array_equal(q.reshape(codes.shape), codes) and np.array_equal(d.reshape(want_d.shape), want_d)
+    assert np.array_equal(sums16, codes.reshape(3, -1, 16).sum(-1).ravel())
+    assert np.array_equal(sums, codes.reshape(3, -1, 32).sum(-1).ravel())

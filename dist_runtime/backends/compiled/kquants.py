@@ -152,34 +152,51 @@ def _lanes_sum(acc, at):
 def _quantize_q8_k(x):
     """Each row of ``x`` as Q8_K (llama.cpp's ``quantize_row_q8_K_ref``): per 256 elements an f32
     ``d`` and int8 codes ``rint(x * -127 / max)`` (``max`` the element of largest magnitude, with
-    its sign), flat; and the sums (int32) of each 32 and each 16 codes.  A block holding a NaN or
-    an inf gets codes 0 and ``d`` NaN."""
+    its sign; the first of them when both signs reach it), flat; and the sums (int32) of each 32 and
+    each 16 codes.  A block holding a NaN or an inf gets codes 0 and ``d`` NaN.
+
+    The search for ``max`` runs on the f32 bit patterns as integers (the order of non-negative
+    floats), so that LLVM vectorizes it: with a float compare-and-branch, 4096 elements took 17 us."""
     m_rows, k = x.shape
     q = np.zeros(m_rows * k, np.int8)
     d = np.zeros(m_rows * (k // QK_K), np.float32)
     sums = np.zeros(m_rows * (k // 32), np.int32)
     sums16 = np.zeros(m_rows * (k // 16), np.int32)
+    bits, word = np.ascontiguousarray(x).view(np.int32), np.empty(1, np.int32)
+    n16 = np.int64(16) + np.int64(0) * k  # a run-time 16: a constant trip count is unrolled, not vectorised
     for m in range(m_rows):
         for b in range(k // QK_K):
-            big = np.float32(0.0)
-            amax = np.float32(0.0)
-            finite = True
-            for i in range(b * QK_K, (b + 1) * QK_K):
-                finite &= abs(x[m, i]) < np.inf
-                if abs(x[m, i]) > amax:
-                    amax = abs(x[m, i])
-                    big = x[m, i]
-            if not finite:  # codes 0, d NaN: the row's results NaN (not a skipped NaN's finite answer)
+            lo = b * QK_K
+            top_pos, top_neg = np.int32(0), np.int32(0)  # the largest |x| bits among x >= +0, x <= -0
+            for i in range(lo, lo + QK_K):
+                v = bits[m, i]
+                mag = v & np.int32(0x7FFFFFFF)
+                top_pos = max(top_pos, mag if v >= 0 else np.int32(0))
+                top_neg = max(top_neg, mag if v < 0 else np.int32(0))
+            top = max(top_pos, top_neg)
+            if top >= np.int32(0x7F800000):  # an inf or NaN: codes 0, d NaN (the row's results NaN)
                 d[m * (k // QK_K) + b] = np.nan
                 continue
-            if amax == 0:
+            if top == 0:
                 continue
+            if top_pos != top_neg:  # one sign reaches it: the float of those bits, that sign
+                word[0] = top if top_pos > top_neg else top | np.int32(-0x80000000)
+                big = word.view(np.float32)[0]
+            else:  # both do: the first of them, as the reference's strict > keeps it
+                i = lo
+                while bits[m, i] & np.int32(0x7FFFFFFF) != top:
+                    i += 1
+                big = x[m, i]
             iscale = np.float32(-127.0) / big
-            for i in range(b * QK_K, (b + 1) * QK_K):
-                v = min(np.int32(np.rint(iscale * x[m, i])), np.int32(127))
-                q[m * k + i] = v
-                sums[(m * k + i) // 32] += v
-                sums16[(m * k + i) // 16] += v
+            for g in range(QK_K // 16):
+                total = np.int32(0)
+                at = m * k + lo + 16 * g
+                for i in range(n16):
+                    v = min(np.int32(np.rint(iscale * x[m, lo + 16 * g + i])), np.int32(127))
+                    q[at + i] = v
+                    total += v
+                sums16[at // 16] = total
+                sums[at // 32] += total
             d[m * (k // QK_K) + b] = np.float32(1.0) / iscale
     return q, d, sums, sums16
 
