@@ -64,20 +64,22 @@ def test_matches_dequantize_then_matmul(dtype, m, n, k):
     assert np.max(np.abs(got - want)) <= 1e-5 * max(np.max(np.abs(want)), 1.0)
 
 
-@pytest.mark.parametrize("dtype", REQUIRED, ids=lambda d: d.name)
-def test_rows_are_batch_invariant(dtype):
-    """Row m alone and among M - 1 others (M from 1 to 256), on 1 and 2 threads: bitwise equal."""
+@pytest.mark.parametrize("dtype, activations", [(d, a) for d in REQUIRED for a in ("f32", "q8_0")[:1 + d.is_quantized]],
+                         ids=lambda v: getattr(v, "name", v))
+def test_rows_are_batch_invariant(dtype, activations):
+    """Row m alone and among M - 1 others (M from 1 to 256), on 1 and 2 threads: bitwise equal,
+    with f32 activations and (block types) quantized ones."""
     if dtype not in KERNELS:
         pytest.skip(f"no kernel for {dtype.name} yet")
     rng = np.random.default_rng(2)
     w = weight(dtype, 96, 512, seed=3)
     xs = rng.standard_normal((256, 512)).astype(np.float32)
-    alone = np.concatenate([linear(xs[i:i + 1], w) for i in range(256)])
+    alone = np.concatenate([linear(xs[i:i + 1], w, activations=activations) for i in range(256)])
     try:
         for threads, m in [(1, 2), (2, 3), (2, 8), (1, 33), (2, 64), (2, 256), *((2, int(v)) for v in rng.integers(1, 257, 4))]:
             set_threads(threads)
             start = int(rng.integers(0, 256 - m + 1))
-            got = linear(xs[start:start + m], w)
+            got = linear(xs[start:start + m], w, activations=activations)
             assert np.array_equal(got.view(np.uint32), alone[start:start + m].view(np.uint32)), (threads, m)
     finally:
         set_threads(numba.config.NUMBA_NUM_THREADS)
