@@ -263,6 +263,13 @@ def _pair_codes(builder, blk0, blk1, fmt):
     return halves
 
 
+def _centre_log2(fmt) -> int:
+    """log2 of what :func:`_pair_codes`' unsigned codes carry above the signed ones (0: nothing):
+    Q4_0's 8, Q5_0's 16, and Q8_0's 128 where VNNI takes its codes biased."""
+    c = 128 if fmt.bits == 8 and cpu.VNNI else centre(fmt)
+    return c.bit_length() - 1 if c else 0
+
+
 def _pair_halves(builder, blk0, blk1, at):
     """The f16 at byte ``at`` of the two blocks (``blk1`` None: 0) as a <2 x float>."""
     v = ir.Constant(ir.VectorType(ir.HalfType(), 2), None)
@@ -304,14 +311,14 @@ def q8_lanes(rows: int):
                 base = builder.add(builder.mul(builder.add(builder.mul(xrow[r], pairs), p), _i(per)), _i(extra))
                 return builder.load(builder.bitcast(builder.gep(ptr, [base]), ty.as_pointer()), align=align)
 
-            def pair(fmt, bb, p, blk0, blk1):
+            def pair(fmt, p, blk0, blk1):
                 lo, hi = _pair_codes(builder, blk0, blk1, fmt)
                 if fmt.bits == 8 and not cpu.VNNI:  # |w| and x carrying w's sign, as ggml's AVX2 q8_0
                     signs, (lo, hi) = (lo, hi), [_call(builder, "llvm.x86.avx2.psign.b", V32B, v, v) for v in (lo, hi)]
                 dw = _pair_halves(builder, blk0, blk1, 0)
                 dw8 = builder.shuffle_vector(dw, dw, _vec(ir.VectorType(I32, 8), [0] * 4 + [1] * 4))
                 mw = _pair_halves(builder, blk0, blk1, 2) if fmt.affine else None
-                shift = {8: 7 if cpu.VNNI else 0, 4: 3, 5: 4}[fmt.bits] if not fmt.affine else 0
+                shift = _centre_log2(fmt)
                 for r in range(rows):
                     xlo, xhi = (at(pa.data, r, PAIR, p, V32B, 1, h) for h in (0, QK))
                     if fmt.bits == 8 and not cpu.VNNI:
@@ -333,9 +340,9 @@ def q8_lanes(rows: int):
                     p = pl.index
                     blk0 = builder.gep(row, [builder.mul(p, _i(2 * bb))])
                     simd.prefetch_ahead(builder, row, builder.mul(p, _i(2 * bb)), 2 * bb)
-                    pair(fmt, bb, p, blk0, builder.gep(blk0, [_i(bb)]))
+                    pair(fmt, p, blk0, builder.gep(blk0, [_i(bb)]))
                 with builder.if_then(builder.icmp_signed("!=", builder.mul(full, _i(2)), nb)):
-                    pair(fmt, bb, full, builder.gep(row, [builder.mul(full, _i(2 * bb))]), None)
+                    pair(fmt, full, builder.gep(row, [builder.mul(full, _i(2 * bb))]), None)
 
             _by_format(builder, code, loop)
             for r in range(rows):
