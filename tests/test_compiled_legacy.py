@@ -105,23 +105,48 @@ def test_q8_portable_path_gives_the_same_bits(dtype, m, k):
     assert np.array_equal(out.view(np.uint32), lanes_dot(x, w).view(np.uint32))
 
 
-@pytest.mark.skipif(not hasattr(legacy, "quantize_row"), reason="the vector quantizer: AVX2 only")
+def paired(x: np.ndarray) -> list[np.ndarray]:
+    """The quantizer's arrays for ``x`` built from :func:`ggml_quantize_row_q8` (numpy): codes in
+    pairs of blocks (elements 0-15 of both, then 16-31 of both), minus each lane's code sum (lane
+    l: elements 4l..4l+3 and 16+4l..16+4l+3), each lane's d, and s per block; an odd last block's
+    partner zeros."""
+    q, d, s, _ = ggml_quantize_row_q8(x)
+    m, nb, _ = q.shape
+    pad = nb % 2
+    q, d, s = (np.concatenate([a, np.zeros((m, pad) + a.shape[2:], a.dtype)], axis=1) for a in (q, d, s))
+    blocks = q.reshape(m, -1, 2, 2, 16)  # pair, block of the pair, half, element
+    xp = blocks.transpose(0, 1, 3, 2, 4).reshape(m, -1).astype(np.int8)
+    xn = -blocks.reshape(m, -1, 2, 2, 4, 4).sum(axis=(3, 5)).reshape(m, -1)
+    return [xp, xn.astype(np.int32), np.repeat(d, 4, axis=1).astype(np.float32), s.astype(np.float32)]
+
+
 @pytest.mark.parametrize("m, k", [(3, 352), (1, 32), (2, 4096)])
-def test_vector_quantizer_gives_the_scalar_ones_arrays(m, k):
-    """The vector path's quantizer against the scalar one both paths share the definition of:
-    every code, lane sum, scale and block sum, for blocks of zeros, huge and tiny values, halves
-    exactly between two codes, a NaN and an inf."""
+def test_quantizers_give_llama_cpps_blocks(m, k):
+    """Both quantizers (the scalar one, the vector path's where the CPU has it) against a numpy
+    model of llama.cpp's quantize_row_q8_1_ref: every code, lane sum, scale and block sum, for
+    blocks of zeros, huge and tiny values and halves exactly between two codes; and a block with a
+    NaN or an inf gets codes 0 and a scale that is not finite (in both alike)."""
     rng = np.random.default_rng(7)
     x = (rng.standard_normal((m, k)) * np.exp(rng.uniform(-30, 30, (m, k // 32, 1))).repeat(32, 1).reshape(m, k)
          ).astype(np.float32)
     x[0, :32] = 0.0
     if k > 96:
         x[0, 32:64] = np.arange(32, dtype=np.float32) - 15.5  # d = 15.5 / 127: some x * (1 / d) near .5
-        x[-1, 70], x[-1, 100] = np.nan, np.inf
-    want = [np.zeros(a.shape, a.dtype) for a in legacy._quantized(x, 32)]
-    legacy._quantize_rows(x, 32, *want)
-    for got, ref in zip(legacy._quantized(x, 32), want, strict=True):
-        assert np.array_equal(got, ref, equal_nan=got.dtype.kind == "f")
+    scalar = [np.zeros(a.shape, a.dtype) for a in legacy._quantized(x, 32)]
+    legacy._quantize_rows(x, 32, *scalar)
+    with np.errstate(over="ignore"):  # blocks of ~1e13: d overflows f16 to inf, as in llama.cpp
+        reference = paired(x)
+    for ours in (scalar, list(legacy._quantized(x, 32))):
+        for got, want in zip(ours, reference, strict=True):
+            assert np.array_equal(got, want)
+    if k > 96:
+        x[-1, 70], x[-1, 100] = np.nan, np.inf  # blocks 2 and 3: the second pair
+        scalar = [np.zeros(a.shape, a.dtype) for a in scalar]
+        legacy._quantize_rows(x, 32, *scalar)
+        for got, ref in zip(legacy._quantized(x, 32), scalar, strict=True):
+            assert np.array_equal(got, ref, equal_nan=got.dtype.kind == "f")
+        xp, _, xd, _ = scalar
+        assert not xp[-1, 64:128].any() and np.isnan(xd[-1, 8:12]).all() and np.isinf(xd[-1, 12:16]).all()
 
 
 @pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)

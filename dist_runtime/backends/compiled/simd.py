@@ -107,15 +107,21 @@ def prefetch_ahead(builder: ir.IRBuilder, ptr: ir.Value, offset, span: int, far:
             prefetch(builder, ptr, builder.add(base, ir.Constant(i64, ahead + line)), locality)
 
 
-def hsum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """The lanes' sum, halves added pairwise (lane i + lane i + n/2) down to one: a fixed order."""
+def fold(builder: ir.IRBuilder, v: ir.Value, combine) -> ir.Value:
+    """The lanes of ``v`` combined halves at a time (lane i with lane i + n/2, ``combine(low,
+    high)`` on the two half vectors) down to one: a fixed order."""
     n = v.type.count
     while n > 1:
         n //= 2
         low = builder.shuffle_vector(v, v, ir.Constant(vector(I32, n), list(range(n))))
         high = builder.shuffle_vector(v, v, ir.Constant(vector(I32, n), list(range(n, 2 * n))))
-        v = builder.fadd(low, high)
+        v = combine(low, high)
     return builder.extract_element(v, ir.Constant(I32, 0))
+
+
+def hsum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """The lanes' sum, halves added pairwise (lane i + lane i + n/2) down to one: a fixed order."""
+    return fold(builder, v, builder.fadd)
 
 
 #: Element types and dimensions of the empty arrays a :class:`Choice` passes: one pair per value.

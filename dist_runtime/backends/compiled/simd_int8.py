@@ -253,13 +253,13 @@ def _pair_codes(builder, blk0, blk1, fmt):
     codes, Q8_0's plus 128 (``xor 0x80``, VNNI only: ``pmaddubsw`` would saturate on them)."""
     if fmt.bits != 8:
         return _nibble_pair(builder, blk0, blk1, fmt)
-    body, zero = fmt.scales + fmt.high_bits, ir.Constant(V16B, None)
+    body, bias = fmt.scales + fmt.high_bits, _vec(V16B, [-128] * 16)
     halves = []
     for h in (0, 16):
-        parts = [_load(builder, blk, _i(body + h), V16B) if blk is not None else None for blk in (blk0, blk1)]
-        if cpu.VNNI:
-            parts = [builder.xor(p, _vec(V16B, [-128] * 16)) if p is not None else zero for p in parts]
-        halves.append(_concat(builder, [p if p is not None else zero for p in parts]))
+        parts = [ir.Constant(V16B, None) if blk is None
+                 else builder.xor(_load(builder, blk, _i(body + h), V16B), bias) if cpu.VNNI
+                 else _load(builder, blk, _i(body + h), V16B) for blk in (blk0, blk1)]
+        halves.append(_concat(builder, parts))
     return halves
 
 
@@ -361,16 +361,6 @@ def q8_lanes(rows: int):
     return run
 
 
-def _fold(builder, v, fn):
-    """The lanes of ``v`` folded by ``fn`` (two vectors -> one), halves at a time."""
-    n = v.type.count
-    while n > 1:
-        n //= 2
-        lo, hi = (builder.shuffle_vector(v, v, _vec(ir.VectorType(I32, n), range(s, s + n))) for s in (0, n))
-        v = fn(lo, hi)
-    return builder.extract_element(v, _i(0, I32))
-
-
 @intrinsic
 def quantize_row(typingctx, x, m, xp, xn, xd, xs):
     """Row ``m`` of ``x`` (f32 [M, K], C order) into :func:`q8_lanes`' arrays, as the scalar
@@ -396,7 +386,7 @@ def quantize_row(typingctx, x, m, xp, xn, xd, xs):
             a = [fn("llvm.fabs.v8f32", V8F, vi) for vi in v]
             top = fn("llvm.maximum.v8f32", V8F, fn("llvm.maximum.v8f32", V8F, a[0], a[1]),
                      fn("llvm.maximum.v8f32", V8F, a[2], a[3]))
-            amax = _fold(builder, top, lambda p, q: fn(f"llvm.maximum.v{p.type.count}f32", p.type, p, q))
+            amax = simd.fold(builder, top, lambda lo, hi: fn(f"llvm.maximum.v{lo.type.count}f32", lo.type, lo, hi))
             d = builder.fdiv(amax, ir.Constant(F32, 127.0))
             inv = builder.select(builder.fcmp_unordered("!=", d, ir.Constant(F32, 0.0)),
                                  builder.fdiv(ir.Constant(F32, 1.0), d), ir.Constant(F32, 0.0))
@@ -404,10 +394,11 @@ def quantize_row(typingctx, x, m, xp, xn, xd, xs):
             codes = [builder.select(finite, builder.fptosi(fn("llvm.round.v8f32", V8F, builder.fmul(vi, _splat(builder, inv, V8F))),
                                                            V8I), ir.Constant(V8I, None))
                      for vi in v]
-            total = _fold(builder, builder.add(builder.add(codes[0], codes[1]), builder.add(codes[2], codes[3])),
-                          builder.add)
+            total = simd.fold(builder, builder.add(builder.add(codes[0], codes[1]), builder.add(codes[2], codes[3])),
+                              builder.add)
             p, h = builder.sdiv(b, _i(2)), builder.srem(b, _i(2))
-            base = builder.add(builder.mul(builder.add(builder.mul(m_, pairs), p), _i(PAIR)), builder.mul(h, _i(16)))
+            slot = builder.add(builder.mul(m_, pairs), p)  # the pair's index in the [M, P * ...] arrays
+            base = builder.add(builder.mul(slot, _i(PAIR)), builder.mul(h, _i(16)))
             for half in (0, 1):
                 part = builder.trunc(_concat(builder, codes[2 * half:2 * half + 2]), ir.VectorType(I8, 16))
                 at = builder.gep(pa.data, [builder.add(base, _i(QK * half))])
@@ -420,14 +411,14 @@ def quantize_row(typingctx, x, m, xp, xn, xd, xs):
                 even, odd = (builder.shuffle_vector(both, both, _vec(ir.VectorType(I32, n), range(s, 2 * n, 2)))
                              for s in (0, 1))
                 both = builder.add(even, odd)
-            lanes_at = builder.add(builder.mul(builder.add(builder.mul(m_, pairs), p), _i(LANES)), builder.mul(h, _i(4)))
+            lanes_at = builder.add(builder.mul(slot, _i(LANES)), builder.mul(h, _i(4)))
             builder.store(builder.sub(ir.Constant(v4i, None), both),
                           builder.bitcast(builder.gep(na.data, [lanes_at]), v4i.as_pointer()), align=4)
             d16 = builder.fpext(builder.fptrunc(d, ir.HalfType()), F32)
             builder.store(_splat(builder, d16, v4f), builder.bitcast(builder.gep(da.data, [lanes_at]), v4f.as_pointer()),
                           align=4)
             s16 = builder.fpext(builder.fptrunc(builder.fmul(builder.sitofp(total, F32), d), ir.HalfType()), F32)
-            builder.store(s16, builder.gep(sa.data, [builder.add(builder.mul(builder.add(builder.mul(m_, pairs), p), _i(2)), h)]))
+            builder.store(s16, builder.gep(sa.data, [builder.add(builder.mul(slot, _i(2)), h)]))
         return context.get_dummy_value()
 
     return types.void(x, m, xp, xn, xd, xs), codegen
