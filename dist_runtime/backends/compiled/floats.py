@@ -10,7 +10,8 @@ the weight comes from memory once per call whatever ``M``, and each row of ``x``
 chunk.  Between spans the accumulators wait in a scratch array.  When ``x`` takes at most two tiles
 of rows (a step of 8 rows is one) the chunk walks all of ``K`` at once.  Each tile prefetches its
 weight rows ahead of its loads, into L1 and, further ahead, into L2 (:data:`.simd.PREFETCH_NEAR`,
-:data:`.simd.PREFETCH_FAR`).
+:data:`.simd.PREFETCH_FAR`), except a lone row of ``x`` on F32, which leaves it to the hardware
+(measured in the notes on the prefetch below).
 
 Batch invariance: every output ``(m, n)`` is the same sequence of operations in every tile shape,
 span, thread and position: 8 lanes, lane ``j`` a chain of multiply-adds over ``k = j, j + 8, ...``
@@ -69,10 +70,13 @@ SPAN = 256
 #: far 16 KB, once per line 15.62 / 17.29 (once per 8-element piece 16.42 / 17.85, which also cost
 #: an L1-resident M = 1 product 20%; once per line it costs 4-12%); far 8 KB 17.75 at M = 8, 24 KB
 #: and 64 KB as 16 KB; the far one into L1 18.52, far alone 18.51, against 18.11 for both.  A lone
-#: row of ``x`` on F32, one sequential stream (above), takes the near one only: on the AMD EPYC the
-#: far one cost its decode steps 6-8% (one-process A/Bs, 8 rounds each: 0.919 and 0.939 the time
-#: without it, 0.943 without either), the lm_head and FFN products alone 3%; F16 and BF16, whose
-#: chains take longer a byte, keep it (without it, in pairs of rows: 1.4-1.9x the time).
+#: row of ``x`` on F32, one sequential stream (above), takes neither, as llama.cpp's
+#: ``ggml_vec_dot_f32`` does: on the AMD EPYC the far one had cost its decode steps 6-8% (session
+#: 11), and without the near one too the 125M model's f32 decode step took 0.94-0.96x the time
+#: (session 13, one process, 14-20 rounds alternating which goes first; the products of a chain of
+#: weights back to back, no small ops between, 0.99x: what the hint cost was in the step's
+#: context); F16 and BF16, whose chains take longer a byte, keep both (without the far one, in pairs
+#: of rows: 1.4-1.9x the time).
 
 
 #: The kernels' compile-time choice: (weight format, path) -- each pair its own compiled code.
@@ -121,9 +125,10 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
 
     step = i64(LANES * unroll)
     lined = builder.add(k0, builder.mul(builder.sdiv(builder.sub(k1, k0), step), step))
+    hinted = rows > 1 or fmt != "f32"  # a lone row of x on F32: the hardware's prefetch alone
     with cgutils.for_range_slice(builder, k0, lined, step) as (i, _):
-        for row in wrows:  # a hint, never a fault past the end: this piece's line, ahead
-            simd.prefetch_ahead(builder, at(w, row, i), 0, 64, far=rows > 1 or fmt != "f32")
+        for row in wrows if hinted else ():  # a hint, never a fault past the end: this piece's line, ahead
+            simd.prefetch_ahead(builder, at(w, row, i), 0, 64)
         for u in range(unroll):  # the same pieces in the same order as one at a time
             piece(builder.add(i, i64(u * LANES)))
     with cgutils.for_range_slice(builder, lined, k1, i64(LANES)) as (i, _):
