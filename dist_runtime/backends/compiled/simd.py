@@ -96,13 +96,15 @@ def prefetch(builder: ir.IRBuilder, ptr: ir.Value, offset, locality: int) -> Non
     builder.call(fn, [builder.gep(builder.bitcast(ptr, i8p), [at]), *(ir.Constant(I32, v) for v in (0, locality, 1))])
 
 
-def prefetch_ahead(builder: ir.IRBuilder, ptr: ir.Value, offset, span: int, far: bool = True) -> None:
+def prefetch_ahead(builder: ir.IRBuilder, ptr: ir.Value, offset, span: int, far: bool = True,
+                   near: bool = True) -> None:
     """Prefetch the ``span`` bytes at byte ``offset`` (an ``ir.Value`` or int) of ``ptr``,
-    :data:`PREFETCH_NEAR` ahead into L1 and (``far``) :data:`PREFETCH_FAR` ahead into L2, one hint a
-    64-byte line (a stream read in order: the lines between hints are the previous call's)."""
+    (``near``) :data:`PREFETCH_NEAR` ahead into L1 and (``far``) :data:`PREFETCH_FAR` ahead into L2,
+    one hint a 64-byte line (a stream read in order: the lines between hints are the previous call's)."""
     i64 = ir.IntType(64)
     base = ir.Constant(i64, offset) if isinstance(offset, int) else offset
-    for ahead, locality in ((PREFETCH_NEAR, 3), (PREFETCH_FAR, 2))[:2 if far else 1]:
+    hints = ((PREFETCH_NEAR, 3),) * near + ((PREFETCH_FAR, 2),) * far
+    for ahead, locality in hints:
         for line in range(0, span, 64):
             prefetch(builder, ptr, builder.add(base, ir.Constant(i64, ahead + line)), locality)
 
