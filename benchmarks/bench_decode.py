@@ -9,10 +9,12 @@ greedy decode steps; the median step time over ``--repeat`` runs.  Ours runs as 
 the CPU library alone, to show what the compiled ops are worth, on Q8_0 weights (f32 and Q8_0
 activations, ``numba-q8``), and on a Q4_K_M GGUF made from the F32 one by llama.cpp's own quantizer
 (``llama_model_quantize``) and converted by our importer, next to llama.cpp on the same file.  The
-ratios to llama.cpp on the same weights are printed, and the time of a step of 8 rows (the
-products' M = 8) over a 1-row step.  Also printed: the decode step
+ratios to llama.cpp on the same weights are printed (of the medians, and round by round), and the
+time of a step of 8 rows (the products' M = 8) over a 1-row step.  Also printed: the decode step
 at context 1024 next to the step at context 32 (the KV cache must keep it flat), and the
-executor's per-token Python overhead (time per token minus the time spent inside kernels).
+executor's per-token Python overhead (time per token minus the time spent inside kernels).  The
+two step ratios are medians of paired measurements, the two steps alternating (this machine is
+shared: load from elsewhere moves a median by up to 30% from one minute to the next).
 
 Run as (see the OPENBLAS trap in shared/notes/performance.md: unset both for this command only)::
 
@@ -176,17 +178,22 @@ def gguf_executor(path: Path, directory: Path, backends=None) -> GraphExecutor:
     return GraphExecutor(load_model(out), backends)
 
 
-def rows_step(ex: GraphExecutor, rows: int, context: int = 32, runs: int = 9) -> float:
-    """Median time of one step over ``rows`` new rows after ``context`` rows (``rows`` = 8: the
-    products' M = 8, what a batched step of 8 sessions will ask of them)."""
-    times = []
-    for _ in range(runs):
+def rows_ratio(ex: GraphExecutor, rows: int, context: int = 32, runs: int = 9) -> tuple[float, float, float]:
+    """A step over ``rows`` new rows after ``context`` rows, against a step of one row (``rows`` = 8:
+    the products' M = 8, what a batched step of 8 sessions asks of them): (median seconds of one
+    row, of ``rows``, median of the paired ratios).  The two alternate run by run, so that a burst
+    of load from elsewhere on this shared machine hits both."""
+    def step(n: int) -> float:
         ex.reset()
         ex.run({"tokens": np.arange(context) % CFG.vocab})
         t = time.perf_counter()
-        ex.run({"tokens": np.arange(rows) % CFG.vocab})
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        ex.run({"tokens": np.arange(n) % CFG.vocab})
+        return time.perf_counter() - t
+    one, many = [], []
+    for _ in range(runs):
+        one.append(step(1))
+        many.append(step(rows))
+    return statistics.median(one), statistics.median(many), statistics.median(b / a for a, b in zip(one, many))
 
 
 def llama_cpp_decoder(path: Path):
@@ -220,23 +227,23 @@ def llama_cpp_decoder(path: Path):
     return run, last_logits().copy()
 
 
-def context_ratio(ex: GraphExecutor, rounds: int = 3) -> tuple[float, float]:
-    """Median decode step at context 32 and at 1024, the two measured in alternating rounds (a
-    burst of load from elsewhere then hits both)."""
-    def steps_at(ctx: int) -> list[float]:
-        ex.reset()
-        ex.run({"tokens": np.arange(ctx) % CFG.vocab})
-        times = []
-        for i in range(8):
+def context_ratio(ex: GraphExecutor, steps: int = 24) -> tuple[float, float, float]:
+    """Decode steps at context 32 and at 1024, as two sessions of ``ex`` whose single steps
+    alternate (a burst of load from elsewhere then hits both): (median seconds at 32, at 1024,
+    median of the paired ratios)."""
+    ex.reset()
+    for session, ctx in (("short", 32), ("long", 1024)):
+        ex.run({"tokens": np.arange(ctx) % CFG.vocab}, session=session)
+    times: dict[str, list[float]] = {"short": [], "long": []}
+    for i in range(steps):
+        for session in ("short", "long") if i % 2 == 0 else ("long", "short"):
             t = time.perf_counter()
-            ex.run({"tokens": [i]})
-            times.append(time.perf_counter() - t)
-        return times
-    short, long = [], []
-    for _ in range(rounds):
-        short += steps_at(32)
-        long += steps_at(1024)
-    return statistics.median(short), statistics.median(long)
+            ex.run({"tokens": [i]}, session=session)
+            times[session].append(time.perf_counter() - t)
+    for session in times:
+        ex.close_session(session)
+    short, long = times["short"], times["long"]
+    return statistics.median(short), statistics.median(long), statistics.median(b / a for a, b in zip(short, long))
 
 
 def main() -> None:
@@ -308,19 +315,24 @@ def main() -> None:
                               ("ours Q4_K_M (its GGUF)", "llama.cpp Q4_K_M"),
                               ("ours Q4_K_M (q8 activations)", "llama.cpp Q4_K_M")):
         if timed.get(ours_name) and timed.get(theirs):
-            print(f"{ours_name} / {theirs}: {timed[theirs] / timed[ours_name]:.2f}x llama.cpp's speed")
+            # Each round's own ratio too: the two ran seconds apart, under the same load.
+            rounds = ", ".join(f"{statistics.median(t) / statistics.median(o):.2f}"
+                               for o, t in zip(runs[ours_name], runs[theirs]) if o and t)
+            print(f"{ours_name} / {theirs}: {timed[theirs] / timed[ours_name]:.2f}x llama.cpp's speed "
+                  f"(round by round: {rounds})")
     for name in ("ours f32 (fused)", "ours f32 (compiled, invariant)", "ours Q8_0 (fused)", "ours Q8_0 (q8 activations)"):
-        one, eight = rows_step(ours[name], 1), rows_step(ours[name], 8)
-        print(f"{name}: a step of 8 rows takes {eight / one:.2f}x the time of 1 row ({eight * 1e3:.2f} / {one * 1e3:.2f} ms)")
+        one, eight, paired = rows_ratio(ours[name], 8)
+        print(f"{name}: a step of 8 rows takes {paired:.2f}x the time of 1 row (median of paired runs; "
+              f"medians {eight * 1e3:.2f} / {one * 1e3:.2f} ms)")
 
     per_token, in_kernels = kernel_share(ours["ours f32 (fused)"], args.tokens)
     print(f"\nper-token Python overhead (fused f32): {(per_token - in_kernels) * 1e3:.2f} ms of "
           f"{per_token * 1e3:.2f} ms ({100 * (1 - in_kernels / per_token):.0f}%), "
           f"{len(ours['ours f32 (fused)'].graph.nodes)} nodes")
     for name in ("ours f32 (fused)", "ours f32 (compiled, invariant)"):
-        c32, c1024 = context_ratio(ours[name])
-        print(f"{name}: decode step at context 1024 / context 32: {c1024 * 1e3:.2f} / {c32 * 1e3:.2f} ms = "
-              f"{c1024 / c32:.2f}x")
+        c32, c1024, paired = context_ratio(ours[name])
+        print(f"{name}: decode step at context 1024 / context 32: {paired:.2f}x (median of paired steps; "
+              f"medians {c1024 * 1e3:.2f} / {c32 * 1e3:.2f} ms)")
 
 
 if __name__ == "__main__":
