@@ -515,8 +515,9 @@ def dequantize_linear(x, scale, zero_point=None, *, axis_: int = -1) -> np.ndarr
 
 
 # -- embedding lookup ---------------------------------------------------------------------------
-def token_embed(ids: np.ndarray, table: Array) -> np.ndarray:
-    """``table[ids]`` (``ggml_get_rows``): only the gathered rows of a block table are decoded."""
+def token_embed(ids: np.ndarray, table: Array, decode=dequantize) -> np.ndarray:
+    """``table[ids]`` (``ggml_get_rows``): only the gathered rows of a block table are decoded,
+    by ``decode(table, flat_ids)`` (a backend passes its compiled decoder, the same bits)."""
     vocab, width = table.shape
     flat = ids.reshape(-1)
     if flat.size and (flat.min() < 0 or flat.max() >= vocab):
@@ -525,7 +526,7 @@ def token_embed(ids: np.ndarray, table: Array) -> np.ndarray:
         raise fail("TokenEmbed", f"token id {int(bad)} at index {where} of ids {list(ids.shape)} is "
                                  f"outside [0, {vocab}): the table has a vocab size of {vocab}")
     if isinstance(table, QuantizedArray):
-        rows = dequantize(table, flat)
+        rows = decode(table, flat)
     else:
         rows = np.take(table, flat, axis=0)
     return rows.reshape(*ids.shape, width)

@@ -8,6 +8,8 @@ the data each (2-22 us a call):
 
 - RmsNorm and FusedSkipNorm, any rank (rows of the last dim);
 - Rope on ``[T, heads * head_dim]``, full or partial rotary;
+- TokenEmbed on a block-quantized table (a GGUF's token embeddings): the gathered rows decoded in
+  compiled code (:mod:`.compiled.gather`), the CPU library's bits;
 - Sdpa and SdpaWindow without a mask input, on ``[Tq, heads * head_dim]`` queries and
   ``[Tk, kv_heads * head_dim]`` keys and values: grouped-query, end-aligned, causal or not,
   windowed, each key and value row read once, whole, for all the query heads (one pass over the
@@ -52,15 +54,17 @@ import numba
 import numpy as np
 
 from dist_runtime.kernels.positions import cos_sin_rows, position
+from dist_runtime.kernels.quant import token_embed
 
 from ..dtypes import DType
 from ..ir.graph import Node, TensorSpec
 from ..ir.hints import BackendHint
 from ..ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, LoraApply, Matmul, OpPayload, RmsNorm, Rope,
-                      Sdpa, SdpaWindow)
-from ..tensor import Array
+                      Sdpa, SdpaWindow, TokenEmbed)
+from ..tensor import Array, QuantizedArray
 from . import BoundKernel, OpEntry, TableBackend, compiled, openblas, register_backend
 from .compiled import attention as compiled_attention
+from .compiled import gather
 from .blas import WEIGHT_SLOTS, matmul_family_supports
 from .cpu import CpuBackend
 
@@ -274,6 +278,17 @@ def _bind_attention(backend: NumbaBackend, node: Node) -> BoundKernel:
     return run
 
 
+def _bind_token_embed(backend: NumbaBackend, node: Node) -> BoundKernel:
+    reference = backend.reference(node)
+
+    def run(inputs, ctx):
+        ids, table = inputs
+        if not (isinstance(table, QuantizedArray) and table.dtype in gather.DECODERS and len(table.shape) == 2):
+            return reference(inputs, ctx)
+        return (token_embed(ids, table, decode=gather.rows),)
+    return run
+
+
 # -- what it takes at plan time (F32 inputs already checked) -----------------------------------------
 def _rows_of_last_dim(op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
     return len(input_specs[0].shape) >= 1
@@ -281,6 +296,12 @@ def _rows_of_last_dim(op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
 
 def _rope_rows_2d(op: Rope, input_specs: Sequence[TensorSpec]) -> bool:
     return len(input_specs[0].shape) == 2 and op.rope_dim % 2 == 0
+
+
+def _block_table(op: TokenEmbed, input_specs: Sequence[TensorSpec]) -> bool:
+    """A 2-D table of a block type :mod:`.compiled.gather` decodes (an F32 table's rows are a
+    plain gather: the CPU library's)."""
+    return len(input_specs) == 2 and len(input_specs[1].shape) == 2 and input_specs[1].dtype in gather.DECODERS
 
 
 def _attention_2d(op: Sdpa | SdpaWindow, input_specs: Sequence[TensorSpec]) -> bool:
@@ -298,6 +319,7 @@ class NumbaBackend(TableBackend):
         RmsNorm: OpEntry(_rows_of_last_dim, _bind_rms_norm),
         FusedSkipNorm: OpEntry(_rows_of_last_dim, _bind_skip_norm),
         Rope: OpEntry(_rope_rows_2d, _bind_rope),
+        TokenEmbed: OpEntry(_block_table, _bind_token_embed),
         Sdpa: OpEntry(_attention_2d, _bind_attention),
         SdpaWindow: OpEntry(_attention_2d, _bind_attention),
         FusedSwiGlu: OpEntry(matmul_family_supports, _bind_swiglu),
@@ -321,11 +343,13 @@ class NumbaBackend(TableBackend):
         self._blas_used = False  # since the last pass: its OpenBLAS workers to send to sleep
 
     def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
-        """F32 everywhere, except the weights of the matmul family: any type a compiled product
-        reads (F32, F16, BF16, GGML blocks)."""
+        """F32 everywhere, except the weights of the matmul family (any type a compiled product
+        reads: F32, F16, BF16, GGML blocks) and TokenEmbed's integer ids and block table."""
         entry = self.ops.get(type(op))
         if entry is None or not entry.supports(op, input_specs):
             return False
+        if isinstance(op, TokenEmbed):  # integer ids and a block table (_block_table)
+            return input_specs[0].dtype.is_integer
         weights = WEIGHT_SLOTS.get(type(op), ())
         return all(s.dtype in (compiled.KERNELS if i in weights else self.dtypes)
                    for i, s in enumerate(input_specs))
