@@ -299,15 +299,20 @@ def _rope_rows_2d(op: Rope, input_specs: Sequence[TensorSpec]) -> bool:
 
 
 def _block_table(op: TokenEmbed, input_specs: Sequence[TensorSpec]) -> bool:
-    """A 2-D table of a block type :mod:`.compiled.gather` decodes (an F32 table's rows are a
-    plain gather: the CPU library's)."""
-    return len(input_specs) == 2 and len(input_specs[1].shape) == 2 and input_specs[1].dtype in gather.DECODERS
+    """Integer ids and a 2-D table of a block type :mod:`.compiled.gather` decodes (an F32 table's
+    rows are a plain gather: the CPU library's)."""
+    return (len(input_specs) == 2 and input_specs[0].dtype.is_integer and len(input_specs[1].shape) == 2
+            and input_specs[1].dtype in gather.DECODERS)
 
 
 def _attention_2d(op: Sdpa | SdpaWindow, input_specs: Sequence[TensorSpec]) -> bool:
     """No mask input, 2-D queries, keys and values, and a windowed op with a window."""
     return (len(input_specs) == 3 and all(len(s.shape) == 2 for s in input_specs) and op.kv_heads > 0
             and (op.window > 0 if isinstance(op, SdpaWindow) else True))
+
+
+#: Ops whose :attr:`NumbaBackend.ops` entry checks its inputs' element types itself.
+_OWN_TYPES = frozenset({TokenEmbed})
 
 
 class NumbaBackend(TableBackend):
@@ -348,8 +353,8 @@ class NumbaBackend(TableBackend):
         entry = self.ops.get(type(op))
         if entry is None or not entry.supports(op, input_specs):
             return False
-        if isinstance(op, TokenEmbed):  # integer ids and a block table (_block_table)
-            return input_specs[0].dtype.is_integer
+        if type(op) in _OWN_TYPES:  # its entry checked every input's type
+            return True
         weights = WEIGHT_SLOTS.get(type(op), ())
         return all(s.dtype in (compiled.KERNELS if i in weights else self.dtypes)
                    for i, s in enumerate(input_specs))

@@ -17,16 +17,16 @@ import numba
 import numpy as np
 
 from ...dtypes import DType
-from ...kernels.quant import QK, QK_K, _LEGACY
+from ...kernels.quant import QK, QK_K, _LEGACY, _half
 from ...tensor import QuantizedArray
 
 F32 = np.float32
 _jit = numba.njit(nogil=True, cache=True, boundscheck=False)
 
 
-def _half(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The f16 at byte ``at`` of each block as f32 ``[rows, nb]`` (numpy's cast, as the CPU library)."""
-    return np.ascontiguousarray(blocks[..., at:at + 2]).view("<f2")[..., 0].astype(F32)
+def _scale(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The f16 at byte ``at`` of each block as f32 ``[rows, nb]``: the CPU library's own cast."""
+    return _half(blocks, at)[..., 0]
 
 
 @_jit
@@ -113,10 +113,10 @@ def rows(table: QuantizedArray, ids: np.ndarray) -> np.ndarray:
     out = np.empty((len(ids), k), F32)
     if dtype in _LEGACY:
         fmt = _LEGACY[dtype]
-        m = _half(blocks, 2) if fmt.affine else np.zeros(blocks.shape[:2], F32)
-        _legacy(blocks, _half(blocks, 0), m, fmt.bits, fmt.affine, out)
+        d = _scale(blocks, 0)
+        _legacy(blocks, d, _scale(blocks, 2) if fmt.affine else d, fmt.bits, fmt.affine, out)  # m read if affine
     elif dtype == DType.Q6_K:
-        _q6_k(blocks, _half(blocks, 208), out)
+        _q6_k(blocks, _scale(blocks, 208), out)
     else:
-        _q45_k(blocks, _half(blocks, 0), _half(blocks, 2), dtype == DType.Q5_K, out)
+        _q45_k(blocks, _scale(blocks, 0), _scale(blocks, 2), dtype == DType.Q5_K, out)
     return out

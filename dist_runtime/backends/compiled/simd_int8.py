@@ -165,8 +165,6 @@ def _nibble_pair(builder, blk0, blk1, fmt):
     return low, high
 
 
-
-
 def _array(context, builder, ty, value):
     a = context.make_array(ty)(context, builder, value)
     return a, cgutils.unpack_tuple(builder, a.shape, ty.ndim), cgutils.unpack_tuple(builder, a.strides, ty.ndim)
@@ -240,10 +238,6 @@ def _concat(builder, parts):
         mask = _vec(ir.VectorType(I32, 2 * n), range(2 * n))
         parts = [builder.shuffle_vector(parts[i], parts[i + 1], mask) for i in range(0, len(parts), 2)]
     return parts[0]
-
-
-
-
 
 
 #: Elements of a pair of blocks in :func:`q8_lanes`' layout, and its f32 lanes.
