@@ -13,7 +13,7 @@ single-conversation executor is the one-session case (session ``0``, the default
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Hashable, Mapping, Sequence
 
@@ -24,9 +24,9 @@ from dist_runtime.kernels.quant import to_float
 from dist_runtime.kernels.registry import KernelContext
 
 from .arena import pack
-from .backends import Backend, make_backends, openblas
+from .backends import Backend, ChainedNodeError, chain_reads, make_backends, openblas
 from .backends.assign import Assignment, assign_backends
-from .batching import SEGMENTED, PerSegment, RowPlan, Segment, offsets, plan_rows
+from .batching import ROWS, SEGMENTED, NodeRows, PerSegment, RowPlan, Segment, offsets, plan_rows
 from .errors import DistRuntimeError, GraphValidationError, KernelError
 from .ir.graph import POS, Graph, TensorSpec
 from .ir.ops import KvCache
@@ -68,7 +68,9 @@ class _Step:
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     frees: tuple[str, ...]
-    kv_cache: KvCache | None  # the payload, for a stateful KvCache step
+    kv_cache: KvCache | None  # the payload, for a stateful KvCache step (or a chain holding one)
+    rows: NodeRows  # how it runs in a batched pass
+    state: int = -1  # the node whose KvState a stateful step keys (-1: its own, ``index``)
 
 
 #: Suffix of the name under which a shared launch's first step passes a sibling its result.
@@ -94,12 +96,56 @@ def _shared_launches(steps: list[_Step], graph: Graph, backends: list[Backend], 
             i += 1
             continue
         lead, rest = steps[i], steps[i + 1:j]
-        out.append(_Step(lead.index, fn, (*lead.reads, *(s.reads[1] for s in rest)),
-                         (*lead.writes, *(s.writes[0] + _SHARED for s in rest)), lead.frees, None))
-        out += [_Step(s.index, _pass_on, (s.writes[0] + _SHARED,), s.writes, (*s.frees, s.writes[0] + _SHARED), None)
-                for s in rest]
+        out.append(replace(lead, fn=fn, reads=(*lead.reads, *(s.reads[1] for s in rest)),
+                           writes=(*lead.writes, *(s.writes[0] + _SHARED for s in rest))))
+        out += [_passing_on(s) for s in rest]
         i = j
     return out
+
+
+#: Nodes from a step on that :func:`_chains` offers a backend's ``bind_chain``.
+CHAIN_WINDOW = 8
+
+
+def _chains(steps: list[_Step], graph: Graph, backends: list[Backend], rows: RowPlan) -> list[_Step]:
+    """Adjacent steps that one backend computes in one call (its optional ``bind_chain(nodes,
+    kernels, backends)``: the numba backend's Rope, Rope, KvCache and Sdpa of a layer): the first step reads
+    what the group reads from outside (:func:`chain_reads`) and computes every output, and each
+    other step passes its own on (under ``<output>@shared``), so every node keeps its step and its
+    observation; an error inside names its own node (:class:`ChainedNodeError`).  Only for steps
+    that read their node's inputs as named, hold at most one KV cache, and all run once per
+    segment in a batched pass or all once over every row.  Steps are one per node here, so a
+    chain's nodes are consecutive: its node ``k`` is ``graph.nodes[first.index + k]``."""
+    out, i = [], 0
+    while i < len(steps):
+        bind = getattr(backends[i], "bind_chain", None)
+        end = i + CHAIN_WINDOW
+        window = steps[i:end]
+        found = bind(graph.nodes[i:end], [s.fn for s in window], backends[i:end]) if bind else None
+        group = window[:found[0]] if found else []
+        stateful = [s for s in group if s.kv_cache is not None]
+        if (len(group) < 2 or len(stateful) > 1 or len({s.rows.per_segment for s in group}) > 1
+                or any(s.reads != tuple(graph.nodes[s.index].inputs) for s in group)):
+            out.append(steps[i])
+            i += 1
+            continue
+        reads = chain_reads([graph.nodes[s.index] for s in group])
+        held = stateful[0] if stateful else None
+        lead_rows = NodeRows(group[0].rows.per_segment, tuple(rows.values.get(n) == ROWS for n in reads), ROWS)
+        out.append(replace(group[0], fn=found[1], reads=reads, rows=lead_rows,
+                           writes=(*group[0].writes, *(w + _SHARED for s in group[1:] for w in s.writes)),
+                           kv_cache=held and held.kv_cache, state=held.index if held else -1))
+        out += [_passing_on(s) for s in group[1:]]
+        i += len(group)
+    return out
+
+
+def _passing_on(step: _Step) -> _Step:
+    """``step`` as the follower of a shared launch or a chain: its outputs, computed by the group's
+    first step, passed on from ``<output>@shared``."""
+    shared = tuple(w + _SHARED for w in step.writes)
+    return replace(step, fn=_pass_on, reads=shared, frees=(*step.frees, *shared), kv_cache=None,
+                   rows=NodeRows(False, (False,) * len(shared), step.rows.out))
 
 
 def _sibling(first: _Step, step: _Step, backends: list[Backend], constants, rows: RowPlan) -> bool:
@@ -113,7 +159,7 @@ def _sibling(first: _Step, step: _Step, backends: list[Backend], constants, rows
 
 
 def _pass_on(inputs, ctx) -> tuple:
-    return (inputs[0],)
+    return tuple(inputs)
 
 
 def _prepared_weights(graph: Graph, weights: Mapping[str, Array]) -> tuple[dict[str, Array], dict[tuple[int, int], str]]:
@@ -209,8 +255,10 @@ class GraphExecutor:
         for i, (node, assigned, frees) in enumerate(zip(graph.nodes, self.assignments, graph.index.frees)):
             reads = tuple(widened.get((i, s), name) for s, name in enumerate(node.inputs))
             kv = node.op if isinstance(node.op, KvCache) else None
-            steps.append(_Step(i, assigned.backend.bind(node), reads, tuple(node.outputs), frees, kv))
-        return _shared_launches(steps, graph, [a.backend for a in self.assignments], self._constants, self.rows)
+            steps.append(_Step(i, assigned.backend.bind(node), reads, tuple(node.outputs), frees, kv,
+                               self.rows.nodes[i]))
+        backends = [a.backend for a in self.assignments]
+        return _shared_launches(_chains(steps, graph, backends, self.rows), graph, backends, self._constants, self.rows)
 
     # -- sessions ------------------------------------------------------------------------------
     def session(self, sid: Hashable = DEFAULT_SESSION, *, seed: int | None = None) -> Session:
@@ -338,8 +386,12 @@ class GraphExecutor:
                     if observe is not None:
                         node = self.graph.nodes[step.index]
                         observe(node, outs[:len(node.outputs)], values.keys())
+        except ChainedNodeError as e:  # inside a chain: the node that failed, on what it read
+            node = self.graph.nodes[step.index + e.offset]
+            raise self._node_error(e.error, step.index + e.offset, dict(zip(node.inputs, e.inputs))) from e.error
         except Exception as e:  # noqa: BLE001 -- re-raised as the project's error, naming the node
-            raise self._node_error(e, step, values) from e
+            node = self.graph.nodes[step.index]
+            raise self._node_error(e, step.index, {n: values.get(r) for n, r in zip(node.inputs, step.reads)}) from e
         finally:
             for after in self._after_pass:
                 after()
@@ -348,7 +400,7 @@ class GraphExecutor:
                        cuts: list[slice]) -> tuple:
         """A step of a batched pass: once over every row, or once per segment (outputs joined
         along the rows, or kept per segment)."""
-        rows = self.rows.nodes[step.index]
+        rows = step.rows
         args = [values[n] for n in step.reads]
         if not rows.per_segment:
             return step.fn(args, _PLAIN)
@@ -357,17 +409,18 @@ class GraphExecutor:
             mine = [a[i] if isinstance(a, PerSegment) else a[cut] if sliced else a
                     for a, sliced in zip(args, rows.sliced)]
             parts.append(step.fn(mine, self._context(step, s)))
-        if rows.out == SEGMENTED:
-            return tuple(PerSegment(p[j] for p in parts) for j in range(len(step.writes)))
-        return tuple(np.concatenate([p[j] for p in parts]) for j in range(len(step.writes)))
+        sorts = self.rows.values  # of each output, by name (a chain's first step writes several nodes')
+        return tuple(PerSegment(p[j] for p in parts) if sorts.get(name.removesuffix(_SHARED)) == SEGMENTED
+                     else np.concatenate([p[j] for p in parts]) for j, name in enumerate(step.writes))
 
     @staticmethod
     def _context(step: _Step, s: Session) -> KernelContext:
         state = None
         if step.kv_cache is not None:
-            state = s.kv.get(step.index)
+            key = step.index if step.state < 0 else step.state
+            state = s.kv.get(key)
             if state is None:
-                state = s.kv[step.index] = KvState.for_op(step.kv_cache)
+                state = s.kv[key] = KvState.for_op(step.kv_cache)
         return KernelContext(state=state, rng=s.rng, pos=s.pos)
 
     @staticmethod
@@ -378,12 +431,12 @@ class GraphExecutor:
             raise GraphValidationError(f"KvCache nodes of one run disagree on the rows they hold ({sorted(held)})")
         s.pos = held.pop() if held else s.pos + 1
 
-    def _node_error(self, error: Exception, step: _Step, values: Mapping[str, Array]) -> DistRuntimeError:
-        """``error``, raised while running ``step``, as the project's error naming the node, its
-        op and its inputs (as torch.fx's "While executing ..." does); the type is kept when it is
-        already one of the project's errors."""
-        node = self.graph.nodes[step.index]
-        seen = ", ".join(f"{name} {_spec_text(values.get(read))}" for name, read in zip(node.inputs, step.reads))
+    def _node_error(self, error: Exception, index: int, read: Mapping[str, Array]) -> DistRuntimeError:
+        """``error``, raised while running node ``index`` on ``read`` (its inputs by name), as the
+        project's error naming the node, its op and its inputs (as torch.fx's "While executing
+        ..." does); the type is kept when it is already one of the project's errors."""
+        node = self.graph.nodes[index]
+        seen = ", ".join(f"{name} {_spec_text(read.get(name))}" for name in node.inputs)
         message = f"node {node.id} ({node.op_name}) reading {seen or 'nothing'}: {error}"
         if isinstance(error, DistRuntimeError):
             try:

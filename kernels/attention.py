@@ -270,7 +270,9 @@ class _Rows:
                                   f"{_describe(*layout)} while the cache holds {held} rows "
                                   f"(leading dims, width and dtype must stay; reset() first)")
 
-    def write(self, pos: int, new: Array, held: int, capacity_hint: int) -> Array:
+    def reserve(self, pos: int, new: Array, held: int, capacity_hint: int) -> np.ndarray:
+        """The buffer, grown as needed (its first ``min(pos, held)`` rows kept), with room for
+        ``new``'s rows at ``[pos, pos + T)``, which the caller fills."""
         raw, layout = self._raw(new)
         stop = pos + raw.shape[-2]
         if self.buf is None or layout != self.layout:  # first write, or a new layout after reset
@@ -279,9 +281,13 @@ class _Rows:
         elif stop > self.buf.shape[-2]:
             # Geometric growth keeps appends amortised O(1) (never a concatenate per token).
             self._grow(raw, max(stop, 2 * self.buf.shape[-2]), keep=min(pos, held))
-        self.buf[..., pos:stop, :] = raw
+        return self.buf
+
+    def view(self, stop: int, new: Array) -> Array:
+        """Rows ``[0, stop)``, a zero-copy read-only view (consumers must not write into the
+        cache), typed as ``new``."""
         view = self.buf[..., :stop, :]
-        view.flags.writeable = False  # a zero-copy view: consumers must not write into the cache
+        view.flags.writeable = False
         if isinstance(new, QuantizedArray):
             return QuantizedArray(view, new.dtype, (*view.shape[:-1], new.shape[-1]))
         return view
@@ -319,6 +325,18 @@ class KvState:
 
     def write(self, pos: int, k_new: Array, v_new: Array) -> tuple[Array, Array]:
         pos = int(pos)
+        k_buf, v_buf = self.reserve(pos, k_new, v_new)
+        stop = pos + k_new.shape[-2]
+        k_buf[..., pos:stop, :] = _Rows._raw(k_new)[0]
+        v_buf[..., pos:stop, :] = _Rows._raw(v_new)[0]
+        return self.commit(pos, k_new, v_new)
+
+    def reserve(self, pos: int, k_new: Array, v_new: Array) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`write` in two halves, for a caller that stores the rows itself (the numba
+        backend's attention chain): check a write of ``k_new`` and ``v_new`` at ``pos`` and make
+        room for it (every error :meth:`write` raises, raised here, before anything changes);
+        returns the K and V buffers, whose rows ``[pos, pos + T)`` the caller fills before
+        :meth:`commit`."""
         if not 0 <= pos <= self.length:
             raise fail("KvCache", f"cannot write rows from position {pos}: the cache holds "
                                   f"{self.length} rows (positions must be contiguous: a write "
@@ -328,10 +346,14 @@ class KvState:
                                   f"agree on every dim but the last")
         self._k.check(k_new, self.length, "k_new")
         self._v.check(v_new, self.length, "v_new")
-        k_full = self._k.write(pos, k_new, self.length, self.capacity)
-        v_full = self._v.write(pos, v_new, self.length, self.capacity)
-        self.length = pos + k_new.shape[-2]
-        return k_full, v_full
+        return (self._k.reserve(pos, k_new, self.length, self.capacity),
+                self._v.reserve(pos, v_new, self.length, self.capacity))
+
+    def commit(self, pos: int, k_new: Array, v_new: Array) -> tuple[Array, Array]:
+        """The cache now holds rows up to ``pos + T`` (filled after :meth:`reserve`): their
+        zero-copy, read-only views, as :meth:`write` returns them."""
+        self.length = stop = pos + k_new.shape[-2]
+        return self._k.view(stop, k_new), self._v.view(stop, v_new)
 
     @property
     def allocated(self) -> int:

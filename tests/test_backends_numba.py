@@ -17,7 +17,9 @@ from dist_runtime.backends.numba import DECODE_KEYS, SMALL_ATTENTION, NumbaBacke
 from dist_runtime.dtypes import DType
 from dist_runtime.kernels._common import KernelError
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
+from dist_runtime.batching import Segment
 from dist_runtime.executor import GraphExecutor
+from dist_runtime.importers.hf.llama import DecoderConfig, decoder_graph, random_weights
 from dist_runtime.ir import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, Graph, Matmul, Node, RmsNorm, Rope,
                              Sdpa, SdpaWindow, TensorSpec)
 from dist_runtime.ir.hints import BackendHint
@@ -370,12 +372,15 @@ def test_products_reading_one_x_share_a_launch(monkeypatch):
     shared = GraphExecutor((graph, weights), batch_invariant=True)
     monkeypatch.setattr(executor_module, "_shared_launches", lambda steps, *args: steps)
     separate = GraphExecutor((graph, weights), batch_invariant=True)
-    passed_on = [shared.graph.nodes[s.index].outputs for s in shared._steps if s.fn is executor_module._pass_on]
-    assert len(passed_on) == 2 * cfg.layers  # k and v of every layer
-    assert not any(s.fn is executor_module._pass_on for s in separate._steps)
-    launches = [p["launch"] for p in shared.plan() if p["launch"]]
+    def products_passed_on(ex):  # (the executor's chains pass on a layer's attention too)
+        return [ex.graph.nodes[s.index].outputs for s in ex._steps
+                if s.fn is executor_module._pass_on and isinstance(ex.graph.nodes[s.index].op, Matmul)]
+
+    assert len(products_passed_on(shared)) == 2 * cfg.layers  # k and v of every layer
+    assert not products_passed_on(separate)
+    launches = [p["launch"] for p in shared.plan() if p["launch"] and p["op"] == "Matmul"]
     assert len(launches) == 3 * cfg.layers and sum(t.startswith("launched with node(s) ") for t in launches) == cfg.layers
-    assert not any(p["launch"] for p in separate.plan())
+    assert not any(p["launch"] for p in separate.plan() if p["op"] == "Matmul")
     seen = []
 
     def observe(node, outs, live):
@@ -391,6 +396,88 @@ def test_products_reading_one_x_share_a_launch(monkeypatch):
     segments = [Segment("a", 3), Segment("b", 4)]
     got, want = (ex.run_batch({"tokens": ids}, segments)["logits"] for ex in (shared, separate))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _chained_and_not(monkeypatch, cfg: DecoderConfig, seed: int = 3):
+    """Executors of ``cfg``'s decoder, batch-invariant: with the executor's chains, and without."""
+    import dist_runtime.executor as executor_module
+
+    weights = random_weights(cfg, seed)
+    g = decoder_graph(cfg)
+    specs = {n: TensorSpec(w.shape, DType.from_numpy(w.dtype)) for n, w in weights.items()}
+    graph = Graph(g.nodes, g.inputs, g.outputs, specs)
+    chained = GraphExecutor((graph, weights), batch_invariant=True)
+    with monkeypatch.context() as m:
+        m.setattr(executor_module, "_chains", lambda steps, *args: steps)
+        alone = GraphExecutor((graph, weights), batch_invariant=True)
+    return chained, alone
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("cfg", [
+    DecoderConfig(vocab=64, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=128),  # the vector cores
+    DecoderConfig(vocab=64, hidden=96, layers=2, heads=4, kv_heads=1, head_dim=24, ffn=64, rope_dim=12,
+                  qkv_bias=True, windows=(0, 5)),  # partial rotation, biases, a sliding window
+    DecoderConfig(vocab=64, hidden=40, layers=1, heads=4, kv_heads=2, head_dim=10, ffn=32),  # no vector cores
+], ids=["head64", "partial-window", "head10"])
+def test_a_layers_attention_chain_gives_the_nodes_bits(monkeypatch, cfg):
+    """Rope of q, Rope of k, KvCache and Sdpa of a layer run as one call (the executor's chains,
+    NumbaBackend.bind_chain): the same bits as the four nodes alone, in runs that grow the KV
+    cache, rewind it (a retried step), after a reset, and in batched passes of several sessions;
+    every node still observed with its own outputs; the plan names the group."""
+    import dist_runtime.executor as executor_module
+
+    chained, alone = _chained_and_not(monkeypatch, cfg)
+    def followers(ex):
+        return [ex.graph.nodes[s.index].op_name for s in ex._steps if s.fn is executor_module._pass_on]
+
+    passed_on = followers(chained)
+    assert passed_on.count("Rope") == passed_on.count("KvCache") == cfg.layers
+    assert sum(op in ("Sdpa", "SdpaWindow") for op in passed_on) == cfg.layers
+    assert set(followers(alone)) <= {"Matmul"}  # only the shared launches of q, k and v
+    leads = [p for p in chained.plan() if p["op"] == "Rope" and p["launch"].startswith("launched with node(s) ")]
+    assert len(leads) == cfg.layers
+    seen = []
+
+    def observe(node, outs, live):
+        seen.append((node.id, [o.shape for o in outs]))
+
+    for tokens, pos in (([3, 17, 42, 5, 9, 8, 11, 2, 30], None), ([4], None), ([9], None), (list(range(21)), None),
+                        ([7], 30), ([7], 30), ([1], None)):
+        ids = np.asarray(tokens, np.int32)
+        seen.clear()
+        got = chained.run({"tokens": ids}, pos=pos, observe=observe)["logits"]
+        chained_seen, seen[:] = seen[:], []
+        assert _same_bits(got, alone.run({"tokens": ids}, pos=pos, observe=observe)["logits"])
+        assert chained_seen == seen
+    chained.reset()
+    alone.reset()
+    ids = np.array([7, 1, 2, 3, 60, 61, 5, 9], np.int32)
+    for segments in ([Segment("a", 3), Segment("b", 5)], [Segment("a", 1), Segment("b", 1), Segment("c", 6)],
+                     [Segment("b", 1), Segment("a", 1)]):
+        rows = sum(seg.rows for seg in segments)
+        got, want = (ex.run_batch({"tokens": ids[:rows]}, segments)["logits"] for ex in (chained, alone))
+        assert _same_bits(got, want)
+
+
+def test_an_error_inside_the_attention_chain_names_its_own_node(monkeypatch):
+    """A write the KV cache refuses (a position past the rows it holds) or a bad position fails as
+    the node that refuses it, with the same message as without the chain."""
+    from dist_runtime.errors import DistRuntimeError
+
+    cfg = DecoderConfig(vocab=64, hidden=256, layers=1, heads=4, kv_heads=2, head_dim=64, ffn=128)
+    chained, alone = _chained_and_not(monkeypatch, cfg)
+    for pos, node in ((5, "KvCache"), (-1, "Rope")):
+        errors = []
+        for ex in (chained, alone):
+            ex.reset()
+            with pytest.raises(DistRuntimeError) as info:
+                ex.run({"tokens": np.array([1], np.int32)}, pos=pos)
+            errors.append((type(info.value), str(info.value)))
+        assert errors[0] == errors[1] and f"({node})" in errors[0][1]
 
 
 # -- OpenBLAS's workers after a pass that used BLAS -----------------------------------------------------

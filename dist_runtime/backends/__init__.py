@@ -35,7 +35,12 @@ class Backend(Protocol):
     """What the executor asks of a backend.  Optionally also ``bind_siblings(nodes) -> BoundKernel |
     None``: one kernel for adjacent nodes that read one tensor and a weight each, taking
     ``(x, W_1, .., W_n)`` and returning their outputs (the executor's shared launches; the numba
-    backend's products of a layer's q, k and v); None where it would not share a launch.  And
+    backend's products of a layer's q, k and v); None where it would not share a launch.
+    ``bind_chain(nodes, kernels, backends) -> (n, BoundKernel) | None``: one kernel for the first
+    ``n`` of ``nodes`` (adjacent nodes in graph order, the first this backend's; ``kernels`` their
+    kernels as bound on ``backends``, those assigned to them), taking the values :func:`chain_reads` names and returning
+    every output of the ``n`` nodes in order, raising :class:`ChainedNodeError` when one of them
+    fails (the executor's chains; the numba backend's Rope, Rope, KvCache, Sdpa of a layer).  And
     ``after_pass()``, called once every pass is over, even one that failed (the numba backend
     sends OpenBLAS's workers to sleep there after a prefill that used them)."""
 
@@ -49,6 +54,41 @@ class Backend(Protocol):
     def execute(self, node: Node, inputs: Sequence[Array], ctx: object) -> tuple: ...
 
     def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray: ...
+
+
+class ChainedNodeError(Exception):
+    """Raised by a chain's kernel (``bind_chain``) when its node ``offset`` failed with ``error``
+    on ``inputs``: the executor reports that node, as if it had run alone."""
+
+    def __init__(self, offset: int, inputs: Sequence, error: Exception) -> None:
+        super().__init__(offset, error)
+        self.offset, self.inputs, self.error = offset, tuple(inputs), error
+
+
+def chain_reads(nodes: Sequence[Node]) -> tuple[str, ...]:
+    """The values a chain of ``nodes`` reads from outside it, in the order first read."""
+    made: set[str] = set()
+    reads: dict[str, None] = {}
+    for node in nodes:
+        reads.update((name, None) for name in node.inputs if name not in made)
+        made.update(node.outputs)
+    return tuple(reads)
+
+
+def run_chain(nodes: Sequence[Node], kernels: Sequence[BoundKernel], inputs: Sequence[Array], ctx) -> tuple:
+    """A chain's nodes one after another, each on its own kernel: what a chain's kernel does off
+    its fast path (``ctx`` is every node's: the chain holds at most one stateful node)."""
+    values = dict(zip(chain_reads(nodes), inputs))
+    outputs: list = []
+    for offset, (node, kernel) in enumerate(zip(nodes, kernels)):
+        args = [values[name] for name in node.inputs]
+        try:
+            outs = kernel(args, ctx)
+        except Exception as e:  # noqa: BLE001 -- handed to the executor, which names the node
+            raise ChainedNodeError(offset, args, e) from e
+        values.update(zip(node.outputs, outs))
+        outputs += outs[:len(node.outputs)]
+    return tuple(outputs)
 
 
 class OpEntry(NamedTuple):

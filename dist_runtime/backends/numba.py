@@ -19,7 +19,9 @@ the data each (2-22 us a call):
   loops take only small products (``small_attention``: a decode step over up to 8192 keys, or
   ``Tq * Tk <= 1024``), larger ones going to the CPU library -- except when the backend is
   ``invariant``: then every attention runs here, since a row's result must not depend on how
-  many query rows share the call (a prompt fed in chunks, sessions batched) and BLAS's does.
+  many query rows share the call (a prompt fed in chunks, sessions batched) and BLAS's does;
+- a layer's Rope of q, Rope of k, KvCache and Sdpa as one compiled call (the executor's chains,
+  :meth:`NumbaBackend.bind_chain`), the four nodes' bits;
 
 and the matmul family -- Matmul (the lm_head and tied embeddings included), FusedNormMatmul,
 FusedSwiGlu, LoraApply -- on the compiled products of :mod:`dist_runtime.backends.compiled`:
@@ -53,16 +55,18 @@ from typing import Sequence
 import numba
 import numpy as np
 
+from dist_runtime.kernels.attention import KvState
 from dist_runtime.kernels.positions import cos_sin_rows, position
 from dist_runtime.kernels.quant import token_embed
 
 from ..dtypes import DType
+from ..errors import DistRuntimeError
 from ..ir.graph import Node, TensorSpec
 from ..ir.hints import BackendHint
-from ..ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, LoraApply, Matmul, OpPayload, RmsNorm, Rope,
-                      Sdpa, SdpaWindow, TokenEmbed)
+from ..ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, KvCache, LoraApply, Matmul, OpPayload, RmsNorm,
+                      Rope, Sdpa, SdpaWindow, TokenEmbed)
 from ..tensor import Array, QuantizedArray
-from . import BoundKernel, OpEntry, TableBackend, compiled, openblas, register_backend
+from . import BoundKernel, OpEntry, TableBackend, chain_reads, compiled, openblas, register_backend, run_chain
 from .compiled import attention as compiled_attention
 from .compiled import gather
 from .blas import WEIGHT_SLOTS, matmul_family_supports
@@ -130,6 +134,22 @@ def _rope_rows(x, cos, sin, head_dim, rope_dim, out):
                 out[t, base + half + i] = x2 * cos[t, i] + x1 * sin[t, i]
             for i in range(base + rope_dim, base + head_dim):
                 out[t, i] = x[t, i]
+
+
+@_jit
+def _rope_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos,
+                        num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
+    """A layer's attention chain in one call: ``q`` and ``k`` rotated (:func:`_rope_rows`), the
+    rotated keys and ``v`` stored as rows ``pos..`` of the KV cache's buffers, and (``attend``)
+    the rotated queries attending over every row held (:func:`compiled_attention.attention_serial`)."""
+    _rope_rows(q, cos, sin, rope_head_dim, rope_dim, q_rot)
+    _rope_rows(k, cos, sin, rope_head_dim, rope_dim, k_rot)
+    stop = pos + k.shape[0]
+    k_buf[pos:stop] = k_rot
+    v_buf[pos:stop] = v
+    if attend:
+        compiled_attention.attention_serial(spec, q_rot, k_buf[:stop], v_buf[:stop], num_heads, kv_heads,
+                                            head_dim, causal, window, out)
 
 
 @_jit
@@ -289,6 +309,23 @@ def _bind_token_embed(backend: NumbaBackend, node: Node) -> BoundKernel:
     return run
 
 
+def _attention_chain(nodes: Sequence[Node]) -> tuple[Node, Node, Node, Node] | None:
+    """``(rope of q, rope of k, KvCache, attention)`` when the first four ``nodes`` are a layer's
+    attention as Llama graphs spell it: two Ropes alike on one ``pos`` (either first), the KvCache
+    appending the rotated keys, and an Sdpa or SdpaWindow without a mask attending the rotated
+    queries over its K and V."""
+    if len(nodes) < 4 or not (isinstance(nodes[0].op, Rope) and isinstance(nodes[1].op, Rope)
+                              and isinstance(nodes[2].op, KvCache) and type(nodes[3].op) in (Sdpa, SdpaWindow)):
+        return None
+    a, b, kv, sdpa = nodes[:4]
+    rope_q, rope_k = (a, b) if kv.inputs[0] == b.outputs[0] else (b, a)
+    if not (a.op == b.op and a.inputs[1] == b.inputs[1] and kv.inputs[0] == rope_k.outputs[0]
+            and len(kv.inputs) == 2 and len(sdpa.inputs) == 3
+            and tuple(sdpa.inputs) == (rope_q.outputs[0], *kv.outputs[:2])):
+        return None
+    return rope_q, rope_k, kv, sdpa
+
+
 # -- what it takes at plan time (F32 inputs already checked) -----------------------------------------
 def _rows_of_last_dim(op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
     return len(input_specs[0].shape) >= 1
@@ -412,6 +449,56 @@ class NumbaBackend(TableBackend):
                 return tuple(self.linear_many(x, list(ws)))
             return tuple(single([x, w], ctx)[0] for single, w in zip(singles, ws))
         return run
+
+    def bind_chain(self, nodes: Sequence[Node], kernels: Sequence[BoundKernel],
+                   backends: Sequence) -> tuple[int, BoundKernel] | None:
+        """One kernel for a layer's Rope of q, Rope of k, KvCache and Sdpa (the executor's chains;
+        :func:`_attention_chain`), the Ropes and the attention this backend's: one compiled call
+        (:func:`_rope_append_attend`) where four took ~75 us a layer of a decode step, their code
+        and data cold after the layer's weights streamed through the caches.  The same bits as
+        the four nodes alone, and the same KV cache.  Off the fast path (another dtype, a head
+        size without vector cores, a write the cache refuses) the four kernels in turn."""
+        found = _attention_chain(nodes)
+        if found is None or not (backends[0] is backends[1] is backends[3] is self):
+            return None
+        rope_q, rope_k, kv, sdpa = found
+        rope, attn = rope_q.op, sdpa.op
+        window = attn.window if isinstance(attn, SdpaWindow) else 0
+        reads = chain_reads(nodes[:4])
+        at = [reads.index(name) for name in (rope_q.inputs[0], rope_q.inputs[1], rope_k.inputs[0], kv.inputs[1])]
+        order = [name for node in nodes[:4] for name in node.outputs]
+        widths = (attn.num_heads * attn.head_dim, attn.kv_heads * attn.head_dim)
+        fast = (attn.head_dim in compiled_attention.HEAD_DIMS and rope.head_dim and rope.rope_dim <= rope.head_dim)
+        spec = compiled_attention.SPECS((compiled.cpu.PATH, attn.head_dim)) if fast else None
+        compiled_attention.warm(attn.head_dim)
+
+        def run(inputs, ctx):
+            q, pos, k, v = (inputs[i] for i in at)
+            state, t = ctx.state, q.shape[0] if getattr(q, "ndim", 0) == 2 else -1
+            if not (fast and isinstance(state, KvState) and _is_f32(q, k, v) and k.ndim == v.ndim == 2
+                    and q.shape == (t, widths[0]) and k.shape == v.shape == (t, widths[1])
+                    and widths[0] % rope.head_dim == 0 and widths[1] % rope.head_dim == 0):
+                return run_chain(nodes[:4], kernels[:4], inputs, ctx)
+            at_row = int(ctx.pos)
+            try:  # nothing changed yet if either refuses: the nodes alone then raise it, each naming itself
+                cos, sin = cos_sin_rows(position("Rope", pos), t, rope.rope_dim, float(rope.base))
+                k_buf, v_buf = state.reserve(at_row, k, v)
+            except DistRuntimeError:
+                return run_chain(nodes[:4], kernels[:4], inputs, ctx)
+            q_rot, k_rot, out = np.empty(q.shape, F32), np.empty(k.shape, F32), np.empty(q.shape, F32)
+            keys = at_row + t
+            attend = compiled_attention.serial(t, keys, keys * k.shape[1] * 4)
+            _rope_append_attend(spec, q, k, v, cos, sin, rope.head_dim, rope.rope_dim, k_buf, v_buf, at_row,
+                                attn.num_heads, attn.kv_heads, attn.head_dim, bool(attn.causal), window, attend,
+                                q_rot, k_rot, out)
+            k_all, v_all = state.commit(at_row, k, v)
+            if not attend:
+                compiled_attention.attention_rows(q_rot, k_all, v_all, attn.num_heads, attn.kv_heads, attn.head_dim,
+                                                  bool(attn.causal), window, out)
+            made = {rope_q.outputs[0]: q_rot, rope_k.outputs[0]: k_rot, kv.outputs[0]: k_all,
+                    kv.outputs[1]: v_all, sdpa.outputs[0]: out}
+            return tuple(made[name] for name in order)
+        return 4, run
 
     def reference(self, node: Node) -> BoundKernel:
         """The CPU library's kernel for ``node``: what runs off the fast path."""

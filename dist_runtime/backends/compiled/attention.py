@@ -527,9 +527,21 @@ def attention_rows(q, k, v, num_heads: int, kv_heads: int, head_dim: int, causal
         _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
         return
     spec = SPECS((cpu.PATH, head_dim))
-    threads = numba.get_num_threads()
-    one_piece = q.shape[0] == 1 and k.shape[0] <= SPLIT_KEYS
-    if threads == 1 or one_piece or q.shape[0] * k.nbytes * 2 < SERIAL_KV_BYTES:
+    if serial(q.shape[0], k.shape[0], k.nbytes):
         _attention_serial(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
     else:
         _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
+
+
+def serial(query_rows: int, keys: int, k_bytes: int) -> bool:
+    """Whether :func:`attention_rows` attends on the calling thread (:func:`attention_serial`):
+    one thread, a decode step's one piece, or under :data:`SERIAL_KV_BYTES` of K/V reads.  The
+    same bits either way: only the speed depends on it."""
+    one_piece = query_rows == 1 and keys <= SPLIT_KEYS
+    return numba.get_num_threads() == 1 or one_piece or query_rows * k_bytes * 2 < SERIAL_KV_BYTES
+
+
+#: :func:`attention_rows`' serial driver, for compiled callers (the numba backend's attention
+#: chain): ``attention_serial(SPECS((cpu.PATH, head_dim)), q, k, v, num_heads, kv_heads,
+#: head_dim, causal, window, out)``, a head size of :data:`HEAD_DIMS`.
+attention_serial = _attention_serial
