@@ -9,7 +9,9 @@ greedy decode steps; the median step time over ``--repeat`` runs.  Ours runs as 
 the CPU library alone, to show what the compiled ops are worth, on Q8_0 weights (f32 and Q8_0
 activations, ``numba-q8``), and on a Q4_K_M GGUF made from the F32 one by llama.cpp's own quantizer
 (``llama_model_quantize``) and converted by our importer, next to llama.cpp on the same file.  The
-ratios to llama.cpp on the same weights are printed (of the medians, and round by round), and the
+ratios to llama.cpp on the same weights are printed (of the medians, round by round, and from short
+blocks of steps, ours and llama.cpp's alternating: :func:`paired_speed`; the machine's speed moved
+whole runs by up to 1.7x from one minute to the next in session 14), and the
 time of a step of 8 rows (the products' M = 8) over a 1-row step.  Also printed: the decode step
 at context 1024 next to the step at context 32 (the KV cache must keep it flat), and the
 executor's per-token Python overhead (time per token minus the time spent inside kernels).  The
@@ -38,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -63,16 +66,62 @@ def our_executor(weights, fuse: bool, backends=None, invariant: bool = False) ->
                          batch_invariant=invariant)
 
 
-def time_ours(ex: GraphExecutor, tokens: int) -> list[float]:
-    ex.reset()
-    out = ex.run({"tokens": PROMPT})
-    tok = int(out["logits"][-1].argmax())
-    steps = []
-    for _ in range(tokens):
+class Stepper:
+    """One engine's greedy decode a step at a time: :meth:`start` runs the prompt, :meth:`step`
+    one token and returns its seconds (``prompt()`` returns the prompt's last logits, ``token(t)``
+    feeds ``t`` and returns the next logits)."""
+
+    def __init__(self, prompt, token):
+        self.prompt, self.token, self.next = prompt, token, 0
+
+    def start(self) -> None:
+        self.next = int(np.argmax(self.prompt()))
+
+    def step(self) -> float:
         t = time.perf_counter()
-        tok = int(ex.run({"tokens": [tok]})["logits"][-1].argmax())
-        steps.append(time.perf_counter() - t)
-    return steps
+        self.next = int(np.argmax(self.token(self.next)))
+        return time.perf_counter() - t
+
+    def run(self, tokens: int) -> list[float]:
+        self.start()
+        return [self.step() for _ in range(tokens)]
+
+
+def ours_stepper(ex: GraphExecutor) -> Stepper:
+    def prompt():
+        ex.reset()
+        return ex.run({"tokens": PROMPT})["logits"][-1]
+    return Stepper(prompt, lambda tok: ex.run({"tokens": [tok]})["logits"][-1])
+
+
+#: :func:`paired_speed`'s blocks: steps an engine runs in a row, and the first ones of them left
+#: untimed.  llama.cpp's threads spin for ~10 ms after a step (its process used ~10 ms of CPU in
+#: the 10 ms after one, session 14): alternating single steps gave ours a core short for most of
+#: each of its steps (f32 0.79-0.85x round by round where whole runs measured 0.86-1.03x), and
+#: sleeping that out between steps would have sent llama.cpp's threads to sleep before each of
+#: its own, which in a generation they never do.
+BLOCK, SETTLE = 6, 2
+
+
+def paired_speed(ours: Stepper, theirs: Stepper, tokens: int, repeat: int) -> tuple[float, list[float]]:
+    """Our speed relative to ``theirs`` from blocks of :data:`BLOCK` steps, the two engines'
+    blocks alternating (each block's first :data:`SETTLE` steps untimed): (median over every pair
+    of blocks of their median steps' ratio, each run's median).  A burst of load from elsewhere on
+    this shared machine, which moved whole runs by up to 1.7x here, then hits both sides of a pair
+    alike."""
+    runs = []
+    for _ in range(repeat):
+        ours.start()
+        theirs.start()
+        ratios = []
+        for i in range(max(1, tokens // BLOCK)):
+            times = {}
+            for side in (ours, theirs) if i % 2 else (theirs, ours):
+                steps = [side.step() for _ in range(BLOCK)]
+                times[side] = statistics.median(steps[SETTLE:])
+            ratios.append(times[theirs] / times[ours])
+        runs.append(ratios)
+    return statistics.median(r for run in runs for r in run), [statistics.median(run) for run in runs]
 
 
 def kernel_share(ex: GraphExecutor, tokens: int) -> tuple[float, float]:
@@ -91,7 +140,7 @@ def kernel_share(ex: GraphExecutor, tokens: int) -> tuple[float, float]:
     ex.reset()
     tok = int(ex.run({"tokens": PROMPT})["logits"][-1].argmax())
     original = list(ex._steps)
-    ex._steps = [type(s)(s.index, timed(s.fn), s.reads, s.writes, s.frees, s.kv_cache) for s in original]
+    ex._steps = [replace(s, fn=timed(s.fn)) for s in original]
     totals, inside = [], []
     try:
         for _ in range(tokens):
@@ -196,9 +245,9 @@ def rows_ratio(ex: GraphExecutor, rows: int, context: int = 32, runs: int = 9) -
     return statistics.median(one), statistics.median(many), statistics.median(b / a for a, b in zip(one, many))
 
 
-def llama_cpp_decoder(path: Path):
-    """A function timing one decode run of llama.cpp on ``path``, and the logits of the prompt's
-    last position; None when llama-cpp-python is not installed."""
+def llama_cpp_decoder(path: Path) -> tuple[Stepper | None, np.ndarray | None]:
+    """llama.cpp on ``path`` as a :class:`Stepper`, and the logits of the prompt's last position;
+    None when llama-cpp-python is not installed."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -210,21 +259,16 @@ def llama_cpp_decoder(path: Path):
         # Without logits_all, llama-cpp-python keeps no scores: read the context's last row.
         return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(CFG.vocab,))
 
-    def run(tokens: int) -> list[float]:
+    def prompt():
         llm.reset()
         llm.eval([int(t) for t in PROMPT])
-        tok = int(np.argmax(last_logits()))
-        steps = []
-        for _ in range(tokens):
-            t = time.perf_counter()
-            llm.eval([tok])
-            tok = int(np.argmax(last_logits()))
-            steps.append(time.perf_counter() - t)
-        return steps
+        return last_logits()
 
-    llm.reset()
-    llm.eval([int(t) for t in PROMPT])
-    return run, last_logits().copy()
+    def token(tok):
+        llm.eval([tok])
+        return last_logits()
+
+    return Stepper(prompt, token), prompt().copy()
 
 
 def context_ratio(ex: GraphExecutor, steps: int = 24) -> tuple[float, float, float]:
@@ -276,14 +320,16 @@ def main() -> None:
         files["q4_k_m"] = Path(tmp.name) / "bench-q4_k_m.gguf"
         ours["ours Q4_K_M (its GGUF)"] = gguf_executor(files["q4_k_m"], Path(tmp.name))
         ours["ours Q4_K_M (q8 activations)"] = gguf_executor(files["q4_k_m"], Path(tmp.name), ["numba-q8"])
-    engines = {name: (lambda ex=ex: time_ours(ex, args.tokens)) for name, ex in ours.items()}
+    steppers = {name: ours_stepper(ex) for name, ex in ours.items()}
+    engines = {name: (lambda st=st: st.run(args.tokens)) for name, st in steppers.items()}
     torch_run = torch_decoder(w)
     engines["PyTorch eager f32"] = (lambda: torch_run(args.tokens)) if torch_run else (lambda: None)
     ours_logits = our_executor(w, False).run({"tokens": PROMPT})["logits"][-1]
     agreement = {}
     for name, path in files.items():
-        run, logits = llama_cpp_decoder(path)
-        engines[f"llama.cpp {name.upper()}"] = (lambda run=run: run(args.tokens)) if run else (lambda: None)
+        stepper, logits = llama_cpp_decoder(path)
+        steppers[f"llama.cpp {name.upper()}"] = stepper
+        engines[f"llama.cpp {name.upper()}"] = (lambda st=stepper: st.run(args.tokens)) if stepper else (lambda: None)
         if logits is not None:
             agreement[name] = float(np.abs(logits - ours_logits).max() / np.abs(ours_logits).max())
     # Rounds interleave the engines, so that a burst of load from elsewhere on this shared
@@ -320,6 +366,8 @@ def main() -> None:
                                for o, t in zip(runs[ours_name], runs[theirs]) if o and t)
             print(f"{ours_name} / {theirs}: {timed[theirs] / timed[ours_name]:.2f}x llama.cpp's speed "
                   f"(round by round: {rounds})")
+            paired, per_run = paired_speed(steppers[ours_name], steppers[theirs], args.tokens, args.repeat)
+            print(f"  in alternating blocks of {BLOCK} steps: {paired:.2f}x (each run: {', '.join(f'{r:.2f}' for r in per_run)})")
     for name in ("ours f32 (fused)", "ours f32 (compiled, invariant)", "ours Q8_0 (fused)", "ours Q8_0 (q8 activations)"):
         one, eight, paired = rows_ratio(ours[name], 8)
         print(f"{name}: a step of 8 rows takes {paired:.2f}x the time of 1 row (median of paired runs; "
