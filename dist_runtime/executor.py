@@ -404,6 +404,10 @@ class GraphExecutor:
         args = [values[n] for n in step.reads]
         if not rows.per_segment:
             return step.fn(args, _PLAIN)
+        many = getattr(step.fn, "over_segments", None)  # every segment in one call, when it can
+        done = many(args, cuts, [self._context(step, s) for s in sessions]) if many else None
+        if done is not None:
+            return done
         parts = []
         for i, (s, cut) in enumerate(zip(sessions, cuts)):
             mine = [a[i] if isinstance(a, PerSegment) else a[cut] if sliced else a

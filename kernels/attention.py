@@ -254,6 +254,7 @@ class _Rows:
 
     def __init__(self) -> None:
         self.buf: np.ndarray | None = None
+        self.address = 0  # of buf's first element
         self.layout: tuple | None = None  # (leading dims, width, element type) of the rows held
 
     @staticmethod
@@ -296,7 +297,7 @@ class _Rows:
         buf = arena.empty((*raw.shape[:-2], capacity, raw.shape[-1]), raw.dtype)
         if keep:
             buf[..., :keep, :] = self.buf[..., :keep, :]
-        self.buf = buf
+        self.buf, self.address = buf, buf.ctypes.data
 
 
 def _describe(lead, width, dtype) -> str:
@@ -348,6 +349,11 @@ class KvState:
         self._v.check(v_new, self.length, "v_new")
         return (self._k.reserve(pos, k_new, self.length, self.capacity),
                 self._v.reserve(pos, v_new, self.length, self.capacity))
+
+    def addresses(self) -> tuple[int, int]:
+        """Where the K and V buffers start (after :meth:`reserve`): for a compiled caller taking
+        many sessions' caches in one call (the numba backend's attention chain)."""
+        return self._k.address, self._v.address
 
     def commit(self, pos: int, k_new: Array, v_new: Array) -> tuple[Array, Array]:
         """The cache now holds rows up to ``pos + T`` (filled after :meth:`reserve`): their

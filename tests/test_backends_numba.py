@@ -455,12 +455,21 @@ def test_a_layers_attention_chain_gives_the_nodes_bits(monkeypatch, cfg):
         assert chained_seen == seen
     chained.reset()
     alone.reset()
+    taken = []  # per chain call in a batched pass: did every segment go in one call?
+    for step in chained._steps:
+        if hasattr(step.fn, "over_segments"):
+            def spy(*args, over=step.fn.over_segments):
+                taken.append(over(*args))
+                return taken[-1]
+            step.fn.over_segments = spy
     ids = np.array([7, 1, 2, 3, 60, 61, 5, 9], np.int32)
     for segments in ([Segment("a", 3), Segment("b", 5)], [Segment("a", 1), Segment("b", 1), Segment("c", 6)],
                      [Segment("b", 1), Segment("a", 1)]):
         rows = sum(seg.rows for seg in segments)
         got, want = (ex.run_batch({"tokens": ids[:rows]}, segments)["logits"] for ex in (chained, alone))
         assert _same_bits(got, want)
+    vector_cores = cfg.head_dim in (64, 24)  # else the four kernels, a segment at a time
+    assert len(taken) == 3 * cfg.layers and all((t is not None) == vector_cores for t in taken)
 
 
 def test_an_error_inside_the_attention_chain_names_its_own_node(monkeypatch):
@@ -478,6 +487,16 @@ def test_an_error_inside_the_attention_chain_names_its_own_node(monkeypatch):
                 ex.run({"tokens": np.array([1], np.int32)}, pos=pos)
             errors.append((type(info.value), str(info.value)))
         assert errors[0] == errors[1] and f"({node})" in errors[0][1]
+    errors = []  # in a batched pass: one segment's write refused, the other's fine
+    for ex in (chained, alone):
+        ex.reset()
+        ex.run({"tokens": np.array([1, 2], np.int32)}, session="a")
+        before = ex.position("a")
+        with pytest.raises(DistRuntimeError) as info:
+            ex.run_batch({"tokens": np.array([3, 4], np.int32)}, [Segment("a", 1), Segment("b", 1, pos=7)])
+        node, _, why = str(info.value).partition(" reading ")  # (the chain names the segment's rows it read)
+        errors.append((type(info.value), node, why.partition(": ")[2], before))
+    assert errors[0] == errors[1] and errors[0][1].endswith("(KvCache)")
 
 
 # -- OpenBLAS's workers after a pass that used BLAS -----------------------------------------------------

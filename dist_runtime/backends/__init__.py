@@ -40,7 +40,10 @@ class Backend(Protocol):
     ``n`` of ``nodes`` (adjacent nodes in graph order, the first this backend's; ``kernels`` their
     kernels as bound on ``backends``, those assigned to them), taking the values :func:`chain_reads` names and returning
     every output of the ``n`` nodes in order, raising :class:`ChainedNodeError` when one of them
-    fails (the executor's chains; the numba backend's Rope, Rope, KvCache, Sdpa of a layer).  And
+    fails (the executor's chains; the numba backend's Rope, Rope, KvCache, Sdpa of a layer).  A
+    bound kernel run once per segment of a batched pass may carry ``over_segments(inputs, cuts,
+    contexts)``: every segment in one call, returning the pass's values (rows joined, per-segment
+    values as ``PerSegment``), or None for the executor to call it segment by segment.  And
     ``after_pass()``, called once every pass is over, even one that failed (the numba backend
     sends OpenBLAS's workers to sleep there after a prefill that used them)."""
 
