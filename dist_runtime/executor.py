@@ -464,13 +464,17 @@ class GraphExecutor:
                 for i, (n, a) in enumerate(zip(self.graph.nodes, self.assignments))]
 
     def _launches(self) -> dict[int, str]:
-        """What the plan says of the shared launches (:func:`_shared_launches`), by node position."""
+        """What the plan says of the shared launches and chains (:func:`_shared_launches`,
+        :func:`_chains`), by node position; a node assigned elsewhere than the group's first (a
+        KvCache of the CPU library's in the numba backend's chain) is told where it runs."""
         notes, lead = {}, None
         for step in self._steps:
             if step.fn is not _pass_on:
                 lead = step
                 continue
-            notes[step.index] = f"launched with node {self.graph.nodes[lead.index].id}"
+            runs = self.assignments[lead.index].backend
+            where = "" if self.assignments[step.index].backend is runs else f", on {runs.name}"
+            notes[step.index] = f"launched with node {self.graph.nodes[lead.index].id}{where}"
             ids = notes.get(lead.index, "launched with node(s)")
             notes[lead.index] = f"{ids} {self.graph.nodes[step.index].id}"
         return notes

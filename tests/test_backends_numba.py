@@ -438,8 +438,10 @@ def test_a_layers_attention_chain_gives_the_nodes_bits(monkeypatch, cfg):
     assert passed_on.count("Rope") == passed_on.count("KvCache") == cfg.layers
     assert sum(op in ("Sdpa", "SdpaWindow") for op in passed_on) == cfg.layers
     assert set(followers(alone)) <= {"Matmul"}  # only the shared launches of q, k and v
-    leads = [p for p in chained.plan() if p["op"] == "Rope" and p["launch"].startswith("launched with node(s) ")]
+    plan = chained.plan()
+    leads = [p for p in plan if p["op"] == "Rope" and p["launch"].startswith("launched with node(s) ")]
     assert len(leads) == cfg.layers
+    assert all(p["launch"].endswith(", on numba") for p in plan if p["op"] == "KvCache")  # a CPU-library node
     seen = []
 
     def observe(node, outs, live):
