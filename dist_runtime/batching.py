@@ -53,7 +53,6 @@ class NodeRows:
 
     per_segment: bool  # called once per segment (else once over every segment's rows)
     sliced: tuple[bool, ...]  # per input: a rows value, cut to the segment's rows per call
-    out: str  # ROWS or SEGMENTED (CONST when no input depends on the rows)
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ def plan_rows(graph: Graph, specs: Mapping[str, TensorSpec]) -> RowPlan:
             sort[name] = out
             if out == ROWS and name in specs:
                 reason = reason or _rows_axis_problem(f"{where}'s output {name!r}", specs[name])
-        nodes.append(NodeRows(per_segment, tuple(r == ROWS for r in reads), out))
+        nodes.append(NodeRows(per_segment, tuple(r == ROWS for r in reads)))
     for name in graph.outputs:
         if sort.get(name) == SEGMENTED:
             reason = reason or f"output {name!r} is per session (a KvCache's history): it cannot be split by row"

@@ -131,7 +131,7 @@ def _chains(steps: list[_Step], graph: Graph, backends: list[Backend], rows: Row
             continue
         reads = chain_reads([graph.nodes[s.index] for s in group])
         held = stateful[0] if stateful else None
-        lead_rows = NodeRows(group[0].rows.per_segment, tuple(rows.values.get(n) == ROWS for n in reads), ROWS)
+        lead_rows = NodeRows(group[0].rows.per_segment, tuple(rows.values.get(n) == ROWS for n in reads))
         out.append(replace(group[0], fn=found[1], reads=reads, rows=lead_rows,
                            writes=(*group[0].writes, *(w + _SHARED for s in group[1:] for w in s.writes)),
                            kv_cache=held and held.kv_cache, state=held.index if held else -1))
@@ -145,7 +145,7 @@ def _passing_on(step: _Step) -> _Step:
     first step, passed on from ``<output>@shared``."""
     shared = tuple(w + _SHARED for w in step.writes)
     return replace(step, fn=_pass_on, reads=shared, frees=(*step.frees, *shared), kv_cache=None,
-                   rows=NodeRows(False, (False,) * len(shared), step.rows.out))
+                   rows=NodeRows(False, (False,) * len(shared)))
 
 
 def _sibling(first: _Step, step: _Step, backends: list[Backend], constants, rows: RowPlan) -> bool:

@@ -409,62 +409,62 @@ class _AttentionChain:
     def _outputs(self, *made) -> tuple:
         return tuple(made[i] for i in self.order)
 
-    def __call__(self, inputs, ctx) -> tuple:
-        q, pos, k, v = (inputs[i] for i in self.at)
-        state = ctx.state
-        if not (isinstance(state, KvState) and self._fits(q, k, v)):
-            return run_chain(self.nodes, self.kernels, inputs, ctx)
-        t, at_row = q.shape[0], int(ctx.pos)
-        try:  # nothing changed yet if either refuses: the nodes alone then raise it, each naming itself
-            cos, sin = self._rotation(pos, t)
-            k_buf, v_buf = state.reserve(at_row, k, v)
-        except DistRuntimeError:
-            return run_chain(self.nodes, self.kernels, inputs, ctx)
-        q_rot, k_rot, out = np.empty(q.shape, F32), np.empty(k.shape, F32), np.empty(q.shape, F32)
-        attend, a, r = self._attends_here(t, at_row + t), self.attn, self.rope
-        _rope_append_attend(self.spec, q, k, v, cos, sin, r.head_dim, r.rope_dim, k_buf, v_buf, at_row, a.num_heads,
-                            a.kv_heads, a.head_dim, bool(a.causal), self.window, attend, q_rot, k_rot, out)
-        k_all, v_all = state.commit(at_row, k, v)
+    def _prepare(self, pos, k, v, ctx) -> tuple:
+        """One segment's rotation rows, room in its KV cache (every check the nodes make, before
+        anything changes: a :class:`DistRuntimeError` leaves all as it was), the row it writes
+        from, and whether the compiled call attends too."""
+        t, at_row = k.shape[0], int(ctx.pos)
+        cos, sin = self._rotation(pos, t)
+        k_buf, v_buf = ctx.state.reserve(at_row, k, v)
+        return cos, sin, k_buf, v_buf, at_row, self._attends_here(t, at_row + t)
+
+    def _finish(self, ctx, at_row: int, k, v, attend: bool, q_rot, out) -> tuple:
+        """One segment's K and V histories once its rows are stored, attending over them now if
+        the compiled call did not."""
+        k_all, v_all = ctx.state.commit(at_row, k, v)
         if not attend:
             self._attend_later(q_rot, k_all, v_all, out)
+        return k_all, v_all
+
+    def __call__(self, inputs, ctx) -> tuple:
+        q, pos, k, v = (inputs[i] for i in self.at)
+        if not (isinstance(ctx.state, KvState) and self._fits(q, k, v)):
+            return run_chain(self.nodes, self.kernels, inputs, ctx)
+        try:
+            cos, sin, k_buf, v_buf, at_row, attend = self._prepare(pos, k, v, ctx)
+        except DistRuntimeError:  # the nodes alone raise it, each naming itself
+            return run_chain(self.nodes, self.kernels, inputs, ctx)
+        q_rot, k_rot, out = np.empty(q.shape, F32), np.empty(k.shape, F32), np.empty(q.shape, F32)
+        a, r = self.attn, self.rope
+        _rope_append_attend(self.spec, q, k, v, cos, sin, r.head_dim, r.rope_dim, k_buf, v_buf, at_row, a.num_heads,
+                            a.kv_heads, a.head_dim, bool(a.causal), self.window, attend, q_rot, k_rot, out)
+        k_all, v_all = self._finish(ctx, at_row, k, v, attend, q_rot, out)
         return self._outputs(q_rot, k_rot, k_all, v_all, out)
 
     def over_segments(self, inputs, cuts, ctxs) -> tuple | None:
         """A batched pass's segments in one compiled call, its threads taking segments
-        (:func:`_segments_append_attend`): the pass's values, or None (the executor then calls
-        this chain segment by segment) off the fast path or where a cache would refuse a write.
-        8 / 16 sessions' f32 decode step: 0.96 / 0.93x the time of segment by segment."""
+        (:func:`_segments_append_attend`, each segment's cache by address: a compiled call takes
+        no list of arrays): the pass's values, or None (the executor then calls this chain segment
+        by segment) off the fast path or where a cache would refuse a write.  8 / 16 sessions'
+        f32 decode step: 0.96 / 0.93x the time of segment by segment."""
         q, pos, k, v = (inputs[i] for i in self.at)
         if not (self._fits(q, k, v) and all(isinstance(c.state, KvState) for c in ctxs)):
             return None
-        n = len(cuts)
-        starts, at_rows = np.empty(n + 1, np.int64), np.empty(n, np.int64)
-        buffers, held, attend = np.empty((n, 2), np.int64), np.empty(n, np.int64), np.empty(n, np.bool_)
-        cos, sin = [], []
-        try:  # every check before anything changes, as in __call__
-            for i, (cut, ctx) in enumerate(zip(cuts, ctxs)):
-                t, at_row = cut.stop - cut.start, int(ctx.pos)
-                c, s = self._rotation(pos[i], t)
-                k_buf, _ = ctx.state.reserve(at_row, k[cut], v[cut])
-                cos.append(c)
-                sin.append(s)
-                starts[i], at_rows[i], buffers[i], held[i] = cut.start, at_row, ctx.state.addresses(), k_buf.shape[0]
-                attend[i] = self._attends_here(t, at_row + t)
+        try:
+            made = [self._prepare(pos[i], k[cut], v[cut], ctx) for i, (cut, ctx) in enumerate(zip(cuts, ctxs))]
         except DistRuntimeError:
             return None
-        starts[n] = q.shape[0]
+        cos, sin, k_bufs, _, at_rows, attend = zip(*made)
         q_rot, k_rot, out = np.empty(q.shape, F32), np.empty(k.shape, F32), np.empty(q.shape, F32)
         a, r = self.attn, self.rope
         _segments_append_attend(self.spec, q, k, v, np.concatenate(cos), np.concatenate(sin), r.head_dim, r.rope_dim,
-                                starts, buffers, held, at_rows, a.num_heads, a.kv_heads, a.head_dim, bool(a.causal),
-                                self.window, attend, q_rot, k_rot, out)
-        k_alls, v_alls = [], []
-        for i, (cut, ctx) in enumerate(zip(cuts, ctxs)):
-            k_all, v_all = ctx.state.commit(int(at_rows[i]), k[cut], v[cut])
-            if not attend[i]:
-                self._attend_later(q_rot[cut], k_all, v_all, out[cut])
-            k_alls.append(k_all)
-            v_alls.append(v_all)
+                                np.array([cut.start for cut in cuts] + [q.shape[0]], np.int64),
+                                np.array([ctx.state.addresses() for ctx in ctxs], np.int64),
+                                np.array([b.shape[0] for b in k_bufs], np.int64), np.array(at_rows, np.int64),
+                                a.num_heads, a.kv_heads, a.head_dim, bool(a.causal), self.window, np.array(attend),
+                                q_rot, k_rot, out)
+        k_alls, v_alls = zip(*(self._finish(ctx, at_rows[i], k[cut], v[cut], attend[i], q_rot[cut], out[cut])
+                               for i, (cut, ctx) in enumerate(zip(cuts, ctxs))))
         return self._outputs(q_rot, k_rot, PerSegment(k_alls), PerSegment(v_alls), out)
 
 
