@@ -7,12 +7,16 @@ threaded drivers against the serial ones, and Q5_1.
 
 from __future__ import annotations
 
+import functools
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 numba = pytest.importorskip("numba")
 
-from dist_runtime.backends.compiled import legacy, linear, registry, set_threads  # noqa: E402
+from dist_runtime.backends.compiled import cpu, legacy, linear, registry, set_threads  # noqa: E402
 from dist_runtime.backends.compiled.simd_int8 import FORMATS  # noqa: E402
 from dist_runtime.dtypes import DType  # noqa: E402
 from dist_runtime.kernels.quant import dequantize, quantize  # noqa: E402
@@ -60,22 +64,30 @@ def ggml_quantize_row_q8(x: np.ndarray):
 def lanes_dot(x: np.ndarray, w) -> np.ndarray:
     """The q8_0 path's documented numerics (docs/ops.md): per block the exact integer dots of
     ggml's ``vec_dot_*_q8_0`` / ``_q8_1``, kept in 4 lanes (lane l: elements 4l..4l+3 and
-    16+4l..16+4l+3), even blocks in lanes 0-3 and odd ones in 4-7; then, block after block, in
-    f32, ``lane += (d_w * d_x) * sumi``; the 8 lanes added in one fixed tree; Q4_1 / Q5_1 plus
-    ``m_w * s_x`` summed per block parity, the two added after."""
+    16+4l..16+4l+3), block b in lanes 4 (b % 4) .. + 3 of 16; then, block after block, in f32,
+    ``lane += (d_w * d_x) * sumi``; the 16 lanes folded in halves (lane i + lane i + n/2, down to
+    one); Q4_1 / Q5_1 plus ``m_w * s_x`` summed per block b % 4, those four folded likewise and
+    added after."""
     qw, dw, mw = ggml_codes(w)
     qx, dx, sx, _ = ggml_quantize_row_q8(x)
     m, n, nb = x.shape[0], w.shape[0], qw.shape[1]
     sumi = np.einsum("nbj,mbj->mnbj", qw, qx).reshape(m, n, nb, 2, 4, 4).sum(axis=(3, 5))
-    acc, mins = np.zeros((m, n, 8), np.float32), np.zeros((m, n, 2), np.float32)
+    acc, mins = np.zeros((m, n, 16), np.float32), np.zeros((m, n, 4), np.float32)
     for b in range(nb):
-        h = b % 2
+        h = b % 4
         scale = (dw[None, :, b] * dx[:, None, b])[..., None]
         acc[..., 4 * h:4 * h + 4] = acc[..., 4 * h:4 * h + 4] + scale * sumi[:, :, b].astype(np.float32)
         mins[..., h] = mins[..., h] + mw[None, :, b] * sx[:, None, b]
-    a = acc
-    total = ((a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])) + ((a[..., 4] + a[..., 5]) + (a[..., 6] + a[..., 7]))
-    return total + (mins[..., 0] + mins[..., 1]) if w.dtype in (DType.Q4_1, DType.Q5_1) else total
+    total, extra = fold(acc), fold(mins)
+    return total + extra if w.dtype in (DType.Q4_1, DType.Q5_1) else total
+
+
+def fold(a: np.ndarray) -> np.ndarray:
+    """The last axis summed in halves: lane i + lane i + n/2, down to one (f32 throughout)."""
+    while a.shape[-1] > 1:
+        half = a.shape[-1] // 2
+        a = a[..., :half] + a[..., half:]
+    return a[..., 0]
 
 
 def data(dtype: DType, m: int, n: int, k: int, seed: int = 0):
@@ -105,18 +117,85 @@ def test_q8_portable_path_gives_the_same_bits(dtype, m, k):
     assert np.array_equal(out.view(np.uint32), lanes_dot(x, w).view(np.uint32))
 
 
-def paired(x: np.ndarray) -> list[np.ndarray]:
+@pytest.mark.skipif(not cpu.AVX2, reason=cpu.REASON)
+@pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
+@pytest.mark.parametrize("m, k", [(6, 352), (1, 4096 + 96)])
+def test_q8_256_bit_path_gives_the_same_bits(dtype, m, k):
+    """A CPU with AVX2 but without AVX-512 VBMI runs each group of 4 blocks as two 256-bit halves
+    (``q8_rows(wide=False)``); the package picks the 512-bit one where it can, so it is built here
+    directly: the same lanes, the same bits."""
+    x, w = data(dtype, m, 19, k, seed=6)
+    out = np.empty((m, 19), np.float32)
+    _narrow()(*legacy._quantized(x, 32), w.data.reshape(19, -1), out, CODES[dtype], 0, 19)
+    assert np.array_equal(out.view(np.uint32), lanes_dot(x, w).view(np.uint32))
+
+
+@functools.cache
+def _narrow():
+    from dist_runtime.backends.compiled.simd_int8 import q8_rows
+
+    rows = q8_rows(wide=False)
+
+    @numba.njit(nogil=True)
+    def run(xp, xn, xd, xs, w, out, fmt, lo, hi):
+        rows(w, xp, xn, xd, xs, out, lo, hi, fmt)
+
+    return run
+
+
+WEIGHT_AT_THE_END = """
+import ctypes, mmap, sys, numpy as np
+from dist_runtime.backends.compiled import linear
+from dist_runtime.dtypes import DType
+from dist_runtime.tensor import QuantizedArray
+path, name, n, k = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+dtype = DType[name]
+blocks = np.fromfile(path, np.uint8)
+size = blocks.nbytes  # whole pages
+region = mmap.mmap(-1, size + mmap.PAGESIZE)
+base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+assert libc.mprotect(base + size, mmap.PAGESIZE, 0) == 0  # PROT_NONE: a read there is SIGSEGV
+data = np.frombuffer(region, np.uint8, size).reshape(n, -1)
+data[:] = blocks.reshape(n, -1)
+x = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
+y = linear(x, QuantizedArray(data, dtype, (n, k)), activations="q8_0")
+print(float(np.abs(y).sum()))
+"""
+
+
+@pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
+def test_q8_reads_nothing_past_the_weight(dtype, tmp_path):
+    """The 512-bit path loads 128-byte windows from each group's start, past the group's own bytes:
+    a weight that ends where readable memory ends (a model file's last tensor, memory-mapped, its
+    size a multiple of the page) must not be read beyond.  256 rows of 256 columns fill whole
+    pages in every legacy type; the child puts them just before a page it may not read, so that a
+    read past the weight is SIGSEGV there, a failure here."""
+    n, k = 256, 256
+    x, w = data(dtype, 1, n, k, seed=9)
+    assert w.data.nbytes % 4096 == 0
+    path = tmp_path / "w.bin"
+    w.data.tofile(path)
+    child = subprocess.run([sys.executable, "-c", WEIGHT_AT_THE_END, str(path), dtype.name, str(n), str(k)],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    xs = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
+    assert float(child.stdout) == pytest.approx(float(np.abs(linear(xs, w, activations="q8_0")).sum()), rel=1e-6)
+
+
+def grouped(x: np.ndarray) -> list[np.ndarray]:
     """The quantizer's arrays for ``x`` built from :func:`ggml_quantize_row_q8` (numpy): codes in
-    pairs of blocks (elements 0-15 of both, then 16-31 of both), minus each lane's code sum (lane
-    l: elements 4l..4l+3 and 16+4l..16+4l+3), each lane's d, and s per block; an odd last block's
-    partner zeros."""
+    groups of 4 blocks (elements 0-15 of each, then 16-31 of each), minus each lane's code sum
+    (lane l: elements 4l..4l+3 and 16+4l..16+4l+3), each lane's d, and s per block; a last group's
+    missing blocks zeros."""
     q, d, s, _ = ggml_quantize_row_q8(x)
     m, nb, _ = q.shape
-    pad = nb % 2
+    pad = -nb % 4
     q, d, s = (np.concatenate([a, np.zeros((m, pad) + a.shape[2:], a.dtype)], axis=1) for a in (q, d, s))
-    blocks = q.reshape(m, -1, 2, 2, 16)  # pair, block of the pair, half, element
+    blocks = q.reshape(m, -1, 4, 2, 16)  # group, block of the group, half, element
     xp = blocks.transpose(0, 1, 3, 2, 4).reshape(m, -1).astype(np.int8)
-    xn = -blocks.reshape(m, -1, 2, 2, 4, 4).sum(axis=(3, 5)).reshape(m, -1)
+    xn = -blocks.reshape(m, -1, 4, 2, 4, 4).sum(axis=(3, 5)).reshape(m, -1)
     return [xp, xn.astype(np.int32), np.repeat(d, 4, axis=1).astype(np.float32), s.astype(np.float32)]
 
 
@@ -135,18 +214,18 @@ def test_quantizers_give_llama_cpps_blocks(m, k):
     scalar = [np.zeros(a.shape, a.dtype) for a in legacy._quantized(x, 32)]
     legacy._quantize_rows(x, 32, *scalar)
     with np.errstate(over="ignore"):  # blocks of ~1e13: d overflows f16 to inf, as in llama.cpp
-        reference = paired(x)
+        reference = grouped(x)
     for ours in (scalar, list(legacy._quantized(x, 32))):
         for got, want in zip(ours, reference, strict=True):
             assert np.array_equal(got, want)
     if k > 96:
-        x[-1, 70], x[-1, 100] = np.nan, np.inf  # blocks 2 and 3: the second pair
+        x[-1, 70], x[-1, 100] = np.nan, np.inf  # blocks 2 and 3: the first group's second half
         scalar = [np.zeros(a.shape, a.dtype) for a in scalar]
         legacy._quantize_rows(x, 32, *scalar)
         for got, ref in zip(legacy._quantized(x, 32), scalar, strict=True):
             assert np.array_equal(got, ref, equal_nan=got.dtype.kind == "f")
         xp, _, xd, _ = scalar
-        assert not xp[-1, 64:128].any() and np.isnan(xd[-1, 8:12]).all() and np.isinf(xd[-1, 12:16]).all()
+        assert not xp[-1, 32:64].any() and not xp[-1, 96:128].any() and np.isnan(xd[-1, 8:12]).all() and np.isinf(xd[-1, 12:16]).all()
 
 
 @pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)

@@ -1,9 +1,9 @@
 """Kernels of the GGML legacy block types Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (layouts: kernels/quant.py).
 
 Threads take output rows ``n`` (``prange``); each weight row is read once, block by block, for all
-rows of ``x``.  On the vector path (``cpu.AVX2``) one call of a :mod:`.simd_int8` intrinsic runs
-a whole weight row against a tile of rows of ``x`` (f32: 4 rows; q8_0: 8, then 4, then one at a
-time), each block decoded once per tile; the portable path decodes each block once for all rows
+rows of ``x``.  On the vector path (``cpu.AVX2``) a :mod:`.simd_int8` intrinsic runs a whole
+weight row against a tile of rows of ``x`` (f32: 4 rows, then one at a time; q8_0 likewise, and
+one call takes a thread's whole range of weight rows), each block decoded once per tile; the portable path decodes each block once for all rows
 into a small scratch and runs plain loops (block length passed at run time so that numba does not
 unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep, for every
 ``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
@@ -16,11 +16,12 @@ Activations (``q8``):
   llama.cpp's ``quantize_row_q8_0`` (and ``kernels.quant.quantize``): ``d = max|x| / 127``,
   codes ``roundf(x * (1 / d))``, ``d`` kept as f16; Q4_1 and Q5_1 also take Q8_1's block sum
   ``s = f16(d * sum(codes))``; a block holding a NaN gets ``d`` NaN (its row's results NaN).  The
-  exact integer dots of ggml's ``vec_dot_*_q8_0`` / ``_q8_1`` stay in 8 lanes of 8 elements (each
-  lane one block's), scaled into f32 lanes block by block, ``lane += (d_w * d_x) * sumi``, the
-  lanes added in one fixed tree at the end; the affine formats add ``m_w * s_x`` into two sums
-  (even and odd blocks) added after (:func:`.simd_int8.q8_lanes`; the portable path the same
-  operations; tests/test_compiled_legacy.py holds the formula bit for bit).
+  exact integer dots of ggml's ``vec_dot_*_q8_0`` / ``_q8_1`` stay in 16 lanes of 8 elements
+  (block ``b`` in lanes ``4 (b % 4) ..``), scaled into f32 lanes block by block,
+  ``lane += (d_w * d_x) * sumi``, the lanes folded in halves at the end; the affine formats add
+  ``m_w * s_x`` into four sums (by ``b % 4``) folded likewise and added after
+  (:func:`.simd_int8.q8_rows`; the portable path the same operations;
+  tests/test_compiled_legacy.py holds the formula bit for bit).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
 from . import cpu
 from .registry import CHUNKS, KERNELS, Drivers, joint_kernel, joint_part, joint_slots, kernel, run, serial
-from .simd_int8 import FORMATS, LANES, PAIR, centre
+from .simd_int8 import FORMATS, GROUP, GROUP_BYTES, LANES, centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
 _SPEC = np.array([[_LEGACY[d].bits, centre(_LEGACY[d]), _LEGACY[d].scales + _LEGACY[d].high_bits,
@@ -108,24 +109,36 @@ def _f32_portable(x, w, out, fmt, qk, lo, hi):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _paired(b, j):
-    """Where element ``j`` of block ``b`` sits in a row of the pair-ordered codes (``xp``, 2 * 32
-    a pair of blocks: elements 0-15 of both, then 16-31 of both)."""
-    return b // 2 * PAIR + j // 16 * QK + b % 2 * 16 + j % 16
+def _grouped(b, j):
+    """Where element ``j`` of block ``b`` sits in a row of the grouped codes (``xp``, 4 * 32 a
+    group of 4 blocks: elements 0-15 of each, then 16-31 of each)."""
+    return b // GROUP * GROUP_BYTES + j // 16 * (GROUP_BYTES // 2) + b % GROUP * 16 + j % 16
+
+
+@numba.njit(nogil=True, cache=True)
+def _fold(a):
+    """The lanes of ``a`` (a power of two of them) summed as :func:`.simd.hsum` sums them: lane i
+    plus lane i + n/2, halving down to one.  In place: ``a`` is left holding partial sums."""
+    n = a.shape[0]
+    while n > 1:
+        n //= 2
+        for i in range(n):
+            a[i] = a[i] + a[i + n]
+    return a[0]
 
 
 @numba.njit(nogil=True, cache=True)
 def _q8_portable(xp, xn, xd, xs, w, out, fmt, qk, lo, hi):
-    """:func:`.simd_int8.q8_lanes`' lanes in plain loops: the same operations, the same bits."""
+    """:func:`.simd_int8.q8_rows`' lanes in plain loops: the same operations, the same bits."""
     m_rows, step, affine = xp.shape[0], _SPEC[fmt, 4], _SPEC[fmt, 3]
     nb, shift = w.shape[1] // step, np.int32(_SPEC[fmt, 1])
-    q, acc, mins = np.empty(qk, np.int32), np.empty((m_rows, LANES), np.float32), np.empty((m_rows, 2), np.float32)
+    q, acc, mins = np.empty(qk, np.int32), np.empty((m_rows, LANES), np.float32), np.empty((m_rows, GROUP), np.float32)
     for n in range(lo, hi):
         row = w[n]
         acc[:] = 0
         mins[:] = 0
         for b in range(nb):
-            at, p, h = b * step, b // 2, b % 2
+            at, g, h = b * step, b // GROUP, b % GROUP
             _codes(row, at, fmt, qk, q)
             dw = _f16(row[at], row[at + 1])
             mw = _f16(row[at + 2], row[at + 3]) if affine else np.float32(0)
@@ -134,12 +147,12 @@ def _q8_portable(xp, xn, xd, xs, w, out, fmt, qk, lo, hi):
                     sumi = np.int32(0)
                     for half in range(0, qk, 16):
                         for j in range(half + 4 * lane, half + 4 * lane + 4):
-                            sumi += (q[j] - shift) * np.int32(xp[m, _paired(b, j)])
-                    acc[m, 4 * h + lane] += (dw * xd[m, p * LANES + 4 * h + lane]) * np.float32(sumi)
+                            sumi += (q[j] - shift) * np.int32(xp[m, _grouped(b, j)])
+                    acc[m, 4 * h + lane] += (dw * xd[m, g * LANES + 4 * h + lane]) * np.float32(sumi)
                 if affine:
-                    mins[m, h] += mw * xs[m, 2 * p + h]
+                    mins[m, h] += mw * xs[m, GROUP * g + h]
         for m in range(m_rows):
-            out[m, n] = _lanes_sum(acc[m]) + (mins[m, 0] + mins[m, 1]) if affine else _lanes_sum(acc[m])
+            out[m, n] = _fold(acc[m]) + _fold(mins[m]) if affine else _fold(acc[m])
 
 
 @numba.njit(nogil=True, cache=True)
@@ -171,44 +184,44 @@ def _quantize_rows(x, qk, xp, xn, xd, xs):
                     amax = a
             d = amax / np.float32(127)
             inv = np.float32(1) / d if d != 0 else np.float32(0)
-            total, p, h = np.int32(0), b // 2, b % 2
+            total, g, h = np.int32(0), b // GROUP, b % GROUP
             finite = abs(d) < np.inf  # else codes 0 (not whatever a NaN converts to): the results are NaN anyway
             for j in range(qk):
                 v = np.float64(x[m, b * qk + j] * inv)  # roundf: half away from zero, exact in f64
                 q = np.int32(np.trunc(v + np.copysign(0.5, v))) if finite else np.int32(0)
-                xp[m, _paired(b, j)] = q
+                xp[m, _grouped(b, j)] = q
                 total += q
             for lane in range(4):  # as :func:`_q8_portable`'s lanes: 4 lane .. + 3 of each half
                 part = np.int32(0)
                 for half in range(0, qk, 16):
                     for j in range(half + 4 * lane, half + 4 * lane + 4):
-                        part += np.int32(xp[m, _paired(b, j)])
-                xn[m, p * LANES + 4 * h + lane] = -part
-                xd[m, p * LANES + 4 * h + lane] = _to_f16(d)
-            xs[m, 2 * p + h] = _to_f16(np.float32(total) * d)
+                        part += np.int32(xp[m, _grouped(b, j)])
+                xn[m, g * LANES + 4 * h + lane] = -part
+                xd[m, g * LANES + 4 * h + lane] = _to_f16(d)
+            xs[m, GROUP * g + h] = _to_f16(np.float32(total) * d)
 
 
 @numba.njit(nogil=True, cache=True)
 def _quantized(x, qk):
     """``x`` f32 [M, K] quantized per 32-block as llama.cpp's ``quantize_row_q8_1_ref`` makes it
     (Q8_0 is the same without ``s``): ``d = max|x| / 127``, codes ``roundf(x * (1 / d))``, ``d``
-    as f16, ``s = f16(d * sum(codes))`` with the f32 ``d``; laid out by pairs of blocks for
-    :func:`.simd_int8.q8_lanes` (its docstring: ``xp``, ``xn``, ``xd``, ``xs``), an odd last block's
-    partner all zeros.  In the product's own compiled call: a separate one, and its arrays made in
+    as f16, ``s = f16(d * sum(codes))`` with the f32 ``d``; laid out by groups of 4 blocks
+    for :func:`.simd_int8.q8_rows` (its docstring: ``xp``, ``xn``, ``xd``, ``xs``), a last group's
+    missing blocks all zeros.  In the product's own compiled call: a separate one, and its arrays made in
     Python, cost 3-4 us a product (85 a 125M model's token)."""
     m, k = x.shape
-    pairs = (k // qk + 1) // 2
-    xp, xn = np.zeros((m, pairs * PAIR), np.int8), np.zeros((m, pairs * LANES), np.int32)
-    xd, xs = np.zeros((m, pairs * LANES), np.float32), np.zeros((m, pairs * 2), np.float32)
+    groups = (k // qk + GROUP - 1) // GROUP
+    xp, xn = np.zeros((m, groups * GROUP_BYTES), np.int8), np.zeros((m, groups * LANES), np.int32)
+    xd, xs = np.zeros((m, groups * LANES), np.float32), np.zeros((m, groups * GROUP), np.float32)
     _quantize_all(x, qk, xp, xn, xd, xs)  # the path's own: below
     return xp, xn, xd, xs
 
 
 if cpu.AVX2:
-    from .simd_int8 import f32_rows, q8_lanes, quantize_row
+    from .simd_int8 import f32_rows, q8_rows, quantize_row
 
     _F32_FOUR, _F32_ONE = f32_rows(4), f32_rows(1)
-    _Q8_EIGHT, _Q8_FOUR, _Q8_ONE = q8_lanes(8), q8_lanes(4), q8_lanes(1)
+    _Q8_ROWS = q8_rows(cpu.WIDE)
 
     @numba.njit(nogil=True, cache=True)
     def _quantize_all(x, _qk, xp, xn, xd, xs):
@@ -231,18 +244,7 @@ if cpu.AVX2:
 
     @numba.njit(nogil=True, cache=True)
     def _q8_avx2(xp, xn, xd, xs, w, out, fmt, _qk, lo, hi):  # _qk: the portable signature
-        m_rows = xp.shape[0]
-        for n in range(lo, hi):
-            m = 0
-            while m + 8 <= m_rows:
-                _Q8_EIGHT(w, xp, xn, xd, xs, out, n, m, fmt)
-                m += 8
-            while m + 4 <= m_rows:
-                _Q8_FOUR(w, xp, xn, xd, xs, out, n, m, fmt)
-                m += 4
-            while m < m_rows:
-                _Q8_ONE(w, xp, xn, xd, xs, out, n, m, fmt)
-                m += 1
+        _Q8_ROWS(w, xp, xn, xd, xs, out, lo, hi, fmt)
 
     @numba.njit(nogil=True, cache=True, parallel=True)
     def _f32_avx2_threaded(x, w, out, fmt, qk):

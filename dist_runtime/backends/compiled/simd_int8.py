@@ -1,25 +1,27 @@
 """LLVM vector IR (AVX2, FMA, F16C; VNNI where present) for the legacy block products: one call
 runs a whole weight row against a tile of rows of ``x``, each block decoded once for the tile.
 
-Each intrinsic is built for a tile height ``rows`` and every legacy format (the format is a
-run-time code; the block loop of each format is emitted once, behind a switch outside the loop):
+Each intrinsic takes every legacy format (the format is a run-time code; the block loop of each
+format is emitted once, behind a switch outside the loops):
 
 - :func:`f32_rows`: each block's 32 codes become their dequantized f32 values, rounded as
   ``dequantize`` rounds them (``d * (q - c)``, ``d * q + m``), in four 8-lane vectors,
   and every row of the tile keeps four 8-lane accumulators, ``acc_j = fma(w_j, x_j, acc_j)``;
   at the end of the row they are summed in one fixed tree.
-- :func:`q8_lanes`: llama.cpp's exact integer dot products on Q8_0/Q8_1-quantized activations,
-  kept in 8 lanes as its AVX2 kernels keep them, and scaled into 8 f32 lanes held over the whole
-  row.  Two adjacent blocks go together: their nibbles decode with one ``and`` and one shift for
-  64 codes (:func:`_nibble_pair`), and ``x`` is stored in the matching order by the quantizer
-  (:func:`quantize_row`), so each lane holds 8 elements of one block.  Per pair and row: two
-  ``vpdpbusd`` (``pmaddubsw`` + ``pmaddwd`` without VNNI) starting from ``- c * sum(x)`` (the
-  centre of the unsigned codes), one conversion, two multiplies and one add.  A row of ``W`` is
-  one stream read in order.  Before (session 12), the blocks' integer sums were folded
-  horizontally and added into one serial f32 sum per (row, weight row), ggml's generic C order:
-  its one-``addss``-a-block latency made the lone-row path read 4 weight rows side by side, which
-  fetch slower here than one (1024 x 4096 Q8_0 in cache, one thread: 181 -> 134 us; 4096 x 4096
-  from memory, two threads: Q4_0 0.82-0.87x the time, Q8_0 0.89-0.95x; Q4_1 and Q5_0 alike).
+- :func:`q8_rows`: llama.cpp's exact integer dot products on Q8_0/Q8_1-quantized activations,
+  scaled into 16 f32 lanes held over the whole row.  Four adjacent blocks go together, and ``x``
+  is stored in the matching order by the quantizer (:func:`quantize_row`), so each lane holds 8
+  elements of one block.  Where the CPU has AVX-512 VBMI and VNNI (:data:`cpu.WIDE`) a group is
+  one 512-bit step: one byte permute (``vpermt2b``) gathers the 4 blocks' packed codes from two
+  64-byte loads, one more their scales; per group and row two ``vpdpbusd`` starting from
+  ``- c * sum(x)`` (the centre of the unsigned codes), one conversion, two multiplies and one
+  add.  Else two 256-bit steps of two blocks (:func:`_nibble_pair`; ``pmaddubsw`` + ``pmaddwd``
+  without VNNI), the same bits.  A row of ``W`` is one stream read in order.  Measured on the
+  AMD EPYC (Zen 4) here, one thread, in cache: Q4_0 21 -> 43-48 G weights/s, Q8_0 21 -> 28-32
+  (the 256-bit steps of two blocks before, session 15).  Before (session 12), the blocks' integer
+  sums were folded horizontally and added into one serial f32 sum per (row, weight row), ggml's
+  generic C order: its one-``addss``-a-block latency made the lone-row path read 4 weight rows
+  side by side, which fetch slower here than one.
 
 Every row of ``x`` goes through the same instructions whatever the tile and its place in it,
 so results are batch-invariant; nothing here carries fast-math flags, so LLVM may not reorder.
@@ -146,13 +148,11 @@ def _nibble_pair(builder, blk0, blk1, fmt):
     one 32-byte load's worth of nibbles, so one ``and`` / shift decodes 64 codes, where one block
     at a time needs a shuffle to put its low and high nibbles together (:func:`_codes`)."""
     body = fmt.scales + fmt.high_bits
-    packed = _concat(builder, [_load(builder, blk, _i(body), V16B) if blk is not None else ir.Constant(V16B, None)
-                               for blk in (blk0, blk1)])
+    packed = _concat(builder, [_load(builder, blk, _i(body), V16B) for blk in (blk0, blk1)])
     low = builder.and_(packed, _vec(V32B, [15] * 32))
     high = builder.and_(builder.lshr(packed, _vec(V32B, [4] * 32)), _vec(V32B, [15] * 32))
     if fmt.bits == 5:  # element e of half h: bit 16 h + e of its block's little-endian qh
-        qh = _concat(builder, [_load(builder, blk, _i(fmt.scales), ir.VectorType(I8, 4)) if blk is not None
-                               else ir.Constant(ir.VectorType(I8, 4), None) for blk in (blk0, blk1)])
+        qh = _concat(builder, [_load(builder, blk, _i(fmt.scales), ir.VectorType(I8, 4)) for blk in (blk0, blk1)])
         none, five = ir.Constant(V32B, None), _vec(V32B, [16] * 32)
         bit = _vec(V32B, [((1 << e % 8) ^ 0x80) - 0x80 for e in range(16)] * 2)
         halves = []
@@ -240,127 +240,246 @@ def _concat(builder, parts):
     return parts[0]
 
 
-#: Elements of a pair of blocks in :func:`q8_lanes`' layout, and its f32 lanes.
-PAIR, LANES = 2 * QK, 8
+#: Blocks of a group in :func:`q8_rows`' layout of ``x``, the group's codes (bytes) and f32 lanes.
+GROUP = 4
+GROUP_BYTES, LANES = GROUP * QK, 4 * GROUP
+V64B, V16I, V16F, V4F = ir.VectorType(I8, 64), ir.VectorType(I32, 16), ir.VectorType(F32, 16), ir.VectorType(F32, 4)
 
 
 def _pair_codes(builder, blk0, blk1, fmt):
-    """Two adjacent blocks' codes (``blk1`` None: the second's as zeros) as two <32 x i8> in the
-    paired order: elements 0-15 of both blocks, then 16-31 of both.  Unsigned: the nibble formats'
+    """Two adjacent blocks' codes as two <32 x i8> in the grouped order: elements 0-15 of both, then 16-31 of both.  Unsigned: the nibble formats'
     codes, Q8_0's plus 128 (``xor 0x80``, VNNI only: ``pmaddubsw`` would saturate on them)."""
     if fmt.bits != 8:
         return _nibble_pair(builder, blk0, blk1, fmt)
     body, bias = fmt.scales + fmt.high_bits, _vec(V16B, [-128] * 16)
     halves = []
     for h in (0, 16):
-        parts = [ir.Constant(V16B, None) if blk is None
-                 else builder.xor(_load(builder, blk, _i(body + h), V16B), bias) if cpu.VNNI
+        parts = [builder.xor(_load(builder, blk, _i(body + h), V16B), bias) if cpu.VNNI
                  else _load(builder, blk, _i(body + h), V16B) for blk in (blk0, blk1)]
         halves.append(_concat(builder, parts))
     return halves
 
 
 def _centre_log2(fmt) -> int:
-    """log2 of what :func:`_pair_codes`' unsigned codes carry above the signed ones (0: nothing):
-    Q4_0's 8, Q5_0's 16, and Q8_0's 128 where VNNI takes its codes biased."""
+    """log2 of what the unsigned codes carry above the signed ones (0: nothing): Q4_0's 8, Q5_0's
+    16, and Q8_0's 128 where VNNI takes its codes biased."""
     c = 128 if fmt.bits == 8 and cpu.VNNI else centre(fmt)
     return c.bit_length() - 1 if c else 0
 
 
 def _pair_halves(builder, blk0, blk1, at):
-    """The f16 at byte ``at`` of the two blocks (``blk1`` None: 0) as a <2 x float>."""
+    """The f16 at byte ``at`` of the two blocks as a <2 x float>."""
     v = ir.Constant(ir.VectorType(ir.HalfType(), 2), None)
     for s, blk in enumerate((blk0, blk1)):
-        if blk is not None:
-            v = builder.insert_element(v, _f16(builder, blk, at), _i(s, I32))
+        v = builder.insert_element(v, _f16(builder, blk, at), _i(s, I32))
     return builder.fpext(v, ir.VectorType(F32, 2))
 
 
-def q8_lanes(rows: int):
-    """``q8_lanes(w, xp, xn, xd, xs, out, n, m, fmt)``: ``out[m + r, n] = x[m + r] . W[n]`` for
-    ``r < rows``, on activations quantized per 32-block to Q8_0 / Q8_1 and laid out by pairs of
-    blocks (``legacy._quantized``): codes ``xp`` int8 [M, P * 64], each pair's elements 0-15 of
-    both blocks then 16-31 of both; ``xn`` int32 [M, P * 8], minus the x codes' sum of each lane;
-    ``xd`` f32 [M, P * 8], each lane's block scale; ``xs`` f32 [M, P * 2], Q8_1's ``s`` per block.
+def _pick(builder, grp, picks, start=0):
+    """The group's bytes at offsets ``picks`` (from ``grp``, an i8*) as one vector: two 64-byte
+    loads from ``start`` and one constant permute (``vpermt2b``); every pick in [start, start + 128)."""
+    window = _concat(builder, [_load(builder, grp, _i(start + 64 * i), V64B) for i in (0, 1)])
+    return builder.shuffle_vector(window, window, _vec(ir.VectorType(I32, len(picks)), [p - start for p in picks]))
 
-    Lane ``l`` of a pair holds block ``2p + l // 4``'s elements ``4 (l % 4) .. + 3`` and
+
+def _window_start(picks) -> int:
+    return max(0, max(picks) - 127)
+
+
+def _quad_picks(fmt, bb):
+    """Byte offsets of a group's codes in the grouped order: (elements 0-15 of blocks 0-3, then
+    16-31), and for the fifth bits the qh byte of each element (Q5_0, Q5_1)."""
+    body = fmt.scales + fmt.high_bits
+    if fmt.bits == 8:
+        return [[bb * (j // 16) + body + 16 * h + j % 16 for j in range(64)] for h in (0, 1)], None
+    nibbles = [bb * (j // 16) + body + j % 16 for j in range(64)]
+    qh = [[bb * (j // 16) + fmt.scales + 2 * h + j % 16 // 8 for j in range(64)] for h in (0, 1)] if fmt.bits == 5 else None
+    return [nibbles, nibbles], qh
+
+
+def reach(fmt, bb, wide: bool) -> int:
+    """Bytes from a group's start that :func:`q8_rows` loads: the group's own ``4 * bb``, or on
+    the 512-bit path its windows, more: a group with fewer left in the array goes through a copy."""
+    codes, _ = _quad_picks(fmt, bb)
+    return max(_window_start(p) for p in codes) + 128 if wide else GROUP * bb
+
+
+def _quad_codes(builder, grp, fmt, bb):
+    """A group's 4 blocks' codes as two <64 x i8> in the grouped order, unsigned as
+    :func:`_pair_codes` makes them."""
+    codes, qh = _quad_picks(fmt, bb)
+    if fmt.bits == 8:
+        bias = _vec(V64B, [-128] * 64)
+        return [builder.xor(_pick(builder, grp, p, _window_start(p)), bias) for p in codes]
+    packed = _pick(builder, grp, codes[0])
+    fifteen = _vec(V64B, [15] * 64)
+    out = [builder.and_(packed, fifteen), builder.and_(builder.lshr(packed, _vec(V64B, [4] * 64)), fifteen)]
+    if qh:  # element e of half h: bit e % 8 of its block's qh byte 2 h + e // 8
+        none, five, bit = ir.Constant(V64B, None), _vec(V64B, [16] * 64), _vec(V64B, [((1 << j % 8) ^ 0x80) - 0x80
+                                                                                      for j in range(64)])
+        for h in (0, 1):
+            hit = builder.icmp_unsigned("!=", builder.and_(_pick(builder, grp, qh[h]), bit), none)
+            out[h] = builder.or_(out[h], builder.select(hit, five, none))
+    return out
+
+
+def _quad_halves(builder, grp, bb, at, lanes):
+    """The f16 at byte ``at`` of each of the group's blocks, block ``l // (lanes // 4)`` in lane
+    ``l``, as <lanes x float>."""
+    words = builder.bitcast(_concat(builder, [_load(builder, grp, _i(64 * i), V64B) for i in (0, 1)]),
+                            ir.VectorType(I16, 64))
+    picked = builder.shuffle_vector(words, words, _vec(ir.VectorType(I32, lanes),
+                                                       [(bb * (l // (lanes // 4)) + at) // 2 for l in range(lanes)]))
+    return builder.fpext(builder.bitcast(picked, ir.VectorType(ir.HalfType(), lanes)), ir.VectorType(F32, lanes))
+
+
+#: Tiles of rows of ``x`` that :func:`q8_rows` runs each decoded group against, largest first.
+#: Tiles of 8 rows took 1.0-1.2x the time of tiles of 4 (512-bit path, one thread, in cache,
+#: M = 8-64); of 2, or 4 then 2, no different from 4: the rows' own work is the limit there.
+TILES = (4, 1)
+
+
+def q8_rows(wide: bool):
+    """``q8_rows(wide)(w, xp, xn, xd, xs, out, lo, hi, fmt)``: ``out[m, n] = x[m] . W[n]`` for every
+    row ``m`` of ``x`` and ``lo <= n < hi``, on activations quantized per 32-block to Q8_0 / Q8_1
+    and laid out by groups of 4 blocks (``legacy._quantized``): codes ``xp`` int8 [M, G * 128],
+    each group's elements 0-15 of its 4 blocks, then 16-31; ``xn`` int32 [M, G * 16], minus the x
+    codes' sum of each lane; ``xd`` f32 [M, G * 16], each lane's block scale; ``xs`` f32
+    [M, G * 4], Q8_1's ``s`` per block.
+
+    Lane ``l`` of a group holds block ``4g + l // 4``'s elements ``4 (l % 4) .. + 3`` and
     ``16 + 4 (l % 4) .. + 3``: its exact integer dot ``sumi`` (codes centred as ggml's, through
-    ``- c * sum(x)`` from ``xn``), then ``acc += (d_w * d_x) * sumi`` in 8 f32 lanes held over the
-    whole row, added in one fixed tree at the end (Q4_1/Q5_1: plus ``m_w * s_x`` summed per
-    block parity in two lanes, added after).  One weight row streams in order; each decoded pair
-    serves the tile's ``rows`` rows, each of which does exactly what it does alone."""
-    v2f = ir.VectorType(F32, 2)
+    ``- c * sum(x)`` from ``xn``), then ``acc += (d_w * d_x) * sumi`` in 16 f32 lanes held over
+    the whole row, folded in halves at the end (Q4_1/Q5_1: plus ``m_w * s_x`` summed per block
+    ``b % 4`` in four lanes, folded likewise, added after).  Each weight row streams in order, once
+    for all rows of ``x``: each decoded group serves a tile of rows (:data:`TILES`), each of which
+    does exactly what it does alone.
+
+    ``wide`` (:data:`cpu.WIDE`): a group is one 512-bit step (``vpermt2b`` gathers its codes and its
+    scales, two ``vpdpbusd``); else two 256-bit steps of two blocks each, lanes 0-7 and 8-15 held
+    apart and added first at the end, as the fold's first step adds them: the same bits.  A group
+    whose loads would pass the array's end, or with fewer than 4 blocks, is first copied into
+    zeros on the stack: its missing blocks then add ``+0.0`` to their lanes, which leaves them as
+    they are (a lane starts at ``+0.0`` and so never holds ``-0.0``).  The format switch is outside
+    the loops over ``n``: inside them it cost a third of the 512-bit path's speed."""
 
     @intrinsic
-    def run(typingctx, w, xp, xn, xd, xs, out, n, m, fmt):
-        def codegen(context, builder, sig, args):
-            arrays = [_array(context, builder, t, v) for t, v in zip(sig.args[:6], args[:6])]
-            (wa, (_, wcols), wst), (pa, (_, kp), _), (na, _, _), (da, _, _), (sa, _, _), (oa, (_, ncols), _) = arrays
-            n_, m_, code = args[6:]
-            row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
-            pairs = builder.sdiv(kp, _i(PAIR))
-            xrow = [builder.add(m_, _i(r)) for r in range(rows)]
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(rows)]
-            mins = [cgutils.alloca_once_value(builder, ir.Constant(v2f, None)) for _ in range(rows)]
+    def run(typingctx, w, xp, xn, xd, xs, out, lo, hi, fmt):
+        return types.void(w, xp, xn, xd, xs, out, lo, hi, fmt), codegen
 
-            def at(ptr, r, per, p, ty, align, extra=0):
-                """Pair ``p``'s ``per`` entries of row ``r`` (+ ``extra``) in a [M, P * per] array."""
-                base = builder.add(builder.mul(builder.add(builder.mul(xrow[r], pairs), p), _i(per)), _i(extra))
+    def codegen(context, builder, sig, args):
+        arrays = [_array(context, builder, t, v) for t, v in zip(sig.args[:6], args[:6])]
+        (wa, (wa_rows, wcols), wst), (pa, (m_rows, kp), _), (na, _, _), (da, _, _), (sa, _, _), (oa, (_, ncols), _) = arrays
+        lo_, hi_, code = args[6:]
+        groups = builder.sdiv(kp, _i(GROUP_BYTES))
+        halves = 1 if wide else 2
+        width = LANES // halves
+        vf, vi, vb = (ir.VectorType(t, c) for t, c in ((F32, width), (I32, width), (I8, 4 * width)))
+        vm = ir.VectorType(F32, GROUP // halves)
+        copy = builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(I8, 256)), I8.as_pointer())
+
+        def tile(fmt, bb, n_, row, m_, rows):
+            """``out[m_ + r, n_]`` for ``r < rows``."""
+            xrow = [builder.add(m_, _i(r)) for r in range(rows)]
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(halves)] for _ in range(rows)]
+            mins = [[cgutils.alloca_once_value(builder, ir.Constant(vm, None)) for _ in range(halves)] for _ in range(rows)]
+
+            def at(ptr, r, per, g, ty, align, extra=0):
+                """Group ``g``'s ``per`` entries of row ``r`` (+ ``extra``) in a [M, G * per] array."""
+                base = builder.add(builder.mul(builder.add(builder.mul(xrow[r], groups), g), _i(per)), _i(extra))
                 return builder.load(builder.bitcast(builder.gep(ptr, [base]), ty.as_pointer()), align=align)
 
-            def pair(fmt, p, blk0, blk1):
-                lo, hi = _pair_codes(builder, blk0, blk1, fmt)
-                if fmt.bits == 8 and not cpu.VNNI:  # |w| and x carrying w's sign, as ggml's AVX2 q8_0
-                    signs, (lo, hi) = (lo, hi), [_call(builder, "llvm.x86.avx2.psign.b", V32B, v, v) for v in (lo, hi)]
-                dw = _pair_halves(builder, blk0, blk1, 0)
-                dw8 = builder.shuffle_vector(dw, dw, _vec(ir.VectorType(I32, 8), [0] * 4 + [1] * 4))
-                mw = _pair_halves(builder, blk0, blk1, 2) if fmt.affine else None
+            def step(g, h, lo, hi, dw, mw, signs):
+                """Lanes ``h * width ..`` of group ``g``: the decoded codes against each row's."""
                 shift = _centre_log2(fmt)
                 for r in range(rows):
-                    xlo, xhi = (at(pa.data, r, PAIR, p, V32B, 1, h) for h in (0, QK))
-                    if fmt.bits == 8 and not cpu.VNNI:
+                    xlo, xhi = (at(pa.data, r, GROUP_BYTES, g, vb, 1, e + 4 * width * h) for e in (0, GROUP_BYTES // 2))
+                    if signs:
                         xlo, xhi = (_call(builder, "llvm.x86.avx2.psign.b", V32B, v, s) for v, s in zip((xlo, xhi), signs))
-                    init = ir.Constant(V8I, None)
+                    init = ir.Constant(vi, None)
                     if shift:
-                        init = builder.shl(at(na.data, r, LANES, p, V8I, 4), _vec(V8I, [shift] * 8))
-                    isum = dot_add_u8_s8(builder, dot_add_u8_s8(builder, init, lo, xlo), hi, xhi)
-                    scale = builder.fmul(dw8, at(da.data, r, LANES, p, V8F, 4))
-                    builder.store(builder.fadd(builder.load(acc[r]), builder.fmul(scale, builder.sitofp(isum, V8F))), acc[r])
+                        init = builder.shl(at(na.data, r, LANES, g, vi, 4, width * h), _vec(vi, [shift] * width))
+                    if wide:
+                        fn = "llvm.x86.avx512.vpdpbusd.512"
+                        isum = _call(builder, fn, vi, init, builder.bitcast(lo, vi), builder.bitcast(xlo, vi))
+                        isum = _call(builder, fn, vi, isum, builder.bitcast(hi, vi), builder.bitcast(xhi, vi))
+                    else:
+                        isum = dot_add_u8_s8(builder, dot_add_u8_s8(builder, init, lo, xlo), hi, xhi)
+                    scale = builder.fmul(dw, at(da.data, r, LANES, g, vf, 4, width * h))
+                    a = acc[r][h]
+                    builder.store(builder.fadd(builder.load(a), builder.fmul(scale, builder.sitofp(isum, vf))), a)
                     if fmt.affine:
-                        part = builder.fmul(mw, at(sa.data, r, 2, p, v2f, 4))
-                        builder.store(builder.fadd(builder.load(mins[r]), part), mins[r])
+                        part = builder.fmul(mw, at(sa.data, r, GROUP, g, vm, 4, (GROUP // halves) * h))
+                        builder.store(builder.fadd(builder.load(mins[r][h]), part), mins[r][h])
 
-            def loop(fmt, bb):
-                nb = builder.sdiv(wcols, _i(bb))
-                full = builder.sdiv(nb, _i(2))
-                with cgutils.for_range(builder, full) as pl:
-                    p = pl.index
-                    blk0 = builder.gep(row, [builder.mul(p, _i(2 * bb))])
-                    simd.prefetch_ahead(builder, row, builder.mul(p, _i(2 * bb)), 2 * bb)
-                    pair(fmt, p, blk0, builder.gep(blk0, [_i(bb)]))
-                with builder.if_then(builder.icmp_signed("!=", builder.mul(full, _i(2)), nb)):
-                    pair(fmt, full, builder.gep(row, [builder.mul(full, _i(2 * bb))]), None)
+            def group(g, grp):
+                if wide:
+                    lo, hi = _quad_codes(builder, grp, fmt, bb)
+                    mw = _quad_halves(builder, grp, bb, 2, GROUP) if fmt.affine else None
+                    step(g, 0, lo, hi, _quad_halves(builder, grp, bb, 0, LANES), mw, None)
+                    return
+                for h in (0, 1):
+                    blk0 = builder.gep(grp, [_i(2 * h * bb)])
+                    blk1 = builder.gep(blk0, [_i(bb)])
+                    lo, hi = _pair_codes(builder, blk0, blk1, fmt)
+                    signs = None
+                    if fmt.bits == 8 and not cpu.VNNI:  # |w| and x carrying w's sign, as ggml's AVX2 q8_0
+                        signs, (lo, hi) = (lo, hi), [_call(builder, "llvm.x86.avx2.psign.b", V32B, v, v) for v in (lo, hi)]
+                    dw = _pair_halves(builder, blk0, blk1, 0)
+                    dw8 = builder.shuffle_vector(dw, dw, _vec(ir.VectorType(I32, 8), [0] * 4 + [1] * 4))
+                    mw = _pair_halves(builder, blk0, blk1, 2) if fmt.affine else None
+                    step(g, h, lo, hi, dw8, mw, signs)
 
-            _by_format(builder, code, loop)
+            span, far = GROUP * bb, reach(fmt, bb, wide)
+            nb = builder.sdiv(wcols, _i(bb))
+            total = builder.sdiv(builder.add(nb, _i(GROUP - 1)), _i(GROUP))
+            # Whole groups whose loads stay in the array (rows are C-contiguous: a row's end is
+            # the next one's start) are read in place: g * span + far <= bytes from the row on.
+            room = builder.sub(builder.mul(builder.sub(wa_rows, n_), wcols), _i(far))
+            direct = builder.select(builder.icmp_signed("<", room, _i(0)), _i(0),
+                                    builder.add(builder.sdiv(room, _i(span)), _i(1)))
+            full = builder.sdiv(nb, _i(GROUP))
+            direct = builder.select(builder.icmp_signed("<", direct, full), direct, full)
+            with cgutils.for_range(builder, direct) as gl:
+                start = builder.mul(gl.index, _i(span))
+                simd.prefetch_ahead(builder, row, start, span)
+                group(gl.index, builder.gep(row, [start]))
+            with cgutils.for_range(builder, total, start=direct) as gl:
+                start = builder.mul(gl.index, _i(span))
+                left = builder.sub(wcols, start)
+                cgutils.memset(builder, copy, _i(256), 0)
+                cgutils.raw_memcpy(builder, copy, builder.gep(row, [start]),
+                                   builder.select(builder.icmp_signed("<", left, _i(span)), left, _i(span)), 1)
+                group(gl.index, copy)
             for r in range(rows):
-                total = _tree(builder, builder.load(acc[r]))
-                mv = builder.load(mins[r])
-                with_mins = builder.fadd(total, builder.fadd(builder.extract_element(mv, _i(0, I32)),
-                                                             builder.extract_element(mv, _i(1, I32))))
-                affine = builder.or_(*(builder.icmp_signed("==", code, _i(c)) for c, d in FORMATS.items() if _LEGACY[d].affine))
-                total = builder.select(affine, with_mins, total)
-                where = builder.add(builder.mul(xrow[r], ncols), n_)
-                builder.store(total, builder.gep(oa.data, [where]))
-            return context.get_dummy_value()
+                lanes = builder.load(acc[r][0]) if wide else builder.fadd(*(builder.load(a) for a in acc[r]))
+                result = simd.hsum(builder, lanes)
+                if fmt.affine:
+                    mv = builder.load(mins[r][0]) if wide else builder.fadd(*(builder.load(a) for a in mins[r]))
+                    result = builder.fadd(result, simd.hsum(builder, mv))
+                builder.store(result, builder.gep(oa.data, [builder.add(builder.mul(xrow[r], ncols), n_)]))
 
-        return types.void(w, xp, xn, xd, xs, out, n, m, fmt), codegen
+        def loop(fmt, bb):
+            with cgutils.for_range(builder, hi_, start=lo_) as nl:
+                n_ = nl.index
+                row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
+                m_ = _i(0)
+                for rows in TILES:  # as many tiles of each size as fit, the largest first
+                    count = builder.sdiv(builder.sub(m_rows, m_), _i(rows)) if rows > 1 else builder.sub(m_rows, m_)
+                    first = m_
+                    with cgutils.for_range(builder, count) as tl:
+                        tile(fmt, bb, n_, row, builder.add(first, builder.mul(tl.index, _i(rows))), rows)
+                    m_ = builder.add(first, builder.mul(count, _i(rows)))
+
+        _by_format(builder, code, loop)
+        return context.get_dummy_value()
 
     return run
 
 
 @intrinsic
 def quantize_row(typingctx, x, m, xp, xn, xd, xs):
-    """Row ``m`` of ``x`` (f32 [M, K], C order) into :func:`q8_lanes`' arrays, as the scalar
+    """Row ``m`` of ``x`` (f32 [M, K], C order) into :func:`q8_rows`' arrays, as the scalar
     ``legacy._quantize_rows`` does, a block at a time in vectors: ``d = max|x| / 127`` (a NaN
     makes ``d`` NaN: ``llvm.maximum``), codes ``round(x * (1 / d))`` (``llvm.round``: C's
     ``roundf``), ``d`` and ``s = d * sum(codes)`` rounded to f16 (``fptrunc``: to nearest even, as
@@ -369,7 +488,7 @@ def quantize_row(typingctx, x, m, xp, xn, xd, xs):
         (xa, (_, k), _), (pa, (_, kp), _), (na, _, _), (da, _, _), (sa, _, _) = (
             _array(context, builder, t, v) for t, v in zip(sig.args[:1] + sig.args[2:], args[:1] + args[2:]))
         m_ = args[1]
-        pairs = builder.sdiv(kp, _i(PAIR))
+        groups = builder.sdiv(kp, _i(GROUP_BYTES))
         row = builder.bitcast(builder.gep(xa.data, [builder.mul(m_, k)]), I8.as_pointer())
         v16b, v4i, v4f = ir.VectorType(I8, 16), ir.VectorType(I32, 4), ir.VectorType(F32, 4)
 
@@ -393,12 +512,12 @@ def quantize_row(typingctx, x, m, xp, xn, xd, xs):
                      for vi in v]
             total = simd.fold(builder, builder.add(builder.add(codes[0], codes[1]), builder.add(codes[2], codes[3])),
                               builder.add)
-            p, h = builder.sdiv(b, _i(2)), builder.srem(b, _i(2))
-            slot = builder.add(builder.mul(m_, pairs), p)  # the pair's index in the [M, P * ...] arrays
-            base = builder.add(builder.mul(slot, _i(PAIR)), builder.mul(h, _i(16)))
+            g, h = builder.sdiv(b, _i(GROUP)), builder.srem(b, _i(GROUP))
+            slot = builder.add(builder.mul(m_, groups), g)  # the group's index in the [M, G * ...] arrays
+            base = builder.add(builder.mul(slot, _i(GROUP_BYTES)), builder.mul(h, _i(16)))
             for half in (0, 1):
                 part = builder.trunc(_concat(builder, codes[2 * half:2 * half + 2]), ir.VectorType(I8, 16))
-                at = builder.gep(pa.data, [builder.add(base, _i(QK * half))])
+                at = builder.gep(pa.data, [builder.add(base, _i(GROUP_BYTES // 2 * half))])
                 builder.store(part, builder.bitcast(at, v16b.as_pointer()), align=1)
             # lane l: elements 4l..4l+3 and 16+4l..16+4l+3, i.e. groups of 4 of (codes 0-15 + codes 16-31)
             e, f = builder.add(codes[0], codes[2]), builder.add(codes[1], codes[3])
@@ -415,7 +534,7 @@ def quantize_row(typingctx, x, m, xp, xn, xd, xs):
             builder.store(_splat(builder, d16, v4f), builder.bitcast(builder.gep(da.data, [lanes_at]), v4f.as_pointer()),
                           align=4)
             s16 = builder.fpext(builder.fptrunc(builder.fmul(builder.sitofp(total, F32), d), ir.HalfType()), F32)
-            builder.store(s16, builder.gep(sa.data, [builder.add(builder.mul(slot, _i(2)), h)]))
+            builder.store(s16, builder.gep(sa.data, [builder.add(builder.mul(slot, _i(GROUP)), h)]))
         return context.get_dummy_value()
 
     return types.void(x, m, xp, xn, xd, xs), codegen
