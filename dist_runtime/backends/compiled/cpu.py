@@ -30,7 +30,8 @@ VNNI = AVX2 and ("avxvnni" in FEATURES or {"avx512vnni", "avx512vl"} <= FEATURES
 #: 512-bit block products (the legacy types' with Q8_0 activations, :mod:`.simd_int8`): four blocks
 #: in one register, their codes and scales gathered by one byte permute each (``vpermt2b``, VBMI),
 #: their dots by 512-bit ``vpdpbusd``.  Only the speed depends on it, not the bits: the 256-bit
-#: path computes the same lanes as two halves.  One thread, Q4_0 in cache: 2.4x the 256-bit path.
+#: path computes the same lanes as two halves.  One thread, Q4_0 in cache, M = 1: 2.0-2.3x the
+#: 256-bit path's speed.
 WIDE = VNNI and {"avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512vnni"} <= FEATURES
 REASON = ("AVX2, FMA and F16C present: vector kernels" if AVX2 else
           "portable kernels: " + ("forced by DIST_RUNTIME_PORTABLE=1" if os.environ.get("DIST_RUNTIME_PORTABLE") == "1"

@@ -2,10 +2,10 @@
 
 Threads take output rows ``n`` (``prange``); each weight row is read once, block by block, for all
 rows of ``x``.  On the vector path (``cpu.AVX2``) a :mod:`.simd_int8` intrinsic runs a whole
-weight row against a tile of rows of ``x`` (f32: 4 rows, then one at a time; q8_0 likewise, and
-one call takes a thread's whole range of weight rows), each block decoded once per tile; the portable path decodes each block once for all rows
-into a small scratch and runs plain loops (block length passed at run time so that numba does not
-unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep, for every
+weight row against a tile of rows of ``x`` (4 rows, then one at a time; with q8_0 activations
+one call takes a thread's whole range of weight rows), each block decoded once per tile; the
+portable path decodes each block once for all rows into a small scratch and runs plain loops
+(block length passed at run time so that numba does not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep, for every
 ``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
 
 Activations (``q8``):

@@ -16,9 +16,10 @@ format is emitted once, behind a switch outside the loops):
   64-byte loads, one more their scales; per group and row two ``vpdpbusd`` starting from
   ``- c * sum(x)`` (the centre of the unsigned codes), one conversion, two multiplies and one
   add.  Else two 256-bit steps of two blocks (:func:`_nibble_pair`; ``pmaddubsw`` + ``pmaddwd``
-  without VNNI), the same bits.  A row of ``W`` is one stream read in order.  Measured on the
-  AMD EPYC (Zen 4) here, one thread, in cache: Q4_0 21 -> 43-48 G weights/s, Q8_0 21 -> 28-32
-  (the 256-bit steps of two blocks before, session 15).  Before (session 12), the blocks' integer
+  without VNNI), the same bits.  A row of ``W`` is one stream read in order.  Against the 256-bit
+  steps of two blocks that every AVX2 CPU took before (session 15), on the AMD EPYC (Zen 4) here,
+  one thread, in cache, M = 1: Q4_0 21 -> 43-48 G weights/s, Q8_0 21 -> 28-32; at M = 4-32 no
+  different (the rows' own work is the limit there).  Before (session 12), the blocks' integer
   sums were folded horizontally and added into one serial f32 sum per (row, weight row), ggml's
   generic C order: its one-``addss``-a-block latency made the lone-row path read 4 weight rows
   side by side, which fetch slower here than one.
@@ -247,8 +248,9 @@ V64B, V16I, V16F, V4F = ir.VectorType(I8, 64), ir.VectorType(I32, 16), ir.Vector
 
 
 def _pair_codes(builder, blk0, blk1, fmt):
-    """Two adjacent blocks' codes as two <32 x i8> in the grouped order: elements 0-15 of both, then 16-31 of both.  Unsigned: the nibble formats'
-    codes, Q8_0's plus 128 (``xor 0x80``, VNNI only: ``pmaddubsw`` would saturate on them)."""
+    """Two adjacent blocks' codes as two <32 x i8> in the grouped order: elements 0-15 of both,
+    then 16-31 of both.  Unsigned: the nibble formats' codes, Q8_0's plus 128 (``xor 0x80``, VNNI
+    only: ``pmaddubsw`` would saturate on them)."""
     if fmt.bits != 8:
         return _nibble_pair(builder, blk0, blk1, fmt)
     body, bias = fmt.scales + fmt.high_bits, _vec(V16B, [-128] * 16)
