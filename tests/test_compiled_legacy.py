@@ -117,6 +117,29 @@ def test_q8_portable_path_gives_the_same_bits(dtype, m, k):
     assert np.array_equal(out.view(np.uint32), lanes_dot(x, w).view(np.uint32))
 
 
+@pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
+def test_f32_portable_path_matches_dequantize_then_matmul_and_is_batch_invariant(dtype):
+    """The portable path (CPUs without AVX2) with f32 activations, called here directly since the
+    package picks the vector path on this CPU: within 1e-5 of the output's scale, row by row the
+    same bits as alone; NaN and inf reach their rows only."""
+    x, w = data(dtype, 7, 21, 288, seed=11)
+    x[4, 100] = np.nan
+    want = x.astype(np.float64) @ dequantize(w).astype(np.float64).T
+    data_ = w.data.reshape(21, -1)
+
+    def portable(rows):
+        out = np.empty((rows.shape[0], 21), np.float32)
+        legacy._f32_portable(rows, registry.block_sums(rows, rows.shape[1] // 32), data_, out, CODES[dtype], 32, 0, 21)
+        return out
+
+    got = portable(x)
+    fine = [0, 1, 2, 3, 5, 6]
+    assert np.max(np.abs(got[fine] - want[fine])) <= 1e-5 * np.max(np.abs(want[fine]))
+    assert np.isnan(got[4]).all()
+    for i in range(len(x)):
+        assert np.array_equal(portable(x[i:i + 1]).view(np.uint32), got[i:i + 1].view(np.uint32)), i
+
+
 @pytest.mark.skipif(not cpu.AVX2, reason=cpu.REASON)
 @pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
 @pytest.mark.parametrize("m, k", [(6, 352), (1, 4096 + 96)])

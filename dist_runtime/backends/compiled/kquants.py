@@ -25,7 +25,7 @@ import numpy as np
 
 from ...dtypes import DType
 from . import cpu
-from .registry import CHUNKS, Drivers, joint_kernel, joint_part, joint_slots, kernel, run, serial
+from .registry import CHUNKS, Drivers, block_sums, joint_kernel, joint_part, joint_slots, kernel, run, serial
 from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2, q6_k_q8
 
 QK_K = 256
@@ -85,20 +85,6 @@ def _row_scales(w, kind, size, ds, dm):
         for j in range(8):
             ds[16 * b + j] = d * np.float32(sc[j])
             dm[8 * b + j] = dmin * np.float32(mn[j])
-
-
-@numba.njit(nogil=True, cache=True)
-def _x_sums(x, nsub):
-    """Each 32-element sub-block's sum of each row of ``x``, in order (for the mins), flat."""
-    m_rows, k = x.shape
-    sums = np.empty(m_rows * nsub, np.float32)
-    for m in range(m_rows):
-        for j in range(nsub):
-            t = np.float32(0.0)
-            for i in range(32 * j, 32 * j + 32):
-                t += x[m, i]
-            sums[m * nsub + j] = t
-    return sums
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -251,12 +237,12 @@ def _lanes_out(acc, out, r, m_rows):
 
 @numba.njit(nogil=True, cache=True)
 def _k_serial(x, w, out, kind, vec, lo, hi):
-    _k_rows(x, w, out, kind, vec, _x_sums(x, x.shape[1] // 32), lo, hi)
+    _k_rows(x, w, out, kind, vec, block_sums(x, x.shape[1] // 32), lo, hi)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _k_threaded(x, w, out, kind, vec):
-    xsum = _x_sums(x, x.shape[1] // 32)
+    xsum = block_sums(x, x.shape[1] // 32)
     n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
     for c in numba.prange(chunks):
         _k_rows(x, w, out, kind, vec, xsum, c * n // chunks, (c + 1) * n // chunks)
@@ -366,7 +352,7 @@ def _k_q8_threaded(x, w, out, kind, vec):
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _k_threaded_joint(x, vec, w0, out0, kind0, w1, out1, kind1, w2, out2, kind2):
     """Up to three weights' products with one ``x`` in one launch (registry.JOINT), ``x``'s sums once."""
-    xsum = _x_sums(x, x.shape[1] // 32)
+    xsum = block_sums(x, x.shape[1] // 32)
     n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
     c0, c1, c2 = min(n0, CHUNKS), min(n1, CHUNKS), min(n2, CHUNKS)
     for c in numba.prange(c0 + c1 + c2):

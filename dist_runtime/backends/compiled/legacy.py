@@ -10,8 +10,9 @@ portable path decodes each block once for all rows into a small scratch and runs
 
 Activations (``q8``):
 
-- f32 (default): each block's codes become their dequantized values (``d * q`` / ``d * q + m``,
-  exactly ``dequantize``'s), multiplied with ``x`` and summed in 8 fixed lanes.
+- f32 (default): per block, its centred codes times ``x`` summed in 8 fixed lanes, then scaled
+  by the block's ``d`` into the row's lanes (Q4_1 / Q5_1: plus ``m`` times the block's sum of
+  ``x``, :func:`.registry.block_sums`, into one more sum).
 - q8_0: each 32-block of each row of ``x`` is quantized once per call, in compiled code, as
   llama.cpp's ``quantize_row_q8_0`` (and ``kernels.quant.quantize``): ``d = max|x| / 127``,
   codes ``roundf(x * (1 / d))``, ``d`` kept as f16; Q4_1 and Q5_1 also take Q8_1's block sum
@@ -34,7 +35,7 @@ import numpy as np
 from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
 from . import cpu
-from .registry import CHUNKS, KERNELS, Drivers, joint_kernel, joint_part, joint_slots, kernel, run, serial
+from .registry import CHUNKS, KERNELS, Drivers, block_sums, joint_kernel, joint_part, joint_slots, kernel, run, serial
 from .simd_int8 import FORMATS, GROUP, GROUP_BYTES, LANES, centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
@@ -83,29 +84,36 @@ def _lanes_sum(a):
 
 
 @numba.njit(nogil=True, cache=True)
-def _f32_portable(x, w, out, fmt, qk, lo, hi):
+def _f32_portable(x, xsum, w, out, fmt, qk, lo, hi):
+    """:func:`.simd_int8.f32_rows`' arithmetic in plain loops, multiplies and adds unfused: per
+    block and row each lane's centred codes times ``x``, then ``lane += d * part``; the affine
+    formats' ``m * sum(x block)`` (``xsum``) into one more sum, added after the lanes."""
     m_rows, nb = x.shape[0], x.shape[1] // qk
     step, shift, affine = _SPEC[fmt, 4], np.float32(_SPEC[fmt, 1]), _SPEC[fmt, 3]
-    q, v, acc = np.empty(qk, np.int32), np.empty(qk, np.float32), np.empty((m_rows, 8), np.float32)
+    q, v = np.empty(qk, np.int32), np.empty(qk, np.float32)
+    acc, mins = np.empty((m_rows, 8), np.float32), np.empty(m_rows, np.float32)
     for n in range(lo, hi):
         row = w[n]
         acc[:] = 0
+        mins[:] = 0
         for b in range(nb):
             at = b * step
             _codes(row, at, fmt, qk, q)
             d = _f16(row[at], row[at + 1])
             low = _f16(row[at + 2], row[at + 3]) if affine else np.float32(0)
             for j in range(qk):
-                v[j] = (np.float32(q[j]) - shift) * d
-                if affine:
-                    v[j] += low
+                v[j] = np.float32(q[j]) - shift
             for m in range(m_rows):
                 lanes, xb = acc[m], x[m, b * qk:(b + 1) * qk]
-                for j in range(0, qk, 8):
-                    for lane in range(8):
-                        lanes[lane] += v[j + lane] * xb[j + lane]
+                for lane in range(8):
+                    part = v[lane] * xb[lane]
+                    for j in range(8, qk, 8):
+                        part += v[j + lane] * xb[j + lane]
+                    lanes[lane] += d * part
+                if affine:
+                    mins[m] += low * xsum[m * nb + b]
         for m in range(m_rows):
-            out[m, n] = _lanes_sum(acc[m])
+            out[m, n] = _lanes_sum(acc[m]) + mins[m] if affine else _lanes_sum(acc[m])
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -231,26 +239,21 @@ if cpu.AVX2:
             quantize_row(x, r, xp, xn, xd, xs)
 
     @numba.njit(nogil=True, cache=True)
-    def _f32_avx2(x, w, out, fmt, qk, lo, hi):
+    def _f32_avx2(x, xsum, w, out, fmt, qk, lo, hi):
         m_rows, nb = x.shape[0], x.shape[1] // qk
         for n in range(lo, hi):
             m = 0
             while m + 4 <= m_rows:
-                _F32_FOUR(w, x, out, n, m, nb, fmt)
+                _F32_FOUR(w, x, xsum, out, n, m, nb, fmt)
                 m += 4
             while m < m_rows:
-                _F32_ONE(w, x, out, n, m, nb, fmt)
+                _F32_ONE(w, x, xsum, out, n, m, nb, fmt)
                 m += 1
 
     @numba.njit(nogil=True, cache=True)
     def _q8_avx2(xp, xn, xd, xs, w, out, fmt, _qk, lo, hi):  # _qk: the portable signature
         _Q8_ROWS(w, xp, xn, xd, xs, out, lo, hi, fmt)
 
-    @numba.njit(nogil=True, cache=True, parallel=True)
-    def _f32_avx2_threaded(x, w, out, fmt, qk):
-        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
-        for c in numba.prange(chunks):
-            _f32_avx2(x, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
 
     @numba.njit(nogil=True, cache=True)
     def _q8_avx2_serial(x, w, out, fmt, qk, lo, hi):
@@ -264,16 +267,10 @@ if cpu.AVX2:
         for c in numba.prange(chunks):
             _q8_avx2(xp, xn, xd, xs, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
 
-    _F32, _Q8 = Drivers(_f32_avx2, _f32_avx2_threaded), Drivers(_q8_avx2_serial, _q8_avx2_threaded)
+    _Q8 = Drivers(_q8_avx2_serial, _q8_avx2_threaded)
     _f32_rows, _q8_rows = _f32_avx2, _q8_avx2
 else:
     _quantize_all = _quantize_rows
-
-    @numba.njit(nogil=True, cache=True, parallel=True)
-    def _f32_portable_threaded(x, w, out, fmt, qk):
-        n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
-        for c in numba.prange(chunks):
-            _f32_portable(x, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
 
     @numba.njit(nogil=True, cache=True)
     def _q8_portable_serial(x, w, out, fmt, qk, lo, hi):
@@ -287,23 +284,40 @@ else:
         for c in numba.prange(chunks):
             _q8_portable(xp, xn, xd, xs, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
 
-    _F32, _Q8 = Drivers(_f32_portable, _f32_portable_threaded), Drivers(_q8_portable_serial, _q8_portable_threaded)
+    _Q8 = Drivers(_q8_portable_serial, _q8_portable_threaded)
     _f32_rows, _q8_rows = _f32_portable, _q8_portable
+
+
+@numba.njit(nogil=True, cache=True)
+def _f32_serial(x, w, out, fmt, qk, lo, hi):
+    _f32_rows(x, block_sums(x, x.shape[1] // qk), w, out, fmt, qk, lo, hi)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _f32_threaded(x, w, out, fmt, qk):
+    xsum = block_sums(x, x.shape[1] // qk)
+    n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
+    for c in numba.prange(chunks):
+        _f32_rows(x, xsum, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
+
+
+_F32 = Drivers(_f32_serial, _f32_threaded)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _f32_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
     """Up to three weights' products with one ``x`` in one launch (registry.JOINT)."""
+    xsum = block_sums(x, x.shape[1] // qk)
     n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
     c0, c1, c2 = min(n0, CHUNKS), min(n1, CHUNKS), min(n2, CHUNKS)
     for c in numba.prange(c0 + c1 + c2):
         slot, lo, hi = joint_part(c, c0, c1, c2, n0, n1, n2)
         if slot == 0:
-            _f32_rows(x, w0, out0, fmt0, qk, lo, hi)
+            _f32_rows(x, xsum, w0, out0, fmt0, qk, lo, hi)
         elif slot == 1:
-            _f32_rows(x, w1, out1, fmt1, qk, lo, hi)
+            _f32_rows(x, xsum, w1, out1, fmt1, qk, lo, hi)
         else:
-            _f32_rows(x, w2, out2, fmt2, qk, lo, hi)
+            _f32_rows(x, xsum, w2, out2, fmt2, qk, lo, hi)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import numba
+import numpy as np
 
 from ...dtypes import DType
 
@@ -78,6 +79,21 @@ def joint_part(c, c0, c1, c2, n0, n1, n2):
         return 1, i * n1 // c1, (i + 1) * n1 // c1
     i = c - c0 - c1
     return 2, i * n2 // c2, (i + 1) * n2 // c2
+
+
+@numba.njit(nogil=True, cache=True)
+def block_sums(x, nsub):
+    """Each 32-element block's sum of each row of ``x``, added in order, flat (``nsub`` a row): what
+    a block's offset (a K-quant's or Q4_1's min) multiplies, once per call."""
+    m_rows, k = x.shape
+    sums = np.empty(m_rows * nsub, np.float32)
+    for m in range(m_rows):
+        for j in range(nsub):
+            t = np.float32(0.0)
+            for i in range(32 * j, 32 * j + 32):
+                t += x[m, i]
+            sums[m * nsub + j] = t
+    return sums
 
 
 def serial(work_bytes: int) -> bool:

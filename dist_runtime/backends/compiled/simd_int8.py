@@ -4,10 +4,11 @@ runs a whole weight row against a tile of rows of ``x``, each block decoded once
 Each intrinsic takes every legacy format (the format is a run-time code; the block loop of each
 format is emitted once, behind a switch outside the loops):
 
-- :func:`f32_rows`: each block's 32 codes become their dequantized f32 values, rounded as
-  ``dequantize`` rounds them (``d * (q - c)``, ``d * q + m``), in four 8-lane vectors,
-  and every row of the tile keeps four 8-lane accumulators, ``acc_j = fma(w_j, x_j, acc_j)``;
-  at the end of the row they are summed in one fixed tree.
+- :func:`f32_rows`: each block's 32 codes, centred (``q - c``), become four 8-lane f32
+  vectors once for the tile; every row multiplies them with its ``x`` into 8 lanes and adds
+  those, scaled by the block's ``d``, into one 8-lane accumulator (the affine formats' ``m``
+  times the block's sum of ``x`` into one more sum); at the end of the row the lanes are summed
+  in one fixed tree.
 - :func:`q8_rows`: llama.cpp's exact integer dot products on Q8_0/Q8_1-quantized activations,
   scaled into 16 f32 lanes held over the whole row.  Four adjacent blocks go together, and ``x``
   is stored in the matching order by the quantizer (:func:`quantize_row`), so each lane holds 8
@@ -102,28 +103,6 @@ def _codes(builder, blk, fmt) -> ir.Value:
     return q
 
 
-def _values(builder, blk, fmt) -> list[ir.Value]:
-    """The block's 32 dequantized values as four <8 x float>, rounded as ``dequantize`` rounds."""
-    q = _codes(builder, blk, fmt)
-    d = _splat(builder, _half(builder, blk, 0), V8F)
-    if fmt.affine:
-        m = _splat(builder, _half(builder, blk, 2), V8F)
-    elif centre(fmt):  # d * (q - c) as fma(q, d, -c * d): -c * d is exact (c = 8 or 16), so is
-        # q * d - c * d before fma's one rounding: dequantize's rounding, one op fewer
-        shift = _splat(builder, builder.fmul(_half(builder, blk, 0), ir.Constant(F32, -centre(fmt))), V8F)
-    out = []
-    for j in range(4):
-        part = builder.shuffle_vector(q, q, _vec(ir.VectorType(I32, 8), range(8 * j, 8 * j + 8)))
-        code = builder.sitofp(builder.sext(part, V8I) if fmt.bits == 8 else builder.zext(part, V8I), V8F)
-        if fmt.affine:  # two roundings, as dequantize's d * q + m
-            out.append(builder.fadd(builder.fmul(code, d), m))
-        elif centre(fmt):
-            out.append(_call(builder, "llvm.fma.v8f32", V8F, code, d, shift))
-        else:
-            out.append(builder.fmul(code, d))
-    return out
-
-
 def dot_u8_s8(builder, u, s) -> ir.Value:
     """The <8 x i32> sums of 4 adjacent products of unsigned bytes ``u`` and signed ``s`` (32 each):
     ``vpdpbusd`` where the CPU has VNNI, else ``pmaddubsw`` then ``pmaddwd`` by ones.  Equal: the
@@ -186,25 +165,46 @@ def _tree(builder, v):
     return lanes[0]
 
 
-def _hsum(builder, accs):
-    """Four <8 x float> summed in one fixed order: vectors pairwise, then lanes pairwise."""
-    return _tree(builder, builder.fadd(builder.fadd(accs[0], accs[1]), builder.fadd(accs[2], accs[3])))
+def _centred(builder, blk, fmt) -> list[ir.Value]:
+    """The block's 32 codes as four <8 x float>, centred as ``dequantize`` centres them (``q - c``
+    for Q4_0 / Q5_0, on the bytes: exact; Q8_0's signed, the affine formats' unsigned)."""
+    q = _codes(builder, blk, fmt)
+    signed = fmt.bits == 8 or bool(centre(fmt))
+    if centre(fmt):
+        q = builder.sub(q, _vec(V32B, [centre(fmt)] * 32))
+    out = []
+    for j in range(4):
+        part = builder.shuffle_vector(q, q, _vec(ir.VectorType(I32, 8), range(8 * j, 8 * j + 8)))
+        out.append(builder.sitofp(builder.sext(part, V8I) if signed else builder.zext(part, V8I), V8F))
+    return out
 
 
 def f32_rows(rows: int):
-    """``f32_rows(w, x, out, n, m, nb, fmt)``: ``out[m + r, n] = x[m + r] . W[n]`` for r < rows."""
+    """``f32_rows(w, x, xsum, out, n, m, nb, fmt)``: ``out[m + r, n] = x[m + r] . W[n]`` for
+    r < rows (``xsum``: each 32-block's sum of each row of ``x``, flat, ``nb`` a row).
+
+    Per block and row, in 8 lanes: ``p = q_0 x_0``, then ``p = fma(q_j, x_j, p)`` for the block's
+    other three pieces of 8 (``q`` its centred codes), then ``acc = fma(d, p, acc)``; the affine
+    formats also ``mins = fma(m, s, mins)``, one f32 sum, ``s`` the block's sum of ``x``.  At the
+    end of the row the 8 lanes are summed in one fixed tree (then plus ``mins``).  Scaling each block's
+    sum, not each weight (``dequantize``'s values then one ``fma`` with ``x`` each, before session
+    15), leaves the multiply-adds with ``x`` the only work a weight does per row: at M = 1 one
+    thread, in cache, 0.6-0.7x the time."""
 
     @intrinsic
-    def run(typingctx, w, x, out, n, m, nb, fmt):
+    def run(typingctx, w, x, xsum, out, n, m, nb, fmt):
         def codegen(context, builder, sig, args):
-            (wa, _, wst), (xa, (_, k), _), (oa, (_, ncols), _) = (
-                _array(context, builder, t, v) for t, v in zip(sig.args[:3], args[:3]))
-            n_, m_, nb_, code = args[3:]
+            (wa, _, wst), (xa, (_, k), _), (sa, _, _), (oa, (_, ncols), _) = (
+                _array(context, builder, t, v) for t, v in zip(sig.args[:4], args[:4]))
+            n_, m_, nb_, code = args[4:]
             row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
             xs = [builder.bitcast(builder.gep(xa.data, [builder.mul(builder.add(m_, _i(r)), k)]), I8.as_pointer())
                   for r in range(rows)]
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(4)]
-                    for _ in range(rows)]
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(rows)]
+            mins = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(rows)]
+
+            def fma(a, b, c):
+                return _call(builder, "llvm.fma.v8f32", V8F, a, b, c)
 
             def loop(fmt, bb):
                 with cgutils.for_range(builder, nb_) as blocks:
@@ -213,21 +213,31 @@ def f32_rows(rows: int):
                     # near (L1) hint the 125M model's decode step took 0.88-1.00x the time on Q8_0
                     # and 0.94-0.97x on Q4_0 (session 13, one process, 12-14 alternating rounds).
                     simd.prefetch_ahead(builder, row, builder.mul(b, _i(bb)), bb, near=False)
-                    w = _values(builder, builder.gep(row, [builder.mul(b, _i(bb))]), fmt)
+                    blk = builder.gep(row, [builder.mul(b, _i(bb))])
+                    q = _centred(builder, blk, fmt)
+                    d = _splat(builder, _half(builder, blk, 0), V8F)
+                    m = _half(builder, blk, 2) if fmt.affine else None
                     at = builder.mul(b, _i(4 * QK))
                     for r in range(rows):
-                        for j in range(4):
-                            xv = _load(builder, xs[r], builder.add(at, _i(32 * j)), V8F, 4)
-                            acc = builder.load(accs[r][j])
-                            builder.store(_call(builder, "llvm.fma.v8f32", V8F, w[j], xv, acc), accs[r][j])
+                        xv = [_load(builder, xs[r], builder.add(at, _i(32 * j)), V8F, 4) for j in range(4)]
+                        p = builder.fmul(q[0], xv[0])
+                        for j in range(1, 4):
+                            p = fma(q[j], xv[j], p)
+                        builder.store(fma(d, p, builder.load(accs[r])), accs[r])
+                        if fmt.affine:
+                            s = builder.load(builder.gep(sa.data, [builder.add(builder.mul(builder.add(m_, _i(r)), nb_), b)]))
+                            builder.store(_call(builder, "llvm.fma.f32", F32, m, s, builder.load(mins[r])), mins[r])
 
             _by_format(builder, code, loop)
+            affine = builder.or_(*(builder.icmp_signed("==", code, _i(c)) for c, d in FORMATS.items() if _LEGACY[d].affine))
             for r in range(rows):
                 where = builder.add(builder.mul(builder.add(m_, _i(r)), ncols), n_)
-                builder.store(_hsum(builder, [builder.load(a) for a in accs[r]]), builder.gep(oa.data, [where]))
+                total = _tree(builder, builder.load(accs[r]))
+                total = builder.select(affine, builder.fadd(total, builder.load(mins[r])), total)
+                builder.store(total, builder.gep(oa.data, [where]))
             return context.get_dummy_value()
 
-        return types.void(w, x, out, n, m, nb, fmt), codegen
+        return types.void(w, x, xsum, out, n, m, nb, fmt), codegen
 
     return run
 
