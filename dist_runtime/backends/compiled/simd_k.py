@@ -8,7 +8,8 @@ when the CPU has AVX2 (the same sums in generic IR otherwise).
 
 f32 activations (``q4_k_avx2``, ``q5_k_avx2``, ``q6_k_avx2``): one call takes one weight row to
 every row of ``x``, :data:`TILE` rows of ``x`` at a time (then one at a time), each row's 8 lanes
-held in a register over the whole row of ``W``.  Per super-block and sub-block, the codes are
+held in a register over the whole row of ``W`` (Q6_K: two sums of 8 lanes, by sub-block parity,
+added at the end).  Per super-block and sub-block, the codes are
 widened to ``<8 x float>`` once for the tile; for each row their products with ``x`` are summed in
 8 lanes (``fmul`` then ``fma`` in element order) and added to the lanes times the sub-block's
 scale (one ``fma``); for Q4_K/Q5_K the mins then come off as ``lanes -= dm * xsum`` (one ``fma``,
@@ -71,6 +72,7 @@ class _Row:
         self.builder = builder
         self.intp = context.get_value_type(types.intp)
         self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+        self.accumulators = 1
         self.block_at = self.const(0)
         for name, ty, value in zip(names, sig.args, args):
             if isinstance(ty, types.Array):
@@ -166,37 +168,43 @@ class _Row:
         b = self.builder
         return self.splat(b.load(b.gep(self.scales, [self.at(self.scale_at, j)])))
 
-    def subblock(self, codes, first, scale):
-        """Each row's lanes += ``scale * sum_g(codes[g] * x[row, first + 8 g:])``."""
+    def subblock(self, codes, first, scale, j):
+        """Each row's lanes (its accumulator ``j % accumulators``) += ``scale * sum_g(codes[g] *
+        x[row, first + 8 g:])`` for sub-block ``j``."""
         b = self.builder
         codes = [b.sitofp(c, V8F) for c in codes]
-        for r, slot in enumerate(self.slots):
+        for r, slots in enumerate(self.slots):
             xat = self.at(self.x_at[r], first)
             part = b.fmul(codes[0], self.load(self.x, xat, V8F))
             for g in range(1, len(codes)):
                 part = b.call(self.fma, [codes[g], self.load(self.x, self.at(xat, 8 * g), V8F), part])
+            slot = slots[j % len(slots)]
             b.store(b.call(self.fma, [scale, part, b.load(slot)]), slot)
 
     def mins(self):
         """Each row's lanes -= ``dm * xsum`` (the current super-block's 8 mins and sub-block sums)."""
         b = self.builder
         dm = b.fneg(self.load(self.dm, b.mul(self.block, self.const(8)), V8F))
-        for r, slot in enumerate(self.slots):
+        for r, (slot, *_) in enumerate(self.slots):
             xs = self.load(self.xsum, self.at(self.xsum_at[r], b.mul(self.block, self.const(8))), V8F)
             b.store(b.call(self.fma, [dm, xs, b.load(slot)]), slot)
 
     def rows(self, first, count, block):
         """The lanes of rows ``first .. first + count`` over the whole weight row, into ``acc``:
         ``block(self, ms)`` for each super-block (``ms``: the rows' indices) adds into
-        :attr:`slots`, one 8-lane accumulator a row."""
+        :attr:`slots`, :attr:`accumulators` 8-lane accumulators a row, added pairwise in order
+        at the end."""
         b = self.builder
-        self.slots = [cgutils.alloca_once(b, V8F) for _ in range(count)]
-        for slot in self.slots:
+        self.slots = [[cgutils.alloca_once(b, V8F) for _ in range(self.accumulators)] for _ in range(count)]
+        for slot in (s for slots in self.slots for s in slots):
             b.store(ir.Constant(V8F, [0.0] * 8), slot)
         ms = [self.at(first, r) for r in range(count)]
         self.each_block(lambda blk: block(blk, ms))
-        for m, slot in zip(ms, self.slots):
-            b.store(b.load(slot), b.bitcast(b.gep(self.acc, [b.mul(m, self.const(8))]), V8F.as_pointer()), align=4)
+        for m, slots in zip(ms, self.slots):
+            sums = [b.load(slot) for slot in slots]
+            while len(sums) > 1:
+                sums = [b.fadd(sums[i], sums[i + 1]) for i in range(0, len(sums), 2)]
+            b.store(sums[0], b.bitcast(b.gep(self.acc, [b.mul(m, self.const(8))]), V8F.as_pointer()), align=4)
 
     def tiles(self, block):
         """:meth:`rows` over every row of ``x``: :data:`TILE` rows at a time, then one at a time."""
@@ -219,7 +227,7 @@ def _emit_q45_k(blk, high):
             for s in range(2):
                 j = 2 * c + s
                 q = b.or_(_bits(b, packed, [4 * s], 15), b.shl(_bits(b, highs, [j], 1), _per_piece([4])))
-                blk.subblock(_widened(b, q, signed=False), 32 * j, blk.scale(j))
+                blk.subblock(_widened(b, q, signed=False), 32 * j, blk.scale(j), j)
         blk.mins()
         return
     for c in range(4):  # Q4_K: one operation on 8 codes either way, so on i32 lanes
@@ -227,7 +235,7 @@ def _emit_q45_k(blk, high):
         for s in range(2):
             j = 2 * c + s
             codes = [b.and_(b.lshr(p, _i32s(4)) if s else p, _i32s(15)) for p in packed]
-            blk.subblock(codes, 32 * j, blk.scale(j))
+            blk.subblock(codes, 32 * j, blk.scale(j), j)
     blk.mins()
 
 
@@ -252,14 +260,18 @@ def _emit_q6_k(blk):
             q = b.sub(b.or_(low, b.shl(_bits(b, highs, [2 * g], 3), _per_piece([4]))), _per_piece([32]))
             codes = _widened(b, q, signed=True)
             for half in range(2):
-                blk.subblock(codes[2 * half:2 * half + 2], 128 * h + 32 * g + 16 * half, blk.scale(8 * h + 2 * g + half))
+                j = 8 * h + 2 * g + half
+                blk.subblock(codes[2 * half:2 * half + 2], 128 * h + 32 * g + 16 * half, blk.scale(j), j)
 
 
-def _row_kernel(emit_scales, emit):
+def _row_kernel(emit_scales, emit, accumulators=1):
+    """The f32-activation intrinsic of ``emit``; ``accumulators`` 8-lane sums a row (sub-block
+    ``j`` into sum ``j % accumulators``)."""
     @intrinsic
     def row_kernel(typingctx, row, size, blocks, scales, dm, x, k, xsum, nsub, acc, m_rows):
         def codegen(context, builder, sig, args):
             blk = _Row(context, builder, sig, args)
+            blk.accumulators = accumulators
 
             # The first pass over the row (its scales) brings the row into the caches, prefetched
             # far ahead only: the 125M model's Q4_K_M decode step took 0.89-0.91x the time it took
@@ -290,7 +302,10 @@ def _row_kernel(emit_scales, emit):
 #: (flat, ``nsub`` per row): each 32-element sub-block's sum of ``x`` (both unused by Q6_K).
 q4_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, False))
 q5_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, True))
-q6_k_avx2 = _row_kernel(_Row.scales_q6_k, _emit_q6_k)
+#: Q6_K's 16 sub-blocks a super-block go into two sums a row, by parity (one chain of 16
+#: multiply-adds a super-block before): 0.92-0.94x the time at M = 1 and 8, K = 768 and 2048, one
+#: thread, in cache; Q4_K measured no faster with 2 or 4 (0.99-1.08x), so keeps one.
+q6_k_avx2 = _row_kernel(_Row.scales_q6_k, _emit_q6_k, accumulators=2)
 
 
 # -- Q8_K activations: integer dot products (llama.cpp's vec_dot_q*_K_q8_K) -----------------------
@@ -496,7 +511,7 @@ def _q8_row_kernel(emit, span, per_block):
                 blk.q8at = blk.at(b.mul(ms[0], blk.k), b.mul(blk.block, blk.const(QK_K)))
                 blk.bsat = blk.at(b.mul(ms[0], blk.bstep), b.mul(blk.block, blk.const(per_block)))
                 isums, imins, d, dmin = emit(blk, len(ms))
-                for m, isum, imin, slot in zip(ms, isums, imins or [None] * len(ms), blk.slots):
+                for m, isum, imin, (slot,) in zip(ms, isums, imins or [None] * len(ms), blk.slots):
                     s = b.load(b.gep(blk.dx, [blk.at(b.mul(m, blk.blocks), blk.block)]))
                     lanes = b.fadd(b.load(slot), b.fmul(blk.splat(b.fmul(d, s)), b.sitofp(isum, V8F)))
                     if imins is not None:
