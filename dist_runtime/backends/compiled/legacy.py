@@ -6,8 +6,8 @@ weight row against a tile of rows of ``x`` (f32: 8 rows where the CPU has 32 vec
 then 4, then one at a time; q8_0: 4, then one, one call taking a thread's whole range of weight
 rows), each block decoded once per tile; the portable path decodes each block once for all rows
 into a small scratch and runs plain loops (block length passed at run time so that numba does
-not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep, for every
-``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
+not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep, for
+every ``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
 
 Activations (``q8``):
 

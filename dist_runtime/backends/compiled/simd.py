@@ -109,6 +109,14 @@ def prefetch_ahead(builder: ir.IRBuilder, ptr: ir.Value, offset, span: int, far:
             prefetch(builder, ptr, builder.add(base, ir.Constant(i64, ahead + line)), locality)
 
 
+def pairwise(builder: ir.IRBuilder, values: list) -> ir.Value:
+    """``values`` (a power of two of them, scalars or vectors) added pairwise in order,
+    ``((v0 + v1) + (v2 + v3)) + ...``: one fixed order."""
+    while len(values) > 1:
+        values = [builder.fadd(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+    return values[0]
+
+
 def fold(builder: ir.IRBuilder, v: ir.Value, combine) -> ir.Value:
     """The lanes of ``v`` combined halves at a time (lane i with lane i + n/2, ``combine(low,
     high)`` on the two half vectors) down to one: a fixed order."""

@@ -159,10 +159,7 @@ def _by_format(builder, code, body):
 
 def _tree(builder, v):
     """The lanes of ``v`` added pairwise, ``((l0 + l1) + (l2 + l3)) + ...``: one fixed order."""
-    lanes = [builder.extract_element(v, _i(i, I32)) for i in range(v.type.count)]
-    while len(lanes) > 1:
-        lanes = [builder.fadd(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
-    return lanes[0]
+    return simd.pairwise(builder, [builder.extract_element(v, _i(i, I32)) for i in range(v.type.count)])
 
 
 def _centred(builder, blk, fmt) -> list[ir.Value]:
@@ -287,10 +284,15 @@ def _pair_halves(builder, blk0, blk1, at):
     return builder.fpext(v, ir.VectorType(F32, 2))
 
 
+def _window(builder, grp, start=0):
+    """The 128 bytes from byte ``start`` of ``grp`` (an i8*), as two 64-byte loads."""
+    return _concat(builder, [_load(builder, grp, _i(start + 64 * i), V64B) for i in (0, 1)])
+
+
 def _pick(builder, grp, picks, start=0):
-    """The group's bytes at offsets ``picks`` (from ``grp``, an i8*) as one vector: two 64-byte
-    loads from ``start`` and one constant permute (``vpermt2b``); every pick in [start, start + 128)."""
-    window = _concat(builder, [_load(builder, grp, _i(start + 64 * i), V64B) for i in (0, 1)])
+    """The group's bytes at offsets ``picks`` as one vector: its :func:`_window` from ``start``
+    and one constant permute (``vpermt2b``); every pick in [start, start + 128)."""
+    window = _window(builder, grp, start)
     return builder.shuffle_vector(window, window, _vec(ir.VectorType(I32, len(picks)), [p - start for p in picks]))
 
 
@@ -338,8 +340,7 @@ def _quad_codes(builder, grp, fmt, bb):
 def _quad_halves(builder, grp, bb, at, lanes):
     """The f16 at byte ``at`` of each of the group's blocks, block ``l // (lanes // 4)`` in lane
     ``l``, as <lanes x float>."""
-    words = builder.bitcast(_concat(builder, [_load(builder, grp, _i(64 * i), V64B) for i in (0, 1)]),
-                            ir.VectorType(I16, 64))
+    words = builder.bitcast(_window(builder, grp), ir.VectorType(I16, 64))
     picked = builder.shuffle_vector(words, words, _vec(ir.VectorType(I32, lanes),
                                                        [(bb * (l // (lanes // 4)) + at) // 2 for l in range(lanes)]))
     return builder.fpext(builder.bitcast(picked, ir.VectorType(ir.HalfType(), lanes)), ir.VectorType(F32, lanes))

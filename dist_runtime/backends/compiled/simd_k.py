@@ -201,10 +201,8 @@ class _Row:
         ms = [self.at(first, r) for r in range(count)]
         self.each_block(lambda blk: block(blk, ms))
         for m, slots in zip(ms, self.slots):
-            sums = [b.load(slot) for slot in slots]
-            while len(sums) > 1:
-                sums = [b.fadd(sums[i], sums[i + 1]) for i in range(0, len(sums), 2)]
-            b.store(sums[0], b.bitcast(b.gep(self.acc, [b.mul(m, self.const(8))]), V8F.as_pointer()), align=4)
+            lanes = simd.pairwise(b, [b.load(slot) for slot in slots])
+            b.store(lanes, b.bitcast(b.gep(self.acc, [b.mul(m, self.const(8))]), V8F.as_pointer()), align=4)
 
     def tiles(self, block):
         """:meth:`rows` over every row of ``x``: :data:`TILE` rows at a time, then one at a time."""
