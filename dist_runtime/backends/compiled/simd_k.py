@@ -36,6 +36,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ...dtypes import DType
 from . import cpu, simd
 
 #: F16C's conversion of the f16 scales, where the CPU has it (decided by the CPU itself, as
@@ -267,22 +268,27 @@ def _emit_q6_k(blk):
                 blk.subblock(codes[2 * half:2 * half + 2], 128 * h + 32 * g + 16 * half, blk.scale(j), j)
 
 
-def _row_kernel(emit_scales, emit, accumulators=1):
-    """The f32-activation intrinsic of ``emit``; ``accumulators`` 8-lane sums a row (sub-block
-    ``j`` into sum ``j % accumulators``)."""
+def _row_kernel(emit_scales, emit, span, accumulators=1):
+    """The f32-activation intrinsic of ``emit`` for super-blocks of ``span`` bytes;
+    ``accumulators`` 8-lane sums a row (sub-block ``j`` into sum ``j % accumulators``)."""
     @intrinsic
     def row_kernel(typingctx, row, size, blocks, scales, dm, x, k, xsum, nsub, acc, m_rows):
         def codegen(context, builder, sig, args):
             blk = _Row(context, builder, sig, args)
             blk.accumulators = accumulators
 
-            # The first pass over the row (its scales) brings the row into the caches, prefetched
-            # far ahead only: the 125M model's Q4_K_M decode step took 0.89-0.91x the time it took
-            # with the near (L1) hint too, and 0.93x with neither (session 13, one process, 12
-            # rounds alternating which goes first).  With Q8_K activations dropping the near hint
-            # measured 0.97-1.01x (and dropping both 1.15x): there it stays.
+            # The first pass over the row (its scales) brings the row into the caches, every line
+            # of each super-block prefetched far ahead.  Until session 16 one line a super-block
+            # was (the rest left to the hardware, which the scales' stride of one line in 3-4
+            # misled): products from memory (chains of distinct weights, two threads, M = 1 / 8)
+            # now take Q4_K 2048 x 768 0.89 / 0.96x the time, Q6_K 768 x 2048 0.54 / 0.84x, Q6_K
+            # 32000 x 768 0.85 / 0.79x, and the Q4_K_M decode step 0.89-0.93x (4 A/Bs of 5; in
+            # cache 1.00-1.03x).  Far only: the Q4_K_M step took 0.89-0.91x the time it took with
+            # the near (L1) hint too (session 13; with the whole super-block 0.99-1.03x), and 0.93x
+            # with neither.  With Q8_K activations dropping the near hint measured 0.97-1.01x (and
+            # dropping both 1.15x): there it stays.
             def scales(blk):
-                simd.prefetch_ahead(builder, blk.row, blk.block_at, 64, near=False)
+                simd.prefetch_ahead(builder, blk.row, blk.block_at, span, near=False)
                 emit_scales(blk)
             blk.each_block(scales)
 
@@ -303,12 +309,12 @@ def _row_kernel(emit_scales, emit, accumulators=1):
 #: row ``m``'s 8 lanes go to ``acc[8 m:]``.  ``scales``: each super-block's 16 sub-block scales
 #: (f32, d * scale; Q4_K/Q5_K use the first 8); ``dm``: its 8 mins (d_min * min) and ``xsum``
 #: (flat, ``nsub`` per row): each 32-element sub-block's sum of ``x`` (both unused by Q6_K).
-q4_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, False))
-q5_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, True))
+q4_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, False), DType.Q4_K.block_bytes)
+q5_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, True), DType.Q5_K.block_bytes)
 #: Q6_K's 16 sub-blocks a super-block go into two sums a row, by parity (one chain of 16
 #: multiply-adds a super-block before): 0.92-0.94x the time at M = 1 and 8, K = 768 and 2048, one
 #: thread, in cache; Q4_K measured no faster with 2 or 4 (0.99-1.08x), so keeps one.
-q6_k_avx2 = _row_kernel(_Row.scales_q6_k, _emit_q6_k, accumulators=2)
+q6_k_avx2 = _row_kernel(_Row.scales_q6_k, _emit_q6_k, DType.Q6_K.block_bytes, accumulators=2)
 
 
 # -- Q8_K activations: integer dot products (llama.cpp's vec_dot_q*_K_q8_K) -----------------------
@@ -536,6 +542,6 @@ def _q8_row_kernel(emit, span, per_block):
 #: elements ``32 p + 4 l .. + 3`` of each 32-code piece ``p`` times their sub-block's scale, and
 #: (Q4_K/Q5_K) ``imin`` lane ``l``: sub-block ``l``'s ``min * bsum``; (Q6_K) less ``32 * (scale *
 #: bsum)`` of sub-blocks ``2 l`` and ``2 l + 1``.
-q4_k_q8 = _q8_row_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, False), 144, 8)
-q5_k_q8 = _q8_row_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, True), 176, 8)
-q6_k_q8 = _q8_row_kernel(_emit_q6_k_q8, 210, 16)
+q4_k_q8 = _q8_row_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, False), DType.Q4_K.block_bytes, 8)
+q5_k_q8 = _q8_row_kernel(lambda blk, rows: _emit_q45_k_q8(blk, rows, True), DType.Q5_K.block_bytes, 8)
+q6_k_q8 = _q8_row_kernel(_emit_q6_k_q8, DType.Q6_K.block_bytes, 16)
