@@ -34,7 +34,7 @@ def weight(dtype: DType, n: int, k: int, seed: int = 0):
         return x.astype(dtype.numpy)
     if dtype in K_SCALES:  # no reference encoder for K-quants: random codes with sane scales
         data = rng.integers(0, 256, (n, k // 256 * dtype.block_bytes), dtype=np.uint8)
-        blocks = data.reshape(n, -1, dtype.block_bytes)
+        blocks = data.reshape(n, k // 256, dtype.block_bytes)
         for at in K_SCALES[dtype]:
             scale = rng.uniform(0.002, 0.02, blocks.shape[:2]).astype(np.float16)
             blocks[..., at:at + 2] = scale.view(np.uint8).reshape(*blocks.shape[:2], 2)
@@ -100,11 +100,12 @@ def test_edges_empty_rows_nan_inf_non_contiguous_read_only(dtype):
     assert np.isnan(y[1]).all() and not np.isfinite(y[2]).any() and np.isfinite(y[[0, 3]]).all()
 
 
-@pytest.mark.parametrize("dtype", [DType.F32, DType.F16, DType.BF16, DType.Q4_0], ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", [DType.F32, DType.F16, DType.BF16, DType.Q4_0, DType.Q4_K], ids=lambda d: d.name)
 def test_linear_many_gives_each_products_bits(dtype):
-    """One launch for several weights (float types; the others one call each): for every weight
-    exactly ``linear``'s bits, with weights large enough to be threaded, on 1 and 2 threads, odd
-    row counts of the weights (1, 0) and of ``x``."""
+    """One launch for several weights (of one family's joint kernel; four: one call each): for
+    every weight exactly ``linear``'s bits, with weights large enough to be threaded, on 1 and 2
+    threads, odd row counts of the weights (1, 0: the launch's chunks follow the rows) and of
+    ``x``."""
     ws = [weight(dtype, n, 512, seed=s) for s, n in enumerate((700, 1, 250, 0))]
     rng = np.random.default_rng(6)
     try:

@@ -25,7 +25,7 @@ import numpy as np
 
 from ...dtypes import DType
 from . import cpu
-from .registry import CHUNKS, Drivers, block_sums, joint_kernel, joint_part, joint_slots, kernel, run, serial
+from .registry import CHUNKS, Drivers, block_sums, joint_chunks, joint_kernel, joint_part, joint_slots, kernel, run, serial
 from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2, q6_k_q8
 
 QK_K = 256
@@ -354,7 +354,7 @@ def _k_threaded_joint(x, vec, w0, out0, kind0, w1, out1, kind1, w2, out2, kind2)
     """Up to three weights' products with one ``x`` in one launch (registry.JOINT), ``x``'s sums once."""
     xsum = block_sums(x, x.shape[1] // 32)
     n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
-    c0, c1, c2 = min(n0, CHUNKS), min(n1, CHUNKS), min(n2, CHUNKS)
+    c0, c1, c2 = joint_chunks(n0, n1, n2)
     for c in numba.prange(c0 + c1 + c2):
         slot, lo, hi = joint_part(c, c0, c1, c2, n0, n1, n2)
         if slot == 0:
@@ -370,7 +370,7 @@ def _k_q8_threaded_joint(x, vec, w0, out0, kind0, w1, out1, kind1, w2, out2, kin
     """As :func:`_k_threaded_joint`, ``x`` quantized to Q8_K once."""
     q8, dx, sums32, sums16 = _quantize_q8_k(x)
     n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
-    c0, c1, c2 = min(n0, CHUNKS), min(n1, CHUNKS), min(n2, CHUNKS)
+    c0, c1, c2 = joint_chunks(n0, n1, n2)
     for c in numba.prange(c0 + c1 + c2):
         slot, lo, hi = joint_part(c, c0, c1, c2, n0, n1, n2)
         if slot == 0:

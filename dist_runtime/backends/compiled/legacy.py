@@ -36,7 +36,8 @@ import numpy as np
 from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
 from . import cpu
-from .registry import CHUNKS, KERNELS, Drivers, block_sums, joint_kernel, joint_part, joint_slots, kernel, run, serial
+from .registry import (CHUNKS, KERNELS, Drivers, block_sums, joint_chunks, joint_kernel, joint_part, joint_slots, kernel,
+                       run, serial)
 from .simd_int8 import FORMATS, GROUP, GROUP_BYTES, LANES, centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
@@ -318,7 +319,7 @@ def _f32_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
     """Up to three weights' products with one ``x`` in one launch (registry.JOINT)."""
     xsum = block_sums(x, x.shape[1] // qk)
     n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
-    c0, c1, c2 = min(n0, CHUNKS), min(n1, CHUNKS), min(n2, CHUNKS)
+    c0, c1, c2 = joint_chunks(n0, n1, n2)
     for c in numba.prange(c0 + c1 + c2):
         slot, lo, hi = joint_part(c, c0, c1, c2, n0, n1, n2)
         if slot == 0:
@@ -334,7 +335,7 @@ def _q8_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
     """As :func:`_f32_joint`, ``x`` quantized once."""
     xp, xn, xd, xs = _quantized(x, qk)
     n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
-    c0, c1, c2 = min(n0, CHUNKS), min(n1, CHUNKS), min(n2, CHUNKS)
+    c0, c1, c2 = joint_chunks(n0, n1, n2)
     for c in numba.prange(c0 + c1 + c2):
         slot, lo, hi = joint_part(c, c0, c1, c2, n0, n1, n2)
         if slot == 0:
