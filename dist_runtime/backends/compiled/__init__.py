@@ -28,6 +28,12 @@ import os
 
 import numpy as np
 
+from .freshness import SOURCES, STAMP, refresh
+
+# Before any module below loads its cached code: a change to a file whose code others compile in
+# (registry.py, simd*.py) clears theirs too (.freshness).
+refresh(SOURCES, STAMP)
+
 # Before numba compiles anything parallel: the layer of .threads (TBB when installed, else
 # numba's own workqueue; never OpenMP's spinning pool).
 from .threads import LAYER  # noqa: E402

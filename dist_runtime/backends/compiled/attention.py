@@ -26,8 +26,7 @@ operations whatever the other rows or the threads: batch-invariant.  A row of at
 SPLIT_KEYS keys is one piece, whose values keep their bits through the merge.
 
 numba's on-disk cache checks only the file of each jitted function: the drivers live here, beside
-the intrinsics whose code they inline (after editing ``simd.py``, delete the ``*.nbi`` / ``*.nbc``
-files of ``__pycache__``).
+the intrinsics whose code they inline (a change to ``simd.py`` clears them: :mod:`.freshness`).
 """
 
 from __future__ import annotations

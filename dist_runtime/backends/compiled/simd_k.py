@@ -25,8 +25,8 @@ driver per super-block (1024 x 4096, one thread, in cache, against the per-super
 before: M = 1 Q4_K 0.83-0.88x the time, Q5_K 0.90-0.99x, Q6_K 0.76-0.81x; M = 8 0.74-0.80x; from
 memory, 24 weights of 4096 x 4096 in a chain, two threads: Q4_K 15.6 -> 19.8 GB/s).
 
-numba's on-disk cache keys :mod:`.kquants`'s drivers by their own file only: after editing this
-one, delete ``__pycache__/kquants.*.nb[ic]`` (or touch kquants.py) to recompile.
+numba's on-disk cache keys :mod:`.kquants`'s drivers by their own file only: a change to this one
+clears their cached code when the package is next imported (:mod:`.freshness`).
 """
 
 from __future__ import annotations
