@@ -11,8 +11,9 @@ cache; when they differ it deletes those sources' cached code, so that numba com
 and stores the new digest.
 
 It reaches the cache numba keeps beside the sources (``__pycache__``, and the portable path's
-subdirectory of the package's, where the numba backend's code is cached too); where that directory cannot be written (an installed, read-only copy)
-numba caches elsewhere, and an upgrade there replaces every file, which numba notices by itself.
+subdirectory of the package's, where the numba backend's code is cached too); where that directory
+cannot be written (an installed, read-only copy) numba caches elsewhere, and an upgrade there
+replaces every file, which numba notices by itself.
 """
 
 from __future__ import annotations
