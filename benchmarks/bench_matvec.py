@@ -11,10 +11,22 @@ time; "vs numpy" = our GB/s / the reference's GB/s at the same ``M``.  The runs 
 round after round of every product (the reference's turn is a request to the child, which times
 its product alone and answers once OpenBLAS's threads stop spinning, while this process waits),
 so a burst of load from elsewhere slows all alike, and each measured product follows untimed
-ones over ``--flush-mb`` of other f32 weights of its shape (1 GiB by default, more than the
-480 MiB of L3 this VM reports; 16 weights of 64 MB, a product each, in both processes), so that its
-weight comes from memory, as in a decode step of a model larger than the cache (run after run of
-one product would find its weight in cache).  Until session 10 the flush was one product over one
+ones over ``--flush-mb`` of other weights of its shape (1 GiB by default, more than the
+480 MiB of L3 this VM reports), so that its weight comes from memory, as in a decode step of a
+model larger than the cache (run after run of one product would find its weight in cache).  The
+untimed products are of the measured one's own kind, as in a decode step of a model stored in that
+type: numpy's f32 products in its child (16 weights of 64 MB), and the measured compiled product
+itself (same stored type, same activations) on other weights, which are views into one buffer of
+random bytes whose every 16- and 32-bit reading is a normal float (:func:`flush_weights`).  Until
+session 17 the compiled products all followed 1 GiB of compiled F32 products (``--flush-kind f32``):
+a product of another type then paid a fixed ~70-100 us on its first call (one thread or two; its
+second call on another cold weight did not), which no decode step pays -- a Q4_K product with Q8_K
+activations, 1024 x 4096, one thread, after 400 MB of products of each kind (medians of 8 rounds,
+first call / second call): after F32 245 / 143 us, after F16 192 / 151, after Q8_0 (f32
+activations) 196 / 170, after Q4_0 (Q8_0 activations) 174 / 155, after itself 174 / 160; two
+threads, 4096 x 4096, after 1 GiB of F32 products 486 us against 416 after its own kind.  Why is not
+found: not the CPU's clock, which a C loop read at 3.4-3.6 GHz in the first 10 us after 50 ms of
+streaming, and not a warm-up of 512-bit instructions, which ran at full rate from the first 10 us.  Until session 10 the flush was one product over one
 1 GiB weight (``--flush-as-one``): after it every compiled product read slower than after the
 same bytes as weight-sized products -- the Q4_0 product with Q8_0 activations 10.3-13.8 GB/s
 against 16.6-18.0 in an isolated test, with its output preallocated and the pool's threads woken
@@ -39,6 +51,7 @@ uses, the compiled path (AVX2 or portable) and the threads.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -51,6 +64,7 @@ import numpy as np
 
 from dist_runtime.backends import compiled
 from dist_runtime.dtypes import DType
+from dist_runtime.tensor import QuantizedArray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_compiled_linear import weight  # noqa: E402  (the tests' weights of every type, K-quants too)
@@ -98,6 +112,25 @@ class NumpyReference:
         self.proc.wait(timeout=60)
 
 
+def flush_buffer(nbytes: int, seed: int = 7) -> np.ndarray:
+    """``nbytes`` random bytes in 0x30..0x4F: read as f16, bf16 or f32 (the byte of highest order
+    sets the exponent) every value is a normal float, so no flush product meets NaN, inf or
+    subnormal arithmetic; random so that no two pages are alike (a host merging equal pages would
+    put the flush in cache)."""
+    return np.random.default_rng(seed).integers(0x30, 0x50, nbytes, dtype=np.uint8)
+
+
+def flush_weights(dtype: DType, n: int, k: int, buffer: np.ndarray) -> list:
+    """Weights ``[n, k]`` of ``dtype``, as many as ``buffer`` holds (at least one), each a view of
+    its own slice of it: the untimed products' weights, none of them the measured one."""
+    row = k // dtype.block_size * dtype.block_bytes if dtype.is_quantized else k * dtype.numpy.itemsize
+    size = n * row
+    slices = [buffer[i * size:(i + 1) * size].reshape(n, row) for i in range(buffer.nbytes // size)]
+    if dtype.is_quantized:
+        return [QuantizedArray(b, dtype, (n, k)) for b in slices]
+    return [b.view(dtype.numpy) for b in slices]
+
+
 def medians(calls: dict, runs: int, before=None) -> dict:
     """Each call's median seconds, the calls' runs interleaved (round after round of all of them,
     as bench_decode.py does), so that a burst of load from elsewhere on this shared machine slows
@@ -128,9 +161,15 @@ def main() -> None:
                         help="MB of another weight read (untimed) before each measured product, in both "
                              "processes (default 1024: more than this VM's reported L3, so every weight "
                              "comes from memory; 42 was the earlier protocol)")
+    parser.add_argument("--flush-kind", choices=("same", "f32"), default="same",
+                        help="the untimed products before each measured one: 'same' (default) the measured "
+                             "product itself on other weights, as in a decode step of a model of that type; "
+                             "'f32' the compiled F32 product (the protocol until session 17, which cost the "
+                             "other types' products a fixed ~70-100 us each; see the docstring)")
     parser.add_argument("--flush-as-one", action="store_true",
-                        help="read the flush as one product over one weight of --flush-mb (session 9's protocol) "
-                             "instead of products over weights of the measured shape, as a decode step does")
+                        help="read the flush as one F32 product over one weight of --flush-mb (session 9's "
+                             "protocol) instead of products over weights of the measured shape, as a decode "
+                             "step does")
     parser.add_argument("--numpy-here", action="store_true",
                         help="also time numpy in this process, beside numba's threads (what the reference was)")
     args = parser.parse_args()
@@ -163,10 +202,18 @@ def main() -> None:
     types = [d for d in (DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0,
                          DType.Q4_K, DType.Q5_K, DType.Q6_K) if d in compiled.KERNELS]
     weights = {d: weight(d, args.n, args.k) for d in types}  # K-quants: random codes, sane scales
-    flushes = ([np.full((flush_rows, args.k), 0.5, np.float32)] if args.flush_as_one else
-               [weight(DType.F32, args.n, args.k, seed=100 + i) for i in range(-(-flush_rows // args.n))])
-    flushed = sum(f.nbytes for f in flushes) / 2**20
-    what = "one other weight" if args.flush_as_one else f"{len(flushes)} other f32 weights of this shape, a product each"
+    same = args.flush_kind == "same" and not args.flush_as_one
+    if args.flush_as_one:
+        f32_flushes = [np.full((flush_rows, args.k), 0.5, np.float32)]
+        what = "one other f32 weight"
+    elif same:
+        # at least one weight of every type, as the child reads at least one f32 weight
+        buffer = flush_buffer(max(args.flush_mb * 2**20, args.n * args.k * 4))
+        what = "other weights of this shape, a product of the measured kind each"
+    else:
+        f32_flushes = [weight(DType.F32, args.n, args.k, seed=100 + i) for i in range(-(-flush_rows // args.n))]
+        what = f"{len(f32_flushes)} other f32 weights of this shape, a compiled F32 product each"
+    flushed = buffer.nbytes / 2**20 if same else sum(f.nbytes for f in f32_flushes) / 2**20
     print(f"\nW [{args.n}, {args.k}], median of {args.runs} runs, each after {flushed:.0f} MB of {what}; "
           f"GB/s of weight bytes (vs numpy f32 at the same M)\n")
     head = f"| {'product':<26} | {'MB':>6} |" + "".join(f" {'M=' + str(m):>15} |" for m in ms)
@@ -176,17 +223,20 @@ def main() -> None:
     if args.numpy_here:
         w = weight(DType.F32, args.n, args.k)
         rows.append(("numpy, in this process", w.nbytes, lambda x: x @ w.T))
+    flushes = {}  # product name -> its untimed products, each a callable
     for d in types:
         modes = ("f32", "q8_0") if d.is_quantized else ("f32",)
+        others = flush_weights(d, args.n, args.k, buffer) if same else f32_flushes
         for mode in modes:
-            rows.append((f"compiled {d.name}" + (" q8 act." if mode == "q8_0" else ""), weights[d].nbytes,
-                         lambda x, s=weights[d], a=mode: compiled.linear(x, s, activations=a)))
+            name = f"compiled {d.name}" + (" q8 act." if mode == "q8_0" else "")
+            rows.append((name, weights[d].nbytes, lambda x, s=weights[d], a=mode: compiled.linear(x, s, activations=a)))
+            flushes[name] = [functools.partial(compiled.linear, w=w, activations=mode if same else "f32")
+                             for w in others]
     xs = {m: rng.standard_normal((m, args.k), dtype=np.float32) for m in measured}
 
     def before(key):
-        if key[0] != rows[0][0]:  # the child flushes its own
-            for flush in flushes:
-                compiled.linear(xs[1], flush)
+        for flush in flushes.get(key[0], ()):  # the child flushes its own
+            flush(xs[1])
 
     try:
         times = medians({(name, m): (lambda fn=fn, x=xs[m]: fn(x)) for name, _, fn in rows for m in measured},
