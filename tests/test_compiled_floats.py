@@ -56,7 +56,8 @@ def test_every_stored_bit_pattern_widens_exactly(fmt, path, k):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (2, 3, 7), (5, 17, 37), (9, 35, 263), (4, 2, 16)])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (2, 3, 7), (5, 17, 37), (9, 35, 263), (4, 2, 16),
+                                     (1, 5, floats.LONE_FAR_K + 3)])  # a lone row's far-hinted tile
 def test_both_paths_match_float64_for_any_k(fmt, path, m, n, k):
     rng = np.random.default_rng(k)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -68,7 +69,8 @@ def test_both_paths_match_float64_for_any_k(fmt, path, m, n, k):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("k", [45, 541])  # 541: two spans, a line's pieces left over, the K mod 8 tail
+# 541: two spans, a line's pieces left over, the K mod 8 tail; LONE_FAR_K + 13: F32 lone rows far-hinted
+@pytest.mark.parametrize("k", [45, 541, floats.LONE_FAR_K + 13])
 def test_every_tile_shape_gives_a_row_the_same_bits(path, fmt, k):
     """M = 1..2 ROWS + 1 and N across a chunk's edge run a row through every tile shape (rows of x
     by weight rows: ROWS x COLS, HALF x COLS, 1 x ROW_COLS, ROWS x 1, HALF x 1, 1 x 1), in one span

@@ -10,8 +10,9 @@ the weight comes from memory once per call whatever ``M``, and each row of ``x``
 chunk.  Between spans the accumulators wait in a scratch array.  When ``x`` takes at most two tiles
 of rows (a step of 8 rows is one) the chunk walks all of ``K`` at once.  Each tile prefetches its
 weight rows ahead of its loads, into L1 and, further ahead, into L2 (:data:`.simd.PREFETCH_NEAR`,
-:data:`.simd.PREFETCH_FAR`), except a lone row of ``x`` on F32, which leaves it to the hardware
-(measured in the notes on the prefetch below).
+:data:`.simd.PREFETCH_FAR`), except a lone row of ``x`` on F32, which takes the far hint alone
+and only on rows of 16 KB or more, else leaves it to the hardware (:data:`LONE_FAR_K`; measured in
+the notes on the prefetch below).
 
 Batch invariance: every output ``(m, n)`` is the same sequence of operations in every tile shape,
 span, thread and position: 8 lanes, lane ``j`` a chain of multiply-adds over ``k = j, j + 8, ...``
@@ -70,7 +71,8 @@ SPAN = 256
 #: far 16 KB, once per line 15.62 / 17.29 (once per 8-element piece 16.42 / 17.85, which also cost
 #: an L1-resident M = 1 product 20%; once per line it costs 4-12%); far 8 KB 17.75 at M = 8, 24 KB
 #: and 64 KB as 16 KB; the far one into L1 18.52, far alone 18.51, against 18.11 for both.  A lone
-#: row of ``x`` on F32, one sequential stream (above), takes neither, as llama.cpp's
+#: row of ``x`` on F32, one sequential stream (above), takes neither on rows under 16 KB
+#: (:data:`LONE_FAR_K`: on longer rows the far one alone), as llama.cpp's
 #: ``ggml_vec_dot_f32`` does: on the AMD EPYC the far one had cost its decode steps 6-8% (session
 #: 11), and without the near one too the 125M model's f32 decode step took 0.94-0.96x the time
 #: (session 13, one process, 14-20 rounds alternating which goes first; the products of a chain of
@@ -79,26 +81,37 @@ SPAN = 256
 #: of rows: 1.4-1.9x the time).
 
 
+#: A lone F32 row of ``x`` prefetches its weight rows :data:`.simd.PREFETCH_FAR` ahead (into L2,
+#: no near hint) where a weight row holds at least that many bytes (``K`` >= 4096), so that the
+#: hint lands in the row being read or the next; on shorter rows it leaves the prefetch to the
+#: hardware.  Session 17, chains of distinct weights from memory, two threads, far hint against
+#: none (time, two runs of 10 interleaved rounds): 4096 x 4096 0.96x / 0.96x, Llama-7B's MLP pair
+#: 11008 x 4096 and 4096 x 11008 0.90x / 0.94x, while the 125M model's 2048 x 768 and 768 x 2048
+#: took 1.10x / 1.08x (hints 16 KB ahead there land 5-20 rows on, past a chunk's end).
+LONE_FAR_K = simd.PREFETCH_FAR // 4
+
+
 #: The kernels' compile-time choice: (weight format, path) -- each pair its own compiled code.
 SPECS = simd.Choice((fmt, path) for fmt in ("f32", "f16", "bf16") for path in ("avx2", "portable"))
 
 
-def _tile(rows: int, cols: int):
+def _tile(rows: int, cols: int, far_only: bool = False):
     """The intrinsic ``tile(spec, x, w, out, acc, m0, n0, lo, n, k, k0, k1)`` for the products of
     rows ``m0 + r`` of ``x`` and ``n0 + c`` of ``W`` (``r < rows``, ``c < cols``; arrays flat,
     ``spec`` :data:`SPECS`'s argument for (weight format, :data:`cpu.PATH`)): their lanes, kept in
     ``acc[m, n - lo]`` (``[M, CHUNK, LANES]``), take ``k0 <= k < k1``; once ``k1`` is the last
     multiple of 8, the lanes are summed, the ``K mod 8`` last products added and ``out`` written.
     One intrinsic per shape: numba keys an intrinsic's code by its argument types, which a shape
-    passed as an argument would not change."""
+    passed as an argument would not change.  ``far_only``: a lone F32 row of ``x`` that prefetches
+    its weight row far ahead (:data:`LONE_FAR_K`), not near."""
     @intrinsic
     def tile(typingctx, spec, x, w, out, acc, m0, n0, lo, n, k, k0, k1):
         return (types.void(spec, x, w, out, acc, *[types.intp] * 7),
-                functools.partial(_codegen, *SPECS.of(spec), rows, cols))
+                functools.partial(_codegen, *SPECS.of(spec), rows, cols, far_only))
     return tile
 
 
-def _codegen(fmt, path, rows, cols, context, builder, sig, args):
+def _codegen(fmt, path, rows, cols, far_only, context, builder, sig, args):
     """The IR of one tile (see :func:`_tile`)."""
     x, w, out, acc = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args[1:5], args[1:5]))
     m0, n0, lo, n, k, k0, k1 = args[5:12]
@@ -125,10 +138,10 @@ def _codegen(fmt, path, rows, cols, context, builder, sig, args):
 
     step = i64(LANES * unroll)
     lined = builder.add(k0, builder.mul(builder.sdiv(builder.sub(k1, k0), step), step))
-    hinted = rows > 1 or fmt != "f32"  # a lone row of x on F32: the hardware's prefetch alone
+    hinted = rows > 1 or fmt != "f32" or far_only  # a lone row of x on F32: see LONE_FAR_K
     with cgutils.for_range_slice(builder, k0, lined, step) as (i, _):
         for row in wrows if hinted else ():  # a hint, never a fault past the end: this piece's line, ahead
-            simd.prefetch_ahead(builder, at(w, row, i), 0, 64)
+            simd.prefetch_ahead(builder, at(w, row, i), 0, 64, near=not far_only)
         for u in range(unroll):  # the same pieces in the same order as one at a time
             piece(builder.add(i, i64(u * LANES)))
     with cgutils.for_range_slice(builder, lined, k1, i64(LANES)) as (i, _):
@@ -162,6 +175,7 @@ HALF = ROWS // 2 if ROWS >= 8 else 0
 #: ``x`` against two weight rows or one (the lone rows of ``x``: :data:`LONE_COLS`).
 _TILE, _HALF, _PAIR = _tile(ROWS, COLS), _tile(max(HALF, 1), COLS), _tile(1, 2)
 _COLUMN, _HALF_COLUMN, _ONE = _tile(ROWS, 1), _tile(max(HALF, 1), 1), _tile(1, 1)
+_ONE_FAR = _tile(1, 1, far_only=True)
 
 
 @intrinsic
@@ -211,6 +225,10 @@ def _chunk(spec, x, w, out, m, n, k, task):
                 while j + 2 <= end:
                     _PAIR(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
                     j += 2
+            if _lone_cols(spec) == 1 and k >= LONE_FAR_K:
+                while j < end:
+                    _ONE_FAR(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                    j += 1
             while j < end:
                 _ONE(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
                 j += 1
