@@ -26,9 +26,9 @@ first call / second call): after F32 245 / 143 us, after F16 192 / 151, after Q8
 activations) 196 / 170, after Q4_0 (Q8_0 activations) 174 / 155, after itself 174 / 160; two
 threads, 4096 x 4096, after 1 GiB of F32 products 486 us against 416 after its own kind.  Why is not
 found: not the CPU's clock, which a C loop read at 3.4-3.6 GHz in the first 10 us after 50 ms of
-streaming, and not a warm-up of 512-bit instructions, which ran at full rate from the first 10 us.  Until session 10 the flush was one product over one
-1 GiB weight (``--flush-as-one``): after it every compiled product read slower than after the
-same bytes as weight-sized products -- the Q4_0 product with Q8_0 activations 10.3-13.8 GB/s
+streaming, and not a warm-up of 512-bit instructions, which ran at full rate from the first 10 us.
+Until session 10 the flush was one product over one 1 GiB weight (``--flush-as-one``): after it
+every compiled product read slower than after the same bytes as weight-sized products -- the Q4_0 product with Q8_0 activations 10.3-13.8 GB/s
 against 16.6-18.0 in an isolated test, with its output preallocated and the pool's threads woken
 first alike -- while numpy's reference hardly moved (22.6 against 23.8 GB/s in one session), so
 the ratios measured something a decode step, a chain of weight-sized products, never does: F32
@@ -220,10 +220,12 @@ def main() -> None:
     print(head)
     print("|" + "-" * 28 + "|" + "-" * 8 + "|" + "".join("-" * 17 + "|" for _ in ms))
     rows = [("numpy x @ W.T (f32)", args.n * args.k * 4, lambda x: numpy_ref(len(x)))]
+    flushes = {}  # product name -> its untimed products, each a callable
     if args.numpy_here:
         w = weight(DType.F32, args.n, args.k)
         rows.append(("numpy, in this process", w.nbytes, lambda x: x @ w.T))
-    flushes = {}  # product name -> its untimed products, each a callable
+        flushes[rows[-1][0]] = [(lambda x, f=f: x @ f.T) if same else functools.partial(compiled.linear, w=f)
+                                for f in (flush_weights(DType.F32, args.n, args.k, buffer) if same else f32_flushes)]
     for d in types:
         modes = ("f32", "q8_0") if d.is_quantized else ("f32",)
         others = flush_weights(d, args.n, args.k, buffer) if same else f32_flushes
