@@ -1,42 +1,42 @@
 """Products ``x [M, K] @ W[N, K]^T`` on a 4096 x 4096 weight: GB/s of weight bytes, per stored type.
 
 Per ``M`` (1 = one decode step; 4, 16, 64 = batched steps): numpy's ``x @ W.T`` on the f32 weight
-(the reference, measured in the same run: this machine is shared and noisy, compare the ratios) in
-a child process of its own (``numpy_matvec_child.py``), which never loads numba: numba's TBB
-worker threads in the same process as OpenBLAS's slowed numpy down (its M = 1 fell to 9 GB/s in an
-interleaved run), so the reference was not numpy's real speed.  Then the compiled products
+(the reference, measured in the same run: this machine is shared and noisy, compare the ratios) in a
+child process of its own (``numpy_matvec_child.py``), which never loads numba: numba's TBB worker
+threads in the same process as OpenBLAS's slowed numpy down (its M = 1 fell to 9 GB/s in an
+interleaved run), so the reference was not numpy's real speed. Then the compiled products
 (``dist_runtime.backends.compiled.linear``) on the weight stored as every type they read, with f32
-activations and (block types) Q8_0 activations.  GB/s = the weight's stored bytes / the median
-time; "vs numpy" = our GB/s / the reference's GB/s at the same ``M``.  The runs are interleaved,
-round after round of every product (the reference's turn is a request to the child, which times
-its product alone and answers once OpenBLAS's threads stop spinning, while this process waits),
-so a burst of load from elsewhere slows all alike, and each measured product follows untimed
-ones over ``--flush-mb`` of other weights of its shape (1 GiB by default, more than the
-480 MiB of L3 this VM reports), so that its weight comes from memory, as in a decode step of a
-model larger than the cache (run after run of one product would find its weight in cache).  The
-untimed products are of the measured one's own kind, as in a decode step of a model stored in that
-type: numpy's f32 products in its child (16 weights of 64 MB), and the measured compiled product
-itself (same stored type, same activations) on other weights, which are views into one buffer of
-random bytes whose every 16- and 32-bit reading is a normal float (:func:`flush_weights`).  Until
-session 17 the compiled products all followed 1 GiB of compiled F32 products (``--flush-kind f32``):
-a product of another type then paid a fixed ~70-100 us on its first call (one thread or two; its
-second call on another cold weight did not), which no decode step pays -- a Q4_K product with Q8_K
-activations, 1024 x 4096, one thread, after 400 MB of products of each kind (medians of 8 rounds,
-first call / second call): after F32 245 / 143 us, after F16 192 / 151, after Q8_0 (f32
-activations) 196 / 170, after Q4_0 (Q8_0 activations) 174 / 155, after itself 174 / 160; two
-threads, 4096 x 4096, after 1 GiB of F32 products 486 us against 416 after its own kind.  Why is not
-found: not the CPU's clock, which a C loop read at 3.4-3.6 GHz in the first 10 us after 50 ms of
-streaming, and not a warm-up of 512-bit instructions, which ran at full rate from the first 10 us.
-Until session 10 the flush was one product over one 1 GiB weight (``--flush-as-one``): after it
-every compiled product read slower than after the same bytes as weight-sized products -- the Q4_0 product with Q8_0 activations 10.3-13.8 GB/s
-against 16.6-18.0 in an isolated test, with its output preallocated and the pool's threads woken
-first alike -- while numpy's reference hardly moved (22.6 against 23.8 GB/s in one session), so
-the ratios measured something a decode step, a chain of weight-sized products, never does: F32
-0.90 against 1.00x, Q8_0 (q8 act.) 0.74 against 0.97x, Q4_0 0.47 against 0.74x, Q4_K 0.44
-against 0.54x, in two runs one after the other.  Why one long product leaves the next slower
-here is not found.  A decode step streams every weight once, so GB/s at ``M`` = 1 bounds decoding
-speed.  The last table gives each type's time at ``M`` = 8 over its time at ``M`` = 1 (each weight block is read once for
-all rows, so this stays well under 8 until the arithmetic, not the memory, is the limit).
+activations and (block types) Q8_0 activations. GB/s = the weight's stored bytes / the median time;
+"vs numpy" = our GB/s / the reference's GB/s at the same ``M``. The runs are interleaved, round
+after round of every product (the reference's turn is a request to the child, which times its
+product alone and answers once OpenBLAS's threads stop spinning, while this process waits), so a
+burst of load from elsewhere slows all alike, and each measured product follows untimed ones over
+``--flush-mb`` of other weights of its shape (1 GiB by default, more than the 480 MiB of L3 this VM
+reports), so that its weight comes from memory, as in a decode step of a model larger than the cache
+(run after run of one product would find its weight in cache). The untimed products are of the
+measured one's own kind, as in a decode step of a model stored in that type: numpy's f32 products in
+its child (16 weights of 64 MB), and the measured compiled product itself (same stored type, same
+activations) on other weights, which are views into one buffer of random bytes whose every 16- and
+32-bit reading is a normal float (:func:`flush_weights`). Until session 17 the compiled products all
+followed 1 GiB of compiled F32 products (``--flush-kind f32``): a product of another type then paid
+a fixed ~70-100 us on its first call (one thread or two; its second call on another cold weight did
+not), which no decode step pays -- a Q4_K product with Q8_K activations, 1024 x 4096, one thread,
+after 400 MB of products of each kind (medians of 8 rounds, first call / second call): after F32 245
+/ 143 us, after F16 192 / 151, after Q8_0 (f32 activations) 196 / 170, after Q4_0 (Q8_0 activations)
+174 / 155, after itself 174 / 160; two threads, 4096 x 4096, after 1 GiB of F32 products 486 us
+against 416 after its own kind. Why is not found: not the CPU's clock, which a C loop read at
+3.4-3.6 GHz in the first 10 us after 50 ms of streaming, and not a warm-up of 512-bit instructions,
+which ran at full rate from the first 10 us. Until session 10 the flush was one product over one 1
+GiB weight (``--flush-as-one``): after it every compiled product read slower than after the same
+bytes as weight-sized products -- the Q4_0 product with Q8_0 activations 10.3-13.8 GB/s against
+16.6-18.0 in an isolated test, with its output preallocated and the pool's threads woken first alike
+-- while numpy's reference hardly moved (22.6 against 23.8 GB/s in one session), so the ratios
+measured something a decode step, a chain of weight-sized products, never does: F32 0.90 against
+1.00x, Q8_0 (q8 act.) 0.74 against 0.97x, Q4_0 0.47 against 0.74x, Q4_K 0.44 against 0.54x, in two
+runs one after the other. Why one long product leaves the next slower here is not found. A decode
+step streams every weight once, so GB/s at ``M`` = 1 bounds decoding speed. The last table gives
+each type's time at ``M`` = 8 over its time at ``M`` = 1 (each weight block is read once for all
+rows, so this stays well under 8 until the arithmetic, not the memory, is the limit).
 
 Run it as::
 
