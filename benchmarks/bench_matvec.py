@@ -24,9 +24,14 @@ not), which no decode step pays -- a Q4_K product with Q8_K activations, 1024 x 
 after 400 MB of products of each kind (medians of 8 rounds, first call / second call): after F32 245
 / 143 us, after F16 192 / 151, after Q8_0 (f32 activations) 196 / 170, after Q4_0 (Q8_0 activations)
 174 / 155, after itself 174 / 160; two threads, 4096 x 4096, after 1 GiB of F32 products 486 us
-against 416 after its own kind. Why is not found: not the CPU's clock, which a C loop read at
-3.4-3.6 GHz in the first 10 us after 50 ms of streaming, and not a warm-up of 512-bit instructions,
-which ran at full rate from the first 10 us. Until session 10 the flush was one product over one 1
+against 416 after its own kind. It is the product's own code and small data (the Python
+wrapper, the driver, quantizing ``x``) coming back from memory after a gigabyte of other weights
+streamed through the caches, where a flush of its own kind keeps them warm: after the F32 flush a
+4-row call of the same product took 38 us (~5 warm), and the measured call after it 152 us,
+against 184 without it (one thread; 154-155 on a second call either way); a tiny F32 product's
+Python path alone costs ~12 us cold against ~2.5 warm.  Not the CPU's clock (a C loop read
+3.4-3.6 GHz in the first 10 us after 50 ms of streaming), nor a warm-up of 512-bit instructions
+(full rate from the first 10 us). Until session 10 the flush was one product over one 1
 GiB weight (``--flush-as-one``): after it every compiled product read slower than after the same
 bytes as weight-sized products -- the Q4_0 product with Q8_0 activations 10.3-13.8 GB/s against
 16.6-18.0 in an isolated test, with its output preallocated and the pool's threads woken first alike
