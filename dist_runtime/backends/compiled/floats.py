@@ -225,12 +225,12 @@ def _chunk(spec, x, w, out, m, n, k, task):
                 while j + 2 <= end:
                     _PAIR(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
                     j += 2
-            if _lone_cols(spec) == 1 and k >= LONE_FAR_K:
-                while j < end:
-                    _ONE_FAR(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
-                    j += 1
+            far = _lone_cols(spec) == 1 and k >= LONE_FAR_K
             while j < end:
-                _ONE(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                if far:
+                    _ONE_FAR(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                else:
+                    _ONE(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
                 j += 1
             i += 1
         if k1 == whole:
