@@ -24,7 +24,7 @@ from dist_runtime.kernels.quant import to_float
 from dist_runtime.kernels.registry import KernelContext
 
 from .arena import pack
-from .backends import Backend, ChainedNodeError, chain_reads, make_backends, openblas
+from .backends import Backend, ChainedNodeError, chain_reads, make_backends, openblas, program
 from .backends.assign import Assignment, assign_backends
 from .batching import ROWS, SEGMENTED, NodeRows, PerSegment, RowPlan, Segment, offsets, plan_rows
 from .errors import DistRuntimeError, GraphValidationError, KernelError
@@ -38,6 +38,9 @@ DEFAULT_SESSION: Hashable = 0
 
 #: The context of a step computed once over every session's rows (it reads no session state).
 _PLAIN = KernelContext()
+#: The ``kv_cache`` of the step that runs the compiled program: its context holds the session's
+#: KV states by key (:meth:`GraphExecutor._context`).
+_PROGRAM = KvCache(0)
 
 
 @dataclass
@@ -211,12 +214,15 @@ class GraphExecutor:
     would alone, so that :meth:`run_batch` gives a session the same bits in any batch.
     ``huge_pages``: copy the matrix weights into one buffer of 2 MiB pages (True), leave them as
     loaded (False), or decide by the system and their size (None; :mod:`dist_runtime.arena`);
-    ``placement`` says which was done and why.
+    ``placement`` says which was done and why.  ``compiled_program``: run the longest run of steps
+    the compiled program takes as one call in a one-session pass (:mod:`.backends.program`; the
+    same bits), or every step from Python (False); ``program`` says what it took, or why nothing.
     """
 
     def __init__(self, model, backends: Sequence[str | Backend] | None = None,
                  max_memory: int | None = None, *, fuse: bool = True, seed: int = 0,
-                 batch_invariant: bool = False, huge_pages: bool | None = None) -> None:
+                 batch_invariant: bool = False, huge_pages: bool | None = None,
+                 compiled_program: bool = True) -> None:
         if huge_pages not in (None, True, False):
             raise TypeError(f"huge_pages= takes True, False or None (decide), not {huge_pages!r}")
         graph, weights, declared_max, opened = _open(model)
@@ -244,6 +250,7 @@ class GraphExecutor:
         if opened is not None and self.placement.packed:  # our own map: its copied pages are not needed
             opened.release(streamed)
         self._steps = self._bind(widened)
+        self._program_steps, self.program = self._with_program() if compiled_program else (None, "not asked for")
         self._after_pass = [b.after_pass for b in self.backends if callable(getattr(b, "after_pass", None))]
         self._checked: set[tuple] = set()  # input signatures already shape-checked
         self._seed = seed
@@ -259,6 +266,27 @@ class GraphExecutor:
                                self.rows.nodes[i]))
         backends = [a.backend for a in self.assignments]
         return _shared_launches(_chains(steps, graph, backends, self.rows), graph, backends, self._constants, self.rows)
+
+    def _with_program(self) -> tuple[list[_Step] | None, str]:
+        """The steps with the longest run the compiled program takes as one step
+        (:mod:`.backends.program`), and what it took or why none (``inspect --plan``)."""
+        rows = {}
+        for t in (3, 5):  # values whose first dim follows the pass's rows: [T, width]
+            try:
+                rows[t] = infer_shapes(self.graph, {name: TensorSpec(tuple(t if d == -1 else d for d in spec.shape), spec.dtype)
+                                                    for name, spec in zip(self.graph.input_names, self.graph.inputs)})
+            except Exception as e:  # noqa: BLE001 -- a graph whose shapes need real inputs: no program
+                return None, f"no compiled program: shapes not inferable ahead ({e})"
+        specs = {n: spec for n, spec in rows[3].items()
+                 if len(spec.shape) != 2 or (spec.shape[0], rows[5][n].shape[0]) == (3, 5)}
+        found = program.build(self._steps, self.graph, specs, self._constants, [a.backend for a in self.assignments])
+        if isinstance(found, str):
+            return None, f"no compiled program: {found}"
+        lo, hi, prog = found
+        steps = self._steps[lo:hi]
+        frees = tuple(n for step in steps for n in step.frees if n in prog.reads)
+        step = replace(steps[0], fn=prog, reads=prog.reads, writes=prog.writes, frees=frees, kv_cache=_PROGRAM)
+        return [*self._steps[:lo], step, *self._steps[hi:]], prog.describe()
 
     # -- sessions ------------------------------------------------------------------------------
     def session(self, sid: Hashable = DEFAULT_SESSION, *, seed: int | None = None) -> Session:
@@ -331,7 +359,8 @@ class GraphExecutor:
         values[POS] = np.array([s.pos], np.float32)
         plain = KernelContext(rng=s.rng, pos=s.pos)  # one per run: only a KvCache step needs its own
         self._walk(values, lambda step: step.fn([values[n] for n in step.reads],
-                                                plain if step.kv_cache is None else self._context(step, s)), observe)
+                                                plain if step.kv_cache is None else self._context(step, s)), observe,
+                   self._program_steps if observe is None and self._program_steps else self._steps)
         self._advance(s)
         return {name: values[name] for name in self.graph.outputs}
 
@@ -370,14 +399,14 @@ class GraphExecutor:
             if rows is not None and rows != total:
                 raise GraphValidationError(f"input {name!r} has {rows} rows, the segments {total}")
 
-    def _walk(self, values: dict, call, observe) -> None:
+    def _walk(self, values: dict, call, observe, steps: list[_Step] | None = None) -> None:
         """Every step in order, ``call(step)`` computing its outputs; an exception inside a step
         leaves as the project's error naming that step's node.  Then, either way, every backend's
         ``after_pass()``."""
         step = None
         try:
             with openblas.pass_running():
-                for step in self._steps:
+                for step in steps or self._steps:
                     outs = call(step)
                     for name, value in zip(step.writes, outs):
                         values[name] = value
@@ -419,6 +448,8 @@ class GraphExecutor:
 
     @staticmethod
     def _context(step: _Step, s: Session) -> KernelContext:
+        if step.kv_cache is _PROGRAM:  # the program keeps its KV caches' states itself
+            return KernelContext(state=s.kv, rng=s.rng, pos=s.pos)
         state = None
         if step.kv_cache is not None:
             key = step.index if step.state < 0 else step.state

@@ -221,6 +221,7 @@ def _bind_rms_norm(backend: NumbaBackend, node: Node) -> BoundKernel:
         if not (_is_f32(x, weight) and weight.shape == x.shape[-1:]):
             return reference(inputs, ctx)
         return (_rms_compiled(x, weight, op.eps),)
+    run.program_kind = ("rms", op.eps)
     return run
 
 
@@ -237,6 +238,7 @@ def _bind_skip_norm(backend: NumbaBackend, node: Node) -> BoundKernel:
         _skip_rms_rows(_rows(x), _rows(residual), weight, op.eps,
                        total.reshape(-1, width), out.reshape(-1, width))
         return total, out
+    run.program_kind = ("skip", op.eps)
     return run
 
 
@@ -255,6 +257,7 @@ def _bind_swiglu(backend: NumbaBackend, node: Node) -> BoundKernel:
         gate, up = backend.linear_many(x, [w_gate, w_up])
         _silu_mul_compiled(gate.reshape(-1), up.reshape(-1))
         return (gate,)
+    run.program_kind = ("swiglu",)
     return run
 
 
@@ -266,6 +269,7 @@ def _bind_norm_matmul(backend: NumbaBackend, node: Node) -> BoundKernel:
         if not (_takes_weight(x, w) and _is_f32(norm_weight) and norm_weight.shape == x.shape[-1:]):
             return reference(inputs, ctx)
         return (backend.linear(_rms_compiled(x, norm_weight, op.eps), w),)
+    run.program_kind = ("norm_matmul", op.eps)
     return run
 
 
@@ -277,6 +281,8 @@ def _bind_matmul(backend: NumbaBackend, node: Node) -> BoundKernel:
         if not (op.transpose_b and _takes_weight(a, b)):
             return reference(inputs, ctx)
         return (backend.linear(a, b),)
+    if op.transpose_b:
+        run.program_kind = ("matmul",)
     return run
 
 
@@ -590,6 +596,7 @@ class NumbaBackend(TableBackend):
             if all(_takes_weight(x, w) for w in ws):
                 return tuple(self.linear_many(x, list(ws)))
             return tuple(single([x, w], ctx)[0] for single, w in zip(singles, ws))
+        run.program_kind = ("siblings",)
         return run
 
     def bind_chain(self, nodes: Sequence[Node], kernels: Sequence[BoundKernel],

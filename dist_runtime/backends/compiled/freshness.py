@@ -56,5 +56,5 @@ def refresh(sources: list[Path], stamp: Path) -> bool:
 #: The sources of the cached compiled code: this package's modules and the numba backend, whose
 #: attention chain compiles the package's attention in.
 PACKAGE = Path(__file__).resolve().parent
-SOURCES = sorted(PACKAGE.glob("*.py")) + [PACKAGE.parent / "numba.py"]
+SOURCES = sorted(PACKAGE.glob("*.py")) + [PACKAGE.parent / "numba.py", PACKAGE.parent / "program.py"]
 STAMP = PACKAGE / "__pycache__" / "sources.sha256"

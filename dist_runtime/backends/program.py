@@ -1,0 +1,518 @@
+"""A run of a pass's steps as one compiled call: the executor's program.
+
+A 125M Llama's f32 decode step is ~147 steps.  Its products, called back to back from Python
+with no other work between them, took 11.8 ms (34 GB/s); the step took 14.2 (session 18, one
+process, medians of 30): the other ~2.4 ms were Python -- the executor's loop, each kernel's
+checks and allocations, the attention chain's position and KV cache bookkeeping -- whose code
+and data come back cold after every product streams its weight through the caches (a line of
+the attention chain's Python ~2-8 us there, against ~0.3 warm).  The program runs the longest
+run of steps it knows as one call of :func:`_execute`, a loop over fixed instructions that calls
+the very compiled functions those steps call, in the same order: the same bits.
+
+Which steps (:func:`build`): the numba backend's products of F32 activations and an F32 weight
+(Matmul, the q/k/v shared launch, FusedSwiGlu, FusedNormMatmul), RmsNorm, FusedSkipNorm, its
+attention chain (Rope, Rope, KvCache, Sdpa on the vector cores), Add, and the pass-on steps of
+chains and shared launches, every value they make F32 ``[T, width]``.  Their intermediates live
+in one arena per call, reused after each value's last read.  Off its fast path (a pass of
+:data:`~.numba.BLAS_ROWS` rows or more where the products go to BLAS, an input not as built for,
+a KV cache that would refuse the write) the program runs its steps one by one, as without it, each
+error naming its own node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numba
+import numpy as np
+from numba import prange
+
+from dist_runtime.kernels.attention import KvState
+from dist_runtime.kernels.positions import cos_sin_rows
+from dist_runtime.kernels.registry import KernelContext
+
+from ..dtypes import DType
+from ..ir.tensor_spec import POS
+from ..ir.ops import Add
+from . import ChainedNodeError
+from .compiled import attention as compiled_attention
+from .compiled import cpu, floats
+from .compiled.registry import SERIAL_BYTES
+from .numba import BLAS_ROWS, _AttentionChain, _f32_at, _rms_rows, _rope_append_attend, _silu_mul_compiled, _skip_rms_rows
+
+F32 = np.dtype(np.float32)
+_SHARED = "@shared"
+#: Columns of one instruction in :func:`_execute`'s code: the opcode, then its operands.
+WIDTH = 16
+RMS, SKIP, PRODUCT, JOINT, SILU, ADD, ATTENTION = range(1, 8)
+
+
+# -- the compiled loop -------------------------------------------------------------------------------
+@numba.njit(nogil=True, cache=True)
+def _flat(arena, slots, s, m):
+    """Value ``s``'s rows in the arena, flat (``slots[s]``: offset per row, width)."""
+    return arena[slots[s, 0] * m:(slots[s, 0] + slots[s, 1]) * m]
+
+
+@numba.njit(nogil=True, cache=True)
+def _rows2d(arena, slots, s, m):
+    return _flat(arena, slots, s, m).reshape((m, slots[s, 1]))
+
+
+@numba.njit(nogil=True, cache=True)
+def _weight(weights, i):
+    return numba.carray(_f32_at(weights[i, 0]), weights[i, 1])
+
+
+@numba.njit(nogil=True, cache=True)
+def _serial(work_bytes, threads):
+    """:func:`.compiled.registry.serial`: the same bits either way, only the speed differs."""
+    return work_bytes < SERIAL_BYTES or threads == 1
+
+
+@numba.njit(nogil=True, cache=True)
+def _joint_slots(c, slots, weights, arena, m):
+    """A JOINT instruction's weights and outputs, a missing third as empty (no chunks)."""
+    w0, o0 = _weight(weights, c[3]), _flat(arena, slots, c[4], m)
+    w1, o1 = _weight(weights, c[5]), _flat(arena, slots, c[6], m)
+    if c[2] == 3:
+        return w0, o0, slots[c[4], 1], w1, o1, slots[c[6], 1], _weight(weights, c[7]), _flat(arena, slots, c[8], m), slots[c[8], 1]
+    return w0, o0, slots[c[4], 1], w1, o1, slots[c[6], 1], w0[:0], o0[:0], 0
+
+
+@numba.njit(nogil=True, cache=True)
+def _rope_append(spec, c, slots, kv, cos, sin, arena, m, pos, threads):
+    """The attention chain's compiled call (:class:`~.numba._AttentionChain`) on cache ``c[4]``,
+    attending too where :func:`.compiled.attention.serial` would (else the caller does, over the
+    threads: the same bits); returns whether it attended."""
+    q, k, v = _rows2d(arena, slots, c[1], m), _rows2d(arena, slots, c[2], m), _rows2d(arena, slots, c[3], m)
+    width, rows, stop = slots[c[2], 1], kv[c[4], 2], pos + m
+    k_buf = numba.carray(_f32_at(kv[c[4], 0]), (rows, width))
+    v_buf = numba.carray(_f32_at(kv[c[4], 1]), (rows, width))
+    attend = (threads == 1 or (m == 1 and stop <= compiled_attention.SPLIT_KEYS)
+              or m * stop * width * 4 * 2 < compiled_attention.SERIAL_KV_BYTES)
+    _rope_append_attend(spec, q, k, v, cos, sin, c[13], c[14], k_buf, v_buf, pos, c[8], c[9], c[10], c[11] != 0, c[12],
+                        attend, _rows2d(arena, slots, c[5], m), _rows2d(arena, slots, c[6], m),
+                        _rows2d(arena, slots, c[7], m))
+    return attend
+
+
+@numba.njit(nogil=True, cache=True)
+def _keys(c, slots, kv, pos, m):
+    """The K and V rows held once an ATTENTION instruction's rows are written."""
+    width, rows, stop = slots[c[2], 1], kv[c[4], 2], pos + m
+    return (numba.carray(_f32_at(kv[c[4], 0]), (rows, width))[:stop],
+            numba.carray(_f32_at(kv[c[4], 1]), (rows, width))[:stop])
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, pos, threads, spec, attention_spec):
+    """Every instruction of ``code`` in order (see :class:`Program`).  The threaded loops are
+    those of :func:`floats._threaded`, :func:`floats._threaded_joint` and
+    :func:`.compiled.attention._attention_threaded`, here: a compiled function that calls a
+    parallel one cannot be cached by numba."""
+    for i in range(code.shape[0]):
+        c = code[i]
+        op = c[0]
+        if op == RMS:
+            _rms_rows(_rows2d(arena, slots, c[1], m), _weight(weights, c[2]), eps[c[3]], _rows2d(arena, slots, c[4], m))
+        elif op == SKIP:
+            _skip_rms_rows(_rows2d(arena, slots, c[1], m), _rows2d(arena, slots, c[2], m), _weight(weights, c[3]),
+                           eps[c[4]], _rows2d(arena, slots, c[5], m), _rows2d(arena, slots, c[6], m))
+        elif op == PRODUCT:
+            x, w, out = _flat(arena, slots, c[1], m), _weight(weights, c[2]), _flat(arena, slots, c[3], m)
+            n, k = slots[c[3], 1], slots[c[1], 1]
+            if _serial(n * k * 4 * m, threads):
+                floats._rows(spec, x, w, out, m, n, k, 0, n)
+            else:
+                for task in prange((n + floats.CHUNK - 1) // floats.CHUNK):
+                    floats._chunk(spec, x, w, out, m, n, k, task)
+        elif op == JOINT:
+            x, k = _flat(arena, slots, c[1], m), slots[c[1], 1]
+            w0, o0, n0, w1, o1, n1, w2, o2, n2 = _joint_slots(c, slots, weights, arena, m)
+            if _serial((n0 + n1 + n2) * k * 4 * m, threads):
+                floats._rows(spec, x, w0, o0, m, n0, k, 0, n0)
+                floats._rows(spec, x, w1, o1, m, n1, k, 0, n1)
+                if n2:
+                    floats._rows(spec, x, w2, o2, m, n2, k, 0, n2)
+            else:
+                t0, t1 = (n0 + floats.CHUNK - 1) // floats.CHUNK, (n1 + floats.CHUNK - 1) // floats.CHUNK
+                t2 = (n2 + floats.CHUNK - 1) // floats.CHUNK
+                for task in prange(t0 + t1 + t2):
+                    if task < t0:
+                        floats._chunk(spec, x, w0, o0, m, n0, k, task)
+                    elif task < t0 + t1:
+                        floats._chunk(spec, x, w1, o1, m, n1, k, task - t0)
+                    else:
+                        floats._chunk(spec, x, w2, o2, m, n2, k, task - t0 - t1)
+        elif op == SILU:
+            _silu_mul_compiled(_flat(arena, slots, c[1], m), _flat(arena, slots, c[2], m))
+        elif op == ADD:
+            a, b, out = _flat(arena, slots, c[1], m), _flat(arena, slots, c[2], m), _flat(arena, slots, c[3], m)
+            for j in range(out.shape[0]):
+                out[j] = a[j] + b[j]
+        elif op == ATTENTION:
+            if not _rope_append(attention_spec, c, slots, kv, cos, sin, arena, m, pos, threads):
+                q_rot, out = _rows2d(arena, slots, c[5], m), _rows2d(arena, slots, c[7], m)
+                k_all, v_all = _keys(c, slots, kv, pos, m)
+                heads, kv_heads, head_dim, causal, window = c[8], c[9], c[10], c[11] != 0, c[12]
+                starts, sums, stats = compiled_attention._scratch(m, pos + m, causal, window, heads, head_dim)
+                for piece in prange(starts[-1]):
+                    compiled_attention._attend_piece(attention_spec, q_rot, k_all, v_all, heads, kv_heads, head_dim,
+                                                     causal, window, starts, piece, sums, stats)
+                compiled_attention._merge(starts, sums, stats, heads, head_dim, out)
+
+
+# -- building it --------------------------------------------------------------------------------------
+@dataclass
+class _Cache:
+    """One attention chain's KV cache: the session's key for its state, and the op."""
+
+    key: int
+    op: object
+    width: int
+
+
+class _Builder:
+    """Instructions, value slots and weights of a program, made step by step."""
+
+    def __init__(self, specs: dict, constants: dict) -> None:
+        self.specs, self.constants = specs, constants
+        self.code: list[list[int]] = []
+        self.values: dict[str, int] = {}  # value name (without @shared) -> slot
+        self.widths: list[int] = []
+        self.weights: list[np.ndarray] = []
+        self.weight_ids: dict[str, int] = {}
+        self.eps: list[float] = []
+        self.caches: list[_Cache] = []
+        self.rope: tuple | None = None  # (rope_dim, base, head_dim of attention) of every chain
+
+    def value(self, name: str) -> int:
+        name = name.removesuffix(_SHARED)
+        if name not in self.values:
+            spec = self.specs.get(name)
+            if spec is None or spec.dtype != DType.F32 or len(spec.shape) != 2:
+                raise _Unsupported(f"value {name!r} is not F32 rows of the pass ({spec or 'rows fixed'})")
+            self.values[name] = len(self.widths)
+            self.widths.append(int(spec.shape[1]))
+        return self.values[name]
+
+    def scratch(self, width: int) -> int:
+        self.widths.append(width)
+        return len(self.widths) - 1
+
+    def weight(self, name: str, matrix: bool) -> int:
+        w = self.constants.get(name)
+        if not (type(w) is np.ndarray and w.dtype == F32 and w.ndim == (2 if matrix else 1) and w.flags.c_contiguous):
+            raise _Unsupported(f"weight {name!r} is not a contiguous F32 {'matrix' if matrix else 'vector'}")
+        if name not in self.weight_ids:
+            self.weight_ids[name] = len(self.weights)
+            self.weights.append(w)
+        return self.weight_ids[name]
+
+    def emit(self, *operands: int) -> None:
+        self.code.append([int(v) for v in operands])
+
+    def epsilon(self, eps: float) -> int:
+        self.eps.append(float(eps))
+        return len(self.eps) - 1
+
+    def product(self, x: str, w: str, out: str | int) -> None:
+        xs, o = self.value(x), out if isinstance(out, int) else self.value(out)
+        wi = self.weight(w, True)
+        if self.weights[wi].shape != (self.widths[o], self.widths[xs]):
+            raise _Unsupported(f"weight {w!r} {list(self.weights[wi].shape)} against x {self.widths[xs]} wide")
+        self.emit(PRODUCT, xs, wi, o)
+
+    def joint(self, x: str, ws: Sequence[str], outs: Sequence[str | int]) -> None:
+        if len(ws) > 3:
+            for w, out in zip(ws, outs):
+                self.product(x, w, out)
+            return
+        xs = self.value(x)
+        operands = []
+        for w, out in zip(ws, outs):
+            o = out if isinstance(out, int) else self.value(out)
+            wi = self.weight(w, True)
+            if self.weights[wi].shape != (self.widths[o], self.widths[xs]):
+                raise _Unsupported(f"weight {w!r} {list(self.weights[wi].shape)} against x {self.widths[xs]} wide")
+            operands += [wi, o]
+        self.emit(JOINT, xs, len(ws), *operands)
+
+
+class _Unsupported(Exception):
+    """A step the program cannot take (its message says why)."""
+
+
+def _step_code(b: _Builder, step, node) -> None:
+    """``step``'s instructions, or :class:`_Unsupported`."""
+    fn, kind = step.fn, getattr(step.fn, "program_kind", None)
+    if getattr(fn, "__name__", "") == "_pass_on":
+        for read, write in zip(step.reads, step.writes):  # the same value under its own name
+            b.values[write] = b.value(read)
+        return
+    if isinstance(node.op, Add) and kind is None:
+        a, c = (b.value(n) for n in step.reads)
+        out = b.value(step.writes[0])
+        if not b.widths[a] == b.widths[c] == b.widths[out]:
+            raise _Unsupported(f"node {node.id}: an Add that broadcasts")
+        b.emit(ADD, a, c, out)
+        return
+    if isinstance(fn, _AttentionChain):
+        _attention_code(b, step, fn)
+        return
+    if kind is None:
+        raise _Unsupported(f"node {node.id} ({type(node.op).__name__}) runs outside the numba backend's kernels")
+    name, *params = kind
+    r, w = step.reads, step.writes
+    if name == "rms":
+        b.emit(RMS, b.value(r[0]), b.weight(r[1], False), b.epsilon(params[0]), b.value(w[0]))
+    elif name == "skip":
+        b.emit(SKIP, b.value(r[0]), b.value(r[1]), b.weight(r[2], False), b.epsilon(params[0]), b.value(w[0]),
+               b.value(w[1]))
+    elif name == "matmul":
+        b.product(r[0], r[1], w[0])
+    elif name == "siblings":
+        b.joint(r[0], r[1:], w)
+    elif name == "swiglu":
+        gate = b.value(w[0])
+        up = b.scratch(b.widths[gate])
+        b.joint(r[0], r[1:3], [gate, up])
+        b.emit(SILU, gate, up)
+    elif name == "norm_matmul":
+        normed = b.scratch(b.widths[b.value(r[0])])
+        b.emit(RMS, b.value(r[0]), b.weight(r[1], False), b.epsilon(params[0]), normed)
+        xs, wi, o = normed, b.weight(r[2], True), b.value(w[0])
+        if b.weights[wi].shape != (b.widths[o], b.widths[xs]):
+            raise _Unsupported(f"weight {r[2]!r} does not fit node {node.id}")
+        b.emit(PRODUCT, xs, wi, o)
+    else:
+        raise _Unsupported(f"node {node.id}: {name}")
+
+
+def _attention_code(b: _Builder, step, chain) -> None:
+    """The attention chain's instruction: its reads are (q, pos, k, v); writes (q_rot, k_rot,
+    k_all, v_all, out) in the nodes' order, of which the KV views leave no value."""
+    if not chain.fast:
+        raise _Unsupported("an attention chain off its vector cores")
+    q, _, k, v = (step.reads[i] for i in chain.at)
+    made = [step.writes[chain.order.index(j)] for j in range(5)]  # q_rot, k_rot, k_all, v_all, out
+    rope = (chain.rope.rope_dim, float(chain.rope.base), chain.attn.head_dim)
+    if b.rope not in (None, rope):
+        raise _Unsupported("attention chains of different rotations or head sizes")
+    b.rope = rope
+    for name in made[2:4]:
+        b.values[name.removesuffix(_SHARED)] = -1  # a KV view: nothing may read it from the arena
+    cache = len(b.caches)
+    b.caches.append(_Cache(step.state if step.state >= 0 else step.index, step.kv_cache, chain.widths[1]))
+    a = chain.attn
+    b.emit(ATTENTION, b.value(q), b.value(k), b.value(v), cache, b.value(made[0]), b.value(made[1]), b.value(made[4]),
+           a.num_heads, a.kv_heads, a.head_dim, int(bool(a.causal)), chain.window, chain.rope.head_dim,
+           chain.rope.rope_dim)
+
+
+# -- the program's step -------------------------------------------------------------------------------
+class Program:
+    """Steps ``steps`` (consecutive, their nodes from ``index`` on) as one step's kernel: reads
+    :attr:`reads` (values made before it), writes :attr:`writes` (values read after it)."""
+
+    def __init__(self, steps: list, b: _Builder, reads: tuple, writes: tuple, backend, constants: dict) -> None:
+        self.steps, self.index, self.reads, self.writes = steps, steps[0].index, reads, writes
+        self.backend, self.constants = backend, constants
+        self.code = np.zeros((len(b.code), WIDTH), np.int64)
+        for i, row in enumerate(b.code):
+            self.code[i, :len(row)] = row
+        starts, self.per_row = _allocate(b, steps, reads, writes)
+        self.slots = np.array([[s, w] for s, w in zip(starts, b.widths)], np.int64).reshape(-1, 2)
+        self.weights = np.array([[w.ctypes.data, w.size] for w in b.weights], np.int64).reshape(-1, 2)
+        self._held = b.weights  # the addresses above stay valid while the program lives
+        self.eps = np.array(b.eps or [0.0], np.float64)
+        self.caches, self.rope = b.caches, b.rope
+        self.imports = [b.values[n.removesuffix(_SHARED)] for n in reads]
+        self.exports = [b.values[n.removesuffix(_SHARED)] for n in writes]
+        self.spec = floats.SPECS(("f32", cpu.PATH))
+        head_dim = b.rope[2] if b.rope else compiled_attention.HEAD_DIMS[0]
+        self.attention_spec = compiled_attention.SPECS((cpu.PATH, head_dim))
+        self._empty = np.zeros((1, 1), F32)
+        self._empty.flags.writeable = False
+
+    def describe(self) -> str:
+        return (f"{len(self.steps)} steps from node {self.index} in one compiled call "
+                f"({len(self.code)} instructions, {len(self.caches)} KV caches)")
+
+    def __call__(self, inputs: Sequence, ctx: KernelContext) -> tuple:
+        m = inputs[0].shape[0] if inputs and getattr(inputs[0], "ndim", 0) == 2 else -1
+        kv = self._room(ctx.state, ctx.pos, m) if self._fits(inputs, m) else None
+        if kv is None:
+            return self._one_by_one(inputs, ctx)
+        arena = np.empty(self.per_row * m, F32)
+        for s, x in zip(self.imports, inputs):
+            arena[self.slots[s, 0] * m:(self.slots[s, 0] + self.slots[s, 1]) * m] = x.reshape(-1)
+        cos = sin = self._empty
+        if self.rope:
+            cos, sin = cos_sin_rows(ctx.pos, m, self.rope[0], self.rope[1])
+            if cos.flags.writeable:  # computed, not cut from the cache: typed as the cached ones
+                cos.flags.writeable = sin.flags.writeable = False
+        _execute(self.code, self.slots, self.weights, self.eps, kv, cos, sin, arena, m, ctx.pos, numba.get_num_threads(),
+                 self.spec, self.attention_spec)
+        for cache in self.caches:
+            ctx.state[cache.key].hold(ctx.pos + m)
+        return tuple(arena[self.slots[s, 0] * m:(self.slots[s, 0] + self.slots[s, 1]) * m].reshape(m, self.slots[s, 1])
+                     for s in self.exports)
+
+    def _fits(self, inputs: Sequence, m: int) -> bool:
+        if m < 1 or (m >= BLAS_ROWS and not self.backend.invariant):
+            return False
+        return all(type(x) is np.ndarray and x.dtype == F32 and x.shape == (m, self.slots[s, 1])
+                   for s, x in zip(self.imports, inputs))
+
+    def _room(self, kv: dict, pos: int, m: int) -> np.ndarray | None:
+        """Each cache's (K address, V address, rows) with room for rows ``pos..pos + m``, grown
+        as :meth:`KvState.reserve` grows them; None where a write there would be refused."""
+        rooms = np.empty((len(self.caches), 3), np.int64)
+        for i, cache in enumerate(self.caches):
+            state = kv.get(cache.key)
+            if state is None:
+                state = kv[cache.key] = KvState.for_op(cache.op)
+            room = state.room(pos, m, cache.width)
+            if room is None:
+                if not 0 <= pos <= state.length:
+                    return None
+                like = np.empty((m, cache.width), F32)
+                try:
+                    state.reserve(pos, like, like)
+                except Exception:  # noqa: BLE001 -- one by one, the node names the error
+                    return None
+                room = state.room(pos, m, cache.width)
+            rooms[i] = room
+        return rooms
+
+    def _one_by_one(self, inputs: Sequence, ctx: KernelContext) -> tuple:
+        """The steps as without the program (each error naming its node)."""
+        values = dict(zip(self.reads, inputs))
+        values[POS] = np.array([ctx.pos], np.float32)
+        plain = KernelContext(rng=ctx.rng, pos=ctx.pos)
+        for step in self.steps:
+            args = [values[n] if n in values else self.constants[n] for n in step.reads]
+            own = plain
+            if step.kv_cache is not None:
+                key = step.index if step.state < 0 else step.state
+                state = ctx.state.get(key)
+                if state is None:
+                    state = ctx.state[key] = KvState.for_op(step.kv_cache)
+                own = KernelContext(state=state, rng=ctx.rng, pos=ctx.pos)
+            try:
+                outs = step.fn(args, own)
+            except ChainedNodeError as e:
+                raise ChainedNodeError(step.index - self.index + e.offset, e.inputs, e.error) from e.error
+            except Exception as e:  # noqa: BLE001 -- the executor names the node
+                raise ChainedNodeError(step.index - self.index, args, e) from e
+            values.update(zip(step.writes, outs))
+            for name in step.frees:
+                values.pop(name, None)
+        return tuple(values[n] for n in self.writes)
+
+
+def _allocate(b: _Builder, steps: list, reads: tuple, writes: tuple) -> tuple[list[int], int]:
+    """Each slot's offset per row in the arena, slots reused after their last read (the values
+    read from outside the program, and those it hands on, live throughout); and the arena's
+    width per row."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, row in enumerate(b.code):
+        for s in _operands(row):
+            first.setdefault(s, i)
+            last[s] = i
+    end = len(b.code)
+    for n in (*reads, *writes):
+        s = b.values[n.removesuffix(_SHARED)]
+        first[s], last[s] = 0 if n in reads else first.get(s, 0), end
+    starts = [0] * len(b.widths)
+    free: list[tuple[int, int]] = []  # (start, width) of free spans
+    top = 0
+    by_start = sorted(first, key=lambda s: first[s])
+    live: list[int] = []
+    for s in by_start:
+        for d in [d for d in live if last[d] < first[s]]:
+            live.remove(d)
+            free.append((starts[d], b.widths[d]))
+        fit = next((f for f in sorted(free) if f[1] >= b.widths[s]), None)
+        if fit is None:
+            starts[s], top = top, top + b.widths[s]
+        else:
+            free.remove(fit)
+            starts[s] = fit[0]
+            if fit[1] > b.widths[s]:
+                free.append((fit[0] + b.widths[s], fit[1] - b.widths[s]))
+        live.append(s)
+    return starts, top
+
+
+def _operands(row: list[int]) -> list[int]:
+    """The value slots an instruction reads or writes."""
+    op = row[0]
+    if op == RMS:
+        return [row[1], row[4]]
+    if op == SKIP:
+        return [row[1], row[2], row[5], row[6]]
+    if op == PRODUCT:
+        return [row[1], row[3]]
+    if op == JOINT:
+        return [row[1], *row[4:4 + 2 * row[2]:2]]
+    if op in (SILU,):
+        return [row[1], row[2]]
+    if op == ADD:
+        return [row[1], row[2], row[3]]
+    return [row[1], row[2], row[3], row[5], row[6], row[7]]  # ATTENTION
+
+
+def build(steps: list, graph, specs: dict, constants: dict, backends: list) -> tuple[int, int, Program] | str:
+    """The longest run of steps ``steps[lo:hi]`` a program takes, as ``(lo, hi, program)``, or
+    why none (``inspect --plan``).  ``specs``: every value's spec at ``T`` rows, for T = 2."""
+    best, why = None, "no step the program takes"
+    i = 0
+    while i < len(steps):
+        j, b, backend = i, _Builder(specs, constants), None
+        while j < len(steps):
+            step = steps[j]
+            owner = backends[step.index]
+            if getattr(owner, "activations", "f32") != "f32":
+                why = f"the {owner.name} backend's {owner.activations} activations"
+                break
+            try:
+                _step_code(b, step, graph.nodes[step.index])
+            except _Unsupported as e:
+                why = str(e)
+                break
+            if getattr(step.fn, "program_kind", None) or isinstance(step.fn, _AttentionChain):
+                backend = backend or owner
+            j += 1
+        real = sum(getattr(step.fn, "__name__", "") != "_pass_on" for step in steps[i:j])
+        if backend is not None and real >= 2 and (best is None or j - i > best[1] - best[0]):
+            best = (i, j, b, backend)
+        i = max(j, i + 1)
+    if best is None:
+        return why
+    lo, hi, b, backend = best
+    # Rebuild from the chosen start: a builder's values follow the run it was made on.
+    b = _Builder(specs, constants)
+    for step in steps[lo:hi]:
+        _step_code(b, step, graph.nodes[step.index])
+    reads, writes = _borders(steps, lo, hi, graph, constants)
+    for name in (*reads, *writes):
+        if b.values.get(name.removesuffix(_SHARED), -1) < 0:
+            return f"value {name!r} crosses the program's border but is not F32 rows"
+    return lo, hi, Program(steps[lo:hi], b, reads, writes, backend, constants)
+
+
+def _borders(steps: list, lo: int, hi: int, graph, constants: dict) -> tuple[tuple, tuple]:
+    """What ``steps[lo:hi]`` read from before them (not weights) and write for later steps or
+    the graph's outputs."""
+    made, reads = set(), {}
+    for step in steps[lo:hi]:
+        reads.update((n, None) for n in step.reads if n not in made and n not in constants and n != POS)
+        made.update(step.writes)
+    later = {n for step in steps[hi:] for n in step.reads} | set(graph.outputs)
+    return tuple(reads), tuple(n for n in dict.fromkeys(w for s in steps[lo:hi] for w in s.writes) if n in later)
+

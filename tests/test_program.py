@@ -1,0 +1,149 @@
+"""The executor's compiled program (dist_runtime/backends/program.py): a run of steps as one
+compiled call gives the very bits of the steps run one by one from Python, in every kind of pass
+a session makes (prefill, decode, a retried step, after a reset, a cache that grows, attention
+over the threads at long contexts, one thread or two), leaves what it cannot take to the steps,
+and fails as they fail, naming the same node."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+import dist_runtime.backends.program as program_module
+from dist_runtime.dtypes import DType
+from dist_runtime.errors import DistRuntimeError
+from dist_runtime.executor import GraphExecutor
+from dist_runtime.importers.hf.llama import DecoderConfig, decoder_graph, random_weights
+from dist_runtime.ir import Graph, TensorSpec
+from dist_runtime.kernels.quant import quantize
+from dist_runtime.tensor import QuantizedArray
+
+HEAD64 = DecoderConfig(vocab=64, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=128)
+WINDOW = DecoderConfig(vocab=64, hidden=64, layers=2, heads=4, kv_heads=1, head_dim=16, ffn=96, rope_dim=8,
+                       windows=(0, 5))  # partial rotation, a sliding window on one layer
+
+
+def executors(cfg: DecoderConfig, invariant: bool = True, weights=None, backends=None):
+    """(with the program, without it) on the same weights."""
+    weights = random_weights(cfg, 3) if weights is None else weights
+    g = decoder_graph(cfg)
+    specs = {n: TensorSpec(w.shape, w.dtype if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype))
+             for n, w in weights.items()}
+    graph = Graph(g.nodes, g.inputs, g.outputs, specs)
+    return tuple(GraphExecutor((graph, weights), backends, batch_invariant=invariant, compiled_program=p)
+                 for p in (True, False))
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many times the compiled program ran."""
+    count = [0]
+    real = program_module._execute
+
+    def counted(*args):
+        count[0] += 1
+        return real(*args)
+    monkeypatch.setattr(program_module, "_execute", counted)
+    return count
+
+
+RUNS = (([3, 17, 42, 5, 9, 8, 11, 2, 30], None), ([4], None), ([9], None), (list(range(21)), None),
+        ([7], 30), ([7], 30), ([1, 2], None), ([5], 12))  # ... a retried step, a rewind
+
+
+@pytest.mark.parametrize("cfg", [HEAD64, WINDOW], ids=["head64", "window"])
+def test_the_program_gives_the_steps_bits(cfg, calls):
+    ex, steps = executors(cfg)
+    assert ex.program.startswith(f"{len(ex._steps) - 1} steps from node ")  # all but TokenEmbed
+    assert steps.program == "not asked for"
+    for round_ in range(2):
+        for tokens, pos in RUNS:
+            ids = np.asarray(tokens, np.int32)
+            got, want = (e.run({"tokens": ids}, pos=pos)["logits"] for e in (ex, steps))
+            assert same_bits(got, want)
+            assert ex.position() == steps.position()
+        ex.reset()
+        steps.reset()
+    assert calls[0] == 2 * len(RUNS)
+
+
+def test_the_program_on_one_thread_and_with_attention_over_the_threads(calls):
+    """A prefill long enough that attention is threaded over the keys (and a decode step past
+    SPLIT_KEYS), on two threads and on one: the same bits as the steps."""
+    ex, steps = executors(HEAD64)
+    ids = (np.arange(300) % 64).astype(np.int32)
+    threads = numba.get_num_threads()
+    try:
+        for n in sorted({1, threads}):
+            numba.set_num_threads(n)
+            for e in (ex, steps):
+                e.reset()
+            for tokens in (ids, [5], [6]):
+                got, want = (e.run({"tokens": np.asarray(tokens, np.int32)})["logits"] for e in (ex, steps))
+                assert same_bits(got, want)
+    finally:
+        numba.set_num_threads(threads)
+    assert calls[0] == 3 * len({1, threads})
+
+
+def test_products_for_blas_and_several_sessions_stay_steps(calls):
+    """Where the products go to BLAS (a pass of BLAS_ROWS rows, not batch-invariant) and in a
+    batched pass of several sessions, the steps run, as without the program."""
+    from dist_runtime.backends.numba import BLAS_ROWS
+    from dist_runtime.batching import Segment
+
+    ex, steps = executors(HEAD64, invariant=False)
+    ids = (np.arange(BLAS_ROWS) % 64).astype(np.int32)
+    assert same_bits(*(e.run({"tokens": ids})["logits"] for e in (ex, steps)))
+    assert calls[0] == 0
+    assert same_bits(*(e.run({"tokens": np.array([3], np.int32)})["logits"] for e in (ex, steps)))
+    assert calls[0] == 1
+    segments = [Segment("a", 2), Segment("b", 1)]
+    ids = np.array([1, 2, 3], np.int32)
+    assert same_bits(*(e.run_batch({"tokens": ids}, segments)["logits"] for e in (ex, steps)))
+    assert calls[0] == 1
+
+
+@pytest.mark.parametrize("pos, node", [(5, "KvCache"), (-1, "Rope")])
+def test_an_error_names_the_node_as_without_the_program(pos, node):
+    """A write the KV cache refuses, a bad position: the steps run and fail as they do alone,
+    naming the same node with the same message; the session is left as it was."""
+    errors = []
+    for e in executors(HEAD64):
+        e.run({"tokens": np.array([1, 2], np.int32)})
+        with pytest.raises(DistRuntimeError) as info:
+            e.run({"tokens": np.array([1], np.int32)}, pos=pos)
+        errors.append((type(info.value), str(info.value), e.position(), {st.length for st in e.session().kv.values()}))
+    assert errors[0] == errors[1] and f"({node})" in errors[0][1] and errors[0][3] == {2}
+
+
+def test_what_the_program_leaves_out():
+    """Q8_0 products and the numba backend's Q8_0 activations are not the program's: the plan
+    says why, and the results are the steps' own."""
+    weights = random_weights(HEAD64, 3)
+    quantized = {n: quantize(w, DType.Q8_0) if w.ndim == 2 and "embed" not in n and "lm_head" not in n else w
+                 for n, w in weights.items()}
+    ex, steps = executors(HEAD64, weights=quantized)
+    assert ex.program.startswith("no compiled program") or " steps from node " in ex.program
+    ids = np.array([5, 6, 7], np.int32)
+    assert same_bits(*(e.run({"tokens": ids})["logits"] for e in (ex, steps)))
+    q8, _ = executors(HEAD64, backends=["numba-q8", "cpu"])
+    assert q8.program == "no compiled program: the numba-q8 backend's q8_0 activations"
+    cpu, _ = executors(HEAD64, backends=["cpu"])
+    assert cpu.program.startswith("no compiled program: node ")
+
+
+def test_the_arena_reuses_what_is_no_longer_read():
+    """Intermediates share the arena once their last reader has run: a 12-layer model's arena
+    is a few values wide, not every value's."""
+    cfg = DecoderConfig(vocab=64, hidden=64, layers=12, heads=4, kv_heads=2, head_dim=16, ffn=128)
+    ex, _ = executors(cfg)
+    prog = ex._program_steps[1].fn
+    every = int(prog.slots[:, 1].sum())
+    assert prog.per_row < every / 8
+    assert prog.per_row >= cfg.vocab + cfg.hidden  # the logits and the last hidden state at least
