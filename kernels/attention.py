@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from dist_runtime import arena
+from dist_runtime.dtypes import DType
 from dist_runtime.ir.ops import FlashAttention, KvCache, Sdpa, SdpaCross, SdpaWindow
 from dist_runtime.tensor import Array, QuantizedArray, dtype_of
 
@@ -349,6 +350,24 @@ class KvState:
         self._v.check(v_new, self.length, "v_new")
         return (self._k.reserve(pos, k_new, self.length, self.capacity),
                 self._v.reserve(pos, v_new, self.length, self.capacity))
+
+    def room(self, pos: int, rows: int, width: int) -> tuple[int, int, int] | None:
+        """(K address, V address, rows each buffer holds) where F32 rows ``[pos, pos + rows)`` of
+        ``width`` fit as the buffers are (:meth:`reserve` would change nothing), else None: a
+        compiled caller's fast check (the executor's program), before it writes them itself and
+        :meth:`hold` s them."""
+        k, v = self._k, self._v
+        if not 0 <= pos <= self.length or k.buf is None or v.buf is None:
+            return None
+        layout = ((), width, DType.F32)
+        capacity = min(k.buf.shape[-2], v.buf.shape[-2])
+        if k.layout != layout or v.layout != layout or pos + rows > capacity:
+            return None
+        return k.address, v.address, capacity
+
+    def hold(self, stop: int) -> None:
+        """The cache now holds rows up to ``stop`` (written after :meth:`room`)."""
+        self.length = stop
 
     def addresses(self) -> tuple[int, int]:
         """Where the K and V buffers start (after :meth:`reserve`): for a compiled caller taking
