@@ -251,6 +251,7 @@ class GraphExecutor:
             opened.release(streamed)
         self._steps = self._bind(widened)
         self._program_steps, self.program = self._with_program() if compiled_program else (None, "not asked for")
+        self._program_at = next((i for i, s in enumerate(self._program_steps or ()) if s.kv_cache is _PROGRAM), -1)
         self._after_pass = [b.after_pass for b in self.backends if callable(getattr(b, "after_pass", None))]
         self._checked: set[tuple] = set()  # input signatures already shape-checked
         self._seed = seed
@@ -285,7 +286,8 @@ class GraphExecutor:
         lo, hi, prog = found
         steps = self._steps[lo:hi]
         frees = tuple(n for step in steps for n in step.frees if n in prog.reads)
-        step = replace(steps[0], fn=prog, reads=prog.reads, writes=prog.writes, frees=frees, kv_cache=_PROGRAM)
+        step = replace(steps[0], fn=prog, reads=prog.reads, writes=prog.writes, frees=frees, kv_cache=_PROGRAM,
+                       rows=NodeRows(True, (True,) * len(prog.reads)))  # a batched pass: over_segments
         return [*self._steps[:lo], step, *self._steps[hi:]], prog.describe()
 
     # -- sessions ------------------------------------------------------------------------------
@@ -380,7 +382,10 @@ class GraphExecutor:
         values: dict[str, Array] = {**self._constants, **self._check_inputs(inputs)}
         values[POS] = PerSegment(np.array([s.pos], np.float32) for s in sessions)
         cuts = offsets(segments)
-        self._walk(values, lambda step: self._call_segments(step, values, sessions, cuts), None)
+        takes = self._program_steps and self._program_steps[self._program_at].fn.takes(
+            cuts[-1].stop, [(s.kv, s.pos) for s in sessions])
+        self._walk(values, lambda step: self._call_segments(step, values, sessions, cuts), None,
+                   self._program_steps if takes else self._steps)
         for s in sessions:
             self._advance(s)
         return {name: values[name] for name in self.graph.outputs}

@@ -96,8 +96,10 @@ def test_inspect_plan_lists_every_node_with_backend_and_reason(tmp_path, capsys)
     code, out, _ = run(capsys, "inspect", str(path), "--plan", "--no-fuse", "--json", "--backends", "cpu")
     plan = json.loads(out)["plan"]
     assert code == 0 and all(p["backend"] == "cpu" and p["reason"] == "default" for p in plan)
+    assert json.loads(out)["program"].startswith("no compiled program: node ")  # nothing compiled to run
     code, out, _ = run(capsys, "inspect", str(path), "--plan")
     assert code == 0 and "backend plan (batch-invariant" in out and "\nbatching: the rows of several" in out
+    assert "\nprogram: " in out and " steps from node " in out  # the fused layer in one compiled call
 
 
 def test_inspect_plan_says_which_compiled_product_runs_a_quantized_weight_and_why(tmp_path, capsys):

@@ -91,9 +91,9 @@ def test_the_program_on_one_thread_and_with_attention_over_the_threads(calls):
     assert calls[0] == 3 * len({1, threads})
 
 
-def test_products_for_blas_and_several_sessions_stay_steps(calls):
-    """Where the products go to BLAS (a pass of BLAS_ROWS rows, not batch-invariant) and in a
-    batched pass of several sessions, the steps run, as without the program."""
+def test_products_for_blas_stay_steps(calls):
+    """Where the products go to BLAS (a pass of BLAS_ROWS rows, not batch-invariant), in one
+    session or several, the steps run, as without the program."""
     from dist_runtime.backends.numba import BLAS_ROWS
     from dist_runtime.batching import Segment
 
@@ -103,10 +103,34 @@ def test_products_for_blas_and_several_sessions_stay_steps(calls):
     assert calls[0] == 0
     assert same_bits(*(e.run({"tokens": np.array([3], np.int32)})["logits"] for e in (ex, steps)))
     assert calls[0] == 1
-    segments = [Segment("a", 2), Segment("b", 1)]
-    ids = np.array([1, 2, 3], np.int32)
+    segments = [Segment("a", BLAS_ROWS - 1), Segment("b", 1)]
     assert same_bits(*(e.run_batch({"tokens": ids}, segments)["logits"] for e in (ex, steps)))
     assert calls[0] == 1
+
+
+@pytest.mark.parametrize("cfg", [HEAD64, WINDOW], ids=["head64", "window"])
+def test_a_batched_pass_gives_the_steps_bits(cfg, calls):
+    """Several sessions' rows in one pass: one call of the program, each segment attending over
+    its own session's cache (the threads taking segments); the same bits as the steps, and as
+    each session alone."""
+    from dist_runtime.batching import Segment
+
+    ex, steps = executors(cfg)
+    alone, _ = executors(cfg)
+    ids = np.array([7, 1, 2, 3, 60, 61, 5, 9], np.int32)
+    passes = ([Segment("a", 3), Segment("b", 5)], [Segment("a", 1), Segment("b", 1), Segment("c", 6)],
+              [Segment("b", 1), Segment("a", 1)], [Segment("c", 1), Segment("a", 2, pos=1)])
+    for segments in passes:
+        rows = sum(seg.rows for seg in segments)
+        got, want = (e.run_batch({"tokens": ids[:rows]}, segments)["logits"] for e in (ex, steps))
+        assert same_bits(got, want)
+        at = 0
+        for seg in segments:
+            own = alone.run({"tokens": ids[at:at + seg.rows]}, session=seg.session, pos=seg.pos)["logits"]
+            assert same_bits(got[at:at + seg.rows], own)
+            at += seg.rows
+        assert [ex.position(seg.session) for seg in segments] == [steps.position(seg.session) for seg in segments]
+    assert calls[0] == len(passes) + sum(len(p) for p in passes)  # each pass once, and alone each segment
 
 
 @pytest.mark.parametrize("pos, node", [(5, "KvCache"), (-1, "Rope")])

@@ -82,32 +82,34 @@ def _joint_slots(c, slots, weights, arena, m):
 
 
 @numba.njit(nogil=True, cache=True)
-def _rope_append(spec, c, slots, kv, cos, sin, arena, m, pos, threads):
-    """The attention chain's compiled call (:class:`~.numba._AttentionChain`) on cache ``c[4]``,
+def _rope_append(spec, c, slots, kv, cos, sin, arena, m, starts, positions, g, threads):
+    """The attention chain's compiled call (:class:`~.numba._AttentionChain`) for segment ``g``
+    (rows ``starts[g]:starts[g + 1]``, at ``positions[g]``) on its KV cache ``kv[c[4], g]``,
     attending too where :func:`.compiled.attention.serial` would (else the caller does, over the
     threads: the same bits); returns whether it attended."""
-    q, k, v = _rows2d(arena, slots, c[1], m), _rows2d(arena, slots, c[2], m), _rows2d(arena, slots, c[3], m)
-    width, rows, stop = slots[c[2], 1], kv[c[4], 2], pos + m
-    k_buf = numba.carray(_f32_at(kv[c[4], 0]), (rows, width))
-    v_buf = numba.carray(_f32_at(kv[c[4], 1]), (rows, width))
-    attend = (threads == 1 or (m == 1 and stop <= compiled_attention.SPLIT_KEYS)
-              or m * stop * width * 4 * 2 < compiled_attention.SERIAL_KV_BYTES)
-    _rope_append_attend(spec, q, k, v, cos, sin, c[13], c[14], k_buf, v_buf, pos, c[8], c[9], c[10], c[11] != 0, c[12],
-                        attend, _rows2d(arena, slots, c[5], m), _rows2d(arena, slots, c[6], m),
-                        _rows2d(arena, slots, c[7], m))
+    lo, hi, pos = starts[g], starts[g + 1], positions[g]
+    t, width, stop = hi - lo, slots[c[2], 1], pos + hi - lo
+    k_buf = numba.carray(_f32_at(kv[c[4], g, 0]), (kv[c[4], g, 2], width))
+    v_buf = numba.carray(_f32_at(kv[c[4], g, 1]), (kv[c[4], g, 2], width))
+    attend = (threads == 1 or (t == 1 and stop <= compiled_attention.SPLIT_KEYS)
+              or t * stop * width * 4 * 2 < compiled_attention.SERIAL_KV_BYTES)
+    _rope_append_attend(spec, _rows2d(arena, slots, c[1], m)[lo:hi], _rows2d(arena, slots, c[2], m)[lo:hi],
+                        _rows2d(arena, slots, c[3], m)[lo:hi], cos[lo:hi], sin[lo:hi], c[13], c[14], k_buf, v_buf,
+                        pos, c[8], c[9], c[10], c[11] != 0, c[12], attend, _rows2d(arena, slots, c[5], m)[lo:hi],
+                        _rows2d(arena, slots, c[6], m)[lo:hi], _rows2d(arena, slots, c[7], m)[lo:hi])
     return attend
 
 
 @numba.njit(nogil=True, cache=True)
-def _keys(c, slots, kv, pos, m):
-    """The K and V rows held once an ATTENTION instruction's rows are written."""
-    width, rows, stop = slots[c[2], 1], kv[c[4], 2], pos + m
-    return (numba.carray(_f32_at(kv[c[4], 0]), (rows, width))[:stop],
-            numba.carray(_f32_at(kv[c[4], 1]), (rows, width))[:stop])
+def _keys(c, slots, kv, positions, starts, g):
+    """Segment ``g``'s K and V rows held once an ATTENTION instruction's rows are written."""
+    width, rows, stop = slots[c[2], 1], kv[c[4], g, 2], positions[g] + starts[g + 1] - starts[g]
+    return (numba.carray(_f32_at(kv[c[4], g, 0]), (rows, width))[:stop],
+            numba.carray(_f32_at(kv[c[4], g, 1]), (rows, width))[:stop])
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
-def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, pos, threads, spec, attention_spec):
+def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec, attention_spec):
     """Every instruction of ``code`` in order (see :class:`Program`).  The threaded loops are
     those of :func:`floats._threaded`, :func:`floats._threaded_joint` and
     :func:`.compiled.attention._attention_threaded`, here: a compiled function that calls a
@@ -153,15 +155,27 @@ def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, pos, threads, sp
             for j in range(out.shape[0]):
                 out[j] = a[j] + b[j]
         elif op == ATTENTION:
-            if not _rope_append(attention_spec, c, slots, kv, cos, sin, arena, m, pos, threads):
-                q_rot, out = _rows2d(arena, slots, c[5], m), _rows2d(arena, slots, c[7], m)
-                k_all, v_all = _keys(c, slots, kv, pos, m)
+            segments = positions.shape[0]
+            attended = np.ones(segments, np.bool_)
+            if segments == 1:
+                attended[0] = _rope_append(attention_spec, c, slots, kv, cos, sin, arena, m, starts, positions, 0, threads)
+            else:  # the threads take segments, as the attention chain's over_segments
+                for g in prange(segments):
+                    attended[g] = _rope_append(attention_spec, c, slots, kv, cos, sin, arena, m, starts, positions, g,
+                                               threads)
+            for g in range(segments):
+                if attended[g]:
+                    continue
+                lo, hi = starts[g], starts[g + 1]
+                q_rot, out = _rows2d(arena, slots, c[5], m)[lo:hi], _rows2d(arena, slots, c[7], m)[lo:hi]
+                k_all, v_all = _keys(c, slots, kv, positions, starts, g)
                 heads, kv_heads, head_dim, causal, window = c[8], c[9], c[10], c[11] != 0, c[12]
-                starts, sums, stats = compiled_attention._scratch(m, pos + m, causal, window, heads, head_dim)
-                for piece in prange(starts[-1]):
+                pieces, sums, stats = compiled_attention._scratch(hi - lo, k_all.shape[0], causal, window, heads,
+                                                                  head_dim)
+                for piece in prange(pieces[-1]):
                     compiled_attention._attend_piece(attention_spec, q_rot, k_all, v_all, heads, kv_heads, head_dim,
-                                                     causal, window, starts, piece, sums, stats)
-                compiled_attention._merge(starts, sums, stats, heads, head_dim, out)
+                                                     causal, window, pieces, piece, sums, stats)
+                compiled_attention._merge(pieces, sums, stats, heads, head_dim, out)
 
 
 # -- building it --------------------------------------------------------------------------------------
@@ -342,22 +356,54 @@ class Program:
                 f"({len(self.code)} instructions, {len(self.caches)} KV caches)")
 
     def __call__(self, inputs: Sequence, ctx: KernelContext) -> tuple:
+        """One session's pass (``ctx.state``: its KV states by key); off the fast path, the steps
+        one by one."""
         m = inputs[0].shape[0] if inputs and getattr(inputs[0], "ndim", 0) == 2 else -1
-        kv = self._room(ctx.state, ctx.pos, m) if self._fits(inputs, m) else None
-        if kv is None:
-            return self._one_by_one(inputs, ctx)
+        done = self._run(inputs, [ctx], [m]) if self._fits(inputs, m) else None
+        return self._one_by_one(inputs, ctx) if done is None else done
+
+    def over_segments(self, inputs: Sequence, cuts: Sequence[slice], ctxs: Sequence[KernelContext]) -> tuple | None:
+        """A batched pass of several sessions (``cuts``: each one's rows), in one call; None
+        (the executor then calls it a segment at a time) off the fast path."""
+        m = cuts[-1].stop
+        return self._run(inputs, ctxs, [cut.stop - cut.start for cut in cuts]) if self._fits(inputs, m) else None
+
+    def takes(self, rows: int, positions: Sequence[tuple[dict, int]]) -> bool:
+        """Whether a pass of ``rows`` rows in all whose sessions' KV states and positions are
+        ``positions`` runs here (else the executor runs the steps: a position a KV cache refuses
+        then fails as its node)."""
+        if rows < 1 or (rows >= BLAS_ROWS and not self.backend.invariant):
+            return False
+        for kv, pos in positions:
+            for cache in self.caches:
+                state = kv.get(cache.key)
+                if not 0 <= pos <= (state.length if state is not None else 0):
+                    return False
+        return True
+
+    def _run(self, inputs: Sequence, ctxs: Sequence[KernelContext], rows: Sequence[int]) -> tuple | None:
+        m = sum(rows)
+        starts = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(rows, out=starts[1:])
+        kv = np.empty((len(self.caches), len(rows), 3), np.int64)
+        for g, (ctx, t) in enumerate(zip(ctxs, rows)):
+            if not self._room(ctx.state, ctx.pos, t, kv[:, g]):
+                return None
         arena = np.empty(self.per_row * m, F32)
         for s, x in zip(self.imports, inputs):
             arena[self.slots[s, 0] * m:(self.slots[s, 0] + self.slots[s, 1]) * m] = x.reshape(-1)
         cos = sin = self._empty
         if self.rope:
-            cos, sin = cos_sin_rows(ctx.pos, m, self.rope[0], self.rope[1])
+            parts = [cos_sin_rows(ctx.pos, t, self.rope[0], self.rope[1]) for ctx, t in zip(ctxs, rows)]
+            cos, sin = parts[0] if len(parts) == 1 else (np.concatenate([p[i] for p in parts]) for i in (0, 1))
             if cos.flags.writeable:  # computed, not cut from the cache: typed as the cached ones
                 cos.flags.writeable = sin.flags.writeable = False
-        _execute(self.code, self.slots, self.weights, self.eps, kv, cos, sin, arena, m, ctx.pos, numba.get_num_threads(),
-                 self.spec, self.attention_spec)
-        for cache in self.caches:
-            ctx.state[cache.key].hold(ctx.pos + m)
+        positions = np.array([ctx.pos for ctx in ctxs], np.int64)
+        _execute(self.code, self.slots, self.weights, self.eps, kv, cos, sin, arena, m, starts, positions,
+                 numba.get_num_threads(), self.spec, self.attention_spec)
+        for ctx, t in zip(ctxs, rows):
+            for cache in self.caches:
+                ctx.state[cache.key].hold(ctx.pos + t)
         return tuple(arena[self.slots[s, 0] * m:(self.slots[s, 0] + self.slots[s, 1]) * m].reshape(m, self.slots[s, 1])
                      for s in self.exports)
 
@@ -367,10 +413,10 @@ class Program:
         return all(type(x) is np.ndarray and x.dtype == F32 and x.shape == (m, self.slots[s, 1])
                    for s, x in zip(self.imports, inputs))
 
-    def _room(self, kv: dict, pos: int, m: int) -> np.ndarray | None:
-        """Each cache's (K address, V address, rows) with room for rows ``pos..pos + m``, grown
-        as :meth:`KvState.reserve` grows them; None where a write there would be refused."""
-        rooms = np.empty((len(self.caches), 3), np.int64)
+    def _room(self, kv: dict, pos: int, m: int, rooms: np.ndarray) -> bool:
+        """Each cache's (K address, V address, rows) with room for rows ``pos..pos + m`` into
+        ``rooms``, grown as :meth:`KvState.reserve` grows them; False where a write there would be
+        refused."""
         for i, cache in enumerate(self.caches):
             state = kv.get(cache.key)
             if state is None:
@@ -378,15 +424,15 @@ class Program:
             room = state.room(pos, m, cache.width)
             if room is None:
                 if not 0 <= pos <= state.length:
-                    return None
+                    return False
                 like = np.empty((m, cache.width), F32)
                 try:
                     state.reserve(pos, like, like)
                 except Exception:  # noqa: BLE001 -- one by one, the node names the error
-                    return None
+                    return False
                 room = state.room(pos, m, cache.width)
             rooms[i] = room
-        return rooms
+        return True
 
     def _one_by_one(self, inputs: Sequence, ctx: KernelContext) -> tuple:
         """The steps as without the program (each error naming its node)."""

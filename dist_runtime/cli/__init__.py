@@ -88,19 +88,20 @@ def _print_inspect(r: dict) -> None:
         print(f"warning: {w}")
 
 
-def _backend_plan(path: str, backends: list[str] | None, fuse: bool) -> tuple[list[dict], str, str]:
+def _backend_plan(path: str, backends: list[str] | None, fuse: bool) -> tuple[list[dict], str, str, str]:
     """Per node: the backend the executor would choose, and why; whether sessions can share
-    passes; where the matrix weights are held (nothing is run)."""
+    passes; where the matrix weights are held; what the compiled program takes (nothing is run)."""
     from ..executor import GraphExecutor
 
     ex = GraphExecutor(path, backends=backends, fuse=fuse, batch_invariant=True)
-    return ex.plan(), ex.batching(), ex.placement.reason
+    return ex.plan(), ex.batching(), ex.placement.reason, ex.program
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     report = _report(args.model, args.max_memory)
     if args.plan:
-        report["plan"], report["batching"], report["weights"] = _backend_plan(args.model, args.backends, not args.no_fuse)
+        report["plan"], report["batching"], report["weights"], report["program"] = _backend_plan(
+            args.model, args.backends, not args.no_fuse)
         if not args.json:
             _print_inspect(report)
             print("\nbackend plan (batch-invariant, as generation runs it):")
@@ -109,6 +110,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 print(f"  node {p['id']:>4} {p['op']:<16} {p['backend']:<6} rows {p['rows']:<12} {p['reason']}{launch}")
             print(f"batching: {report['batching']}")
             print(f"weights: {report['weights']}")
+            print(f"program: {report['program']}")
             return 0
     if args.json:
         print(json.dumps(report, indent=2, default=str))
