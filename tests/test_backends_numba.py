@@ -399,17 +399,19 @@ def test_products_reading_one_x_share_a_launch(monkeypatch):
 
 
 def _chained_and_not(monkeypatch, cfg: DecoderConfig, seed: int = 3):
-    """Executors of ``cfg``'s decoder, batch-invariant: with the executor's chains, and without."""
+    """Executors of ``cfg``'s decoder, batch-invariant: with the executor's chains, and without
+    (neither with the compiled program, which runs the chains' compiled code itself:
+    tests/test_program.py)."""
     import dist_runtime.executor as executor_module
 
     weights = random_weights(cfg, seed)
     g = decoder_graph(cfg)
     specs = {n: TensorSpec(w.shape, DType.from_numpy(w.dtype)) for n, w in weights.items()}
     graph = Graph(g.nodes, g.inputs, g.outputs, specs)
-    chained = GraphExecutor((graph, weights), batch_invariant=True)
+    chained = GraphExecutor((graph, weights), batch_invariant=True, compiled_program=False)
     with monkeypatch.context() as m:
         m.setattr(executor_module, "_chains", lambda steps, *args: steps)
-        alone = GraphExecutor((graph, weights), batch_invariant=True)
+        alone = GraphExecutor((graph, weights), batch_invariant=True, compiled_program=False)
     return chained, alone
 
 
