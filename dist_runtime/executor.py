@@ -75,6 +75,11 @@ class _Step:
     rows: NodeRows  # how it runs in a batched pass
     state: int = -1  # the node whose KvState a stateful step keys (-1: its own, ``index``)
 
+    @property
+    def state_key(self) -> int:
+        """The key of its KvState among a session's."""
+        return self.index if self.state < 0 else self.state
+
 
 #: Suffix of the name under which a shared launch's first step passes a sibling its result.
 _SHARED = "@shared"
@@ -215,8 +220,9 @@ class GraphExecutor:
     ``huge_pages``: copy the matrix weights into one buffer of 2 MiB pages (True), leave them as
     loaded (False), or decide by the system and their size (None; :mod:`dist_runtime.arena`);
     ``placement`` says which was done and why.  ``compiled_program``: run the longest run of steps
-    the compiled program takes as one call in a one-session pass (:mod:`.backends.program`; the
-    same bits), or every step from Python (False); ``program`` says what it took, or why nothing.
+    the compiled program takes as one compiled call in passes without an ``observe``
+    (:mod:`.backends.program`; the same bits), or every step from Python (False); ``program``
+    says what it took, or why nothing.
     """
 
     def __init__(self, model, backends: Sequence[str | Backend] | None = None,
@@ -455,12 +461,7 @@ class GraphExecutor:
     def _context(step: _Step, s: Session) -> KernelContext:
         if step.kv_cache is _PROGRAM:  # the program keeps its KV caches' states itself
             return KernelContext(state=s.kv, rng=s.rng, pos=s.pos)
-        state = None
-        if step.kv_cache is not None:
-            key = step.index if step.state < 0 else step.state
-            state = s.kv.get(key)
-            if state is None:
-                state = s.kv[key] = KvState.for_op(step.kv_cache)
+        state = None if step.kv_cache is None else KvState.held_in(s.kv, step.state_key, step.kv_cache)
         return KernelContext(state=state, rng=s.rng, pos=s.pos)
 
     @staticmethod

@@ -325,6 +325,14 @@ class KvState:
     def for_op(cls, op: KvCache) -> KvState:
         return cls(op.max_seq)
 
+    @classmethod
+    def held_in(cls, states: dict, key, op: KvCache) -> KvState:
+        """``states[key]`` (a session's KV states, by node), made for ``op`` on first use."""
+        state = states.get(key)
+        if state is None:
+            state = states[key] = cls.for_op(op)
+        return state
+
     def write(self, pos: int, k_new: Array, v_new: Array) -> tuple[Array, Array]:
         pos = int(pos)
         k_buf, v_buf = self.reserve(pos, k_new, v_new)

@@ -72,6 +72,25 @@ def test_the_program_gives_the_steps_bits(cfg, calls):
     assert calls[0] == 2 * len(RUNS)
 
 
+@pytest.mark.parametrize("dtype", [DType.F16, DType.BF16])
+def test_the_program_on_f16_and_bf16_weights(dtype, calls):
+    """Products of F16 or BF16 weights (a safetensors model's own): the same bits as the steps;
+    a model mixing product formats keeps the steps for the other format's."""
+    weights = {n: quantize(w, dtype) if w.ndim == 2 and "embed" not in n else w  # F32 rows from the table
+               for n, w in random_weights(HEAD64, 3).items()}
+    ex, steps = executors(HEAD64, weights=weights)
+    assert f"{dtype.name} products" in ex.program
+    for tokens, pos in RUNS:
+        ids = np.asarray(tokens, np.int32)
+        assert same_bits(*(e.run({"tokens": ids}, pos=pos)["logits"] for e in (ex, steps)))
+    assert calls[0] == len(RUNS)
+    mixed = {n: w.astype(np.float32) if "down_proj" in n else w for n, w in weights.items()}
+    ex, steps = executors(HEAD64, weights=mixed)
+    assert " steps from node " in ex.program and len(ex._program_steps) > 2  # a run cut by the F32 down_proj
+    ids = np.array([4, 5, 6], np.int32)
+    assert same_bits(*(e.run({"tokens": ids})["logits"] for e in (ex, steps)))
+
+
 def test_the_program_on_one_thread_and_with_attention_over_the_threads(calls):
     """A prefill long enough that attention is threaded over the keys (and a decode step past
     SPLIT_KEYS), on two threads and on one: the same bits as the steps."""

@@ -9,14 +9,16 @@ the attention chain's Python ~2-8 us there, against ~0.3 warm).  The program run
 run of steps it knows as one call of :func:`_execute`, a loop over fixed instructions that calls
 the very compiled functions those steps call, in the same order: the same bits.
 
-Which steps (:func:`build`): the numba backend's products of F32 activations and an F32 weight
-(Matmul, the q/k/v shared launch, FusedSwiGlu, FusedNormMatmul), RmsNorm, FusedSkipNorm, its
-attention chain (Rope, Rope, KvCache, Sdpa on the vector cores), Add, and the pass-on steps of
-chains and shared launches, every value they make F32 ``[T, width]``.  Their intermediates live
-in one arena per call, reused after each value's last read.  Off its fast path (a pass of
-:data:`~.numba.BLAS_ROWS` rows or more where the products go to BLAS, an input not as built for,
-a KV cache that would refuse the write) the program runs its steps one by one, as without it, each
-error naming its own node.
+Which steps (:func:`build`): the numba backend's products of F32 activations and an F32, F16 or
+BF16 weight, one format a program (Matmul, the q/k/v shared launch, FusedSwiGlu,
+FusedNormMatmul), RmsNorm, FusedSkipNorm, its attention chain (Rope, Rope, KvCache, Sdpa on the
+vector cores), Add, and the pass-on steps of chains and shared launches, every value they make
+F32 ``[T, width]``.  Their intermediates live in one arena per call, reused after each value's
+last read.  A batched pass of several sessions runs once over every row, each segment attending
+over its own session's cache (:meth:`Program.over_segments`).  Off its fast path (a pass of
+:data:`~.numba.BLAS_ROWS` rows or more where the products go to BLAS, an input not as built
+for, a KV cache that would refuse the write) the program runs its steps one by one, as without
+it, each error naming its own node.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Sequence
 
 import numba
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import intrinsic
 
 from dist_runtime.kernels.attention import KvState
 from dist_runtime.kernels.positions import cos_sin_rows
@@ -42,10 +45,14 @@ from .compiled.registry import SERIAL_BYTES
 from .numba import BLAS_ROWS, _AttentionChain, _f32_at, _rms_rows, _rope_append_attend, _silu_mul_compiled, _skip_rms_rows
 
 F32 = np.dtype(np.float32)
+#: Product weights' numpy types, by the format name their kernels take (floats.SPECS).
+_FORMATS = {F32: "f32", np.dtype(np.float16): "f16", DType.BF16.numpy: "bf16"}
 _SHARED = "@shared"
 #: Columns of one instruction in :func:`_execute`'s code: the opcode, then its operands.
 WIDTH = 16
 RMS, SKIP, PRODUCT, JOINT, SILU, ADD, ATTENTION = range(1, 8)
+#: The slot of a KvCache's outputs (views of the session's cache, read only inside the chain).
+_KV_VIEW = -1
 
 
 # -- the compiled loop -------------------------------------------------------------------------------
@@ -62,7 +69,25 @@ def _rows2d(arena, slots, s, m):
 
 @numba.njit(nogil=True, cache=True)
 def _weight(weights, i):
+    """F32 vector ``i`` of the weight table (a norm's scale)."""
     return numba.carray(_f32_at(weights[i, 0]), weights[i, 1])
+
+
+@intrinsic
+def _stored_at(typingctx, spec, address):
+    """The pointer at ``address`` to a product weight's elements as ``spec``'s format stores
+    them: f32, or the u16 of F16 / BF16."""
+    element = types.float32 if floats.SPECS.of(spec)[0] == "f32" else types.uint16
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[1], context.get_value_type(sig.return_type))
+    return types.CPointer(element)(spec, types.int64), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def _matrix(spec, weights, i):
+    """Product weight ``i`` of the weight table, flat, as its kernel reads it."""
+    return numba.carray(_stored_at(spec, weights[i, 0]), weights[i, 1])
 
 
 @numba.njit(nogil=True, cache=True)
@@ -72,12 +97,13 @@ def _serial(work_bytes, threads):
 
 
 @numba.njit(nogil=True, cache=True)
-def _joint_slots(c, slots, weights, arena, m):
+def _joint_slots(spec, c, slots, weights, arena, m):
     """A JOINT instruction's weights and outputs, a missing third as empty (no chunks)."""
-    w0, o0 = _weight(weights, c[3]), _flat(arena, slots, c[4], m)
-    w1, o1 = _weight(weights, c[5]), _flat(arena, slots, c[6], m)
+    w0, o0 = _matrix(spec, weights, c[3]), _flat(arena, slots, c[4], m)
+    w1, o1 = _matrix(spec, weights, c[5]), _flat(arena, slots, c[6], m)
     if c[2] == 3:
-        return w0, o0, slots[c[4], 1], w1, o1, slots[c[6], 1], _weight(weights, c[7]), _flat(arena, slots, c[8], m), slots[c[8], 1]
+        w2, o2 = _matrix(spec, weights, c[7]), _flat(arena, slots, c[8], m)
+        return w0, o0, slots[c[4], 1], w1, o1, slots[c[6], 1], w2, o2, slots[c[8], 1]
     return w0, o0, slots[c[4], 1], w1, o1, slots[c[6], 1], w0[:0], o0[:0], 0
 
 
@@ -123,7 +149,7 @@ def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, position
             _skip_rms_rows(_rows2d(arena, slots, c[1], m), _rows2d(arena, slots, c[2], m), _weight(weights, c[3]),
                            eps[c[4]], _rows2d(arena, slots, c[5], m), _rows2d(arena, slots, c[6], m))
         elif op == PRODUCT:
-            x, w, out = _flat(arena, slots, c[1], m), _weight(weights, c[2]), _flat(arena, slots, c[3], m)
+            x, w, out = _flat(arena, slots, c[1], m), _matrix(spec, weights, c[2]), _flat(arena, slots, c[3], m)
             n, k = slots[c[3], 1], slots[c[1], 1]
             if _serial(n * k * 4 * m, threads):
                 floats._rows(spec, x, w, out, m, n, k, 0, n)
@@ -132,7 +158,7 @@ def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, position
                     floats._chunk(spec, x, w, out, m, n, k, task)
         elif op == JOINT:
             x, k = _flat(arena, slots, c[1], m), slots[c[1], 1]
-            w0, o0, n0, w1, o1, n1, w2, o2, n2 = _joint_slots(c, slots, weights, arena, m)
+            w0, o0, n0, w1, o1, n1, w2, o2, n2 = _joint_slots(spec, c, slots, weights, arena, m)
             if _serial((n0 + n1 + n2) * k * 4 * m, threads):
                 floats._rows(spec, x, w0, o0, m, n0, k, 0, n0)
                 floats._rows(spec, x, w1, o1, m, n1, k, 0, n1)
@@ -201,9 +227,13 @@ class _Builder:
         self.eps: list[float] = []
         self.caches: list[_Cache] = []
         self.rope: tuple | None = None  # (rope_dim, base, head_dim of attention) of every chain
+        self.format: str | None = None  # of every product weight: "f32", "f16" or "bf16"
 
     def value(self, name: str) -> int:
+        """The slot of value ``name`` (or of its ``@shared`` form), made on first use."""
         name = name.removesuffix(_SHARED)
+        if self.values.get(name) == _KV_VIEW:
+            raise _Unsupported(f"value {name!r}, a KV cache's rows, is read outside its attention chain")
         if name not in self.values:
             spec = self.specs.get(name)
             if spec is None or spec.dtype != DType.F32 or len(spec.shape) != 2:
@@ -212,14 +242,26 @@ class _Builder:
             self.widths.append(int(spec.shape[1]))
         return self.values[name]
 
+    def alias(self, shared: str, name: str) -> None:
+        """A pass-on step's value: the one its group's first step made (a KV view stays one)."""
+        key = shared.removesuffix(_SHARED)
+        self.values[name] = self.values[key] if self.values.get(key) == _KV_VIEW else self.value(shared)
+
     def scratch(self, width: int) -> int:
         self.widths.append(width)
         return len(self.widths) - 1
 
     def weight(self, name: str, matrix: bool) -> int:
+        """Weight ``name``'s row in the weight table: a norm's F32 vector, or a product's
+        matrix stored as F32, F16 or BF16 (one format for all of a program's products)."""
         w = self.constants.get(name)
-        if not (type(w) is np.ndarray and w.dtype == F32 and w.ndim == (2 if matrix else 1) and w.flags.c_contiguous):
-            raise _Unsupported(f"weight {name!r} is not a contiguous F32 {'matrix' if matrix else 'vector'}")
+        fmt = _FORMATS.get(getattr(w, "dtype", None)) if matrix else ("f32" if getattr(w, "dtype", None) == F32 else None)
+        if not (type(w) is np.ndarray and fmt and w.ndim == (2 if matrix else 1) and w.flags.c_contiguous):
+            raise _Unsupported(f"weight {name!r} is not a contiguous {'F32, F16 or BF16 matrix' if matrix else 'F32 vector'}")
+        if matrix and self.format not in (None, fmt):
+            raise _Unsupported(f"weight {name!r} is {fmt}, the program's products {self.format}")
+        if matrix:
+            self.format = fmt
         if name not in self.weight_ids:
             self.weight_ids[name] = len(self.weights)
             self.weights.append(w)
@@ -232,27 +274,20 @@ class _Builder:
         self.eps.append(float(eps))
         return len(self.eps) - 1
 
-    def product(self, x: str, w: str, out: str | int) -> None:
-        xs, o = self.value(x), out if isinstance(out, int) else self.value(out)
+    def matrix(self, w: str, xs: int, o: int) -> int:
+        """Weight ``w`` of the product of slot ``xs`` into slot ``o``."""
         wi = self.weight(w, True)
         if self.weights[wi].shape != (self.widths[o], self.widths[xs]):
             raise _Unsupported(f"weight {w!r} {list(self.weights[wi].shape)} against x {self.widths[xs]} wide")
-        self.emit(PRODUCT, xs, wi, o)
+        return wi
 
-    def joint(self, x: str, ws: Sequence[str], outs: Sequence[str | int]) -> None:
-        if len(ws) > 3:
-            for w, out in zip(ws, outs):
-                self.product(x, w, out)
+    def products(self, xs: int, ws: Sequence[str], outs: Sequence[int]) -> None:
+        """``x @ W^T`` for each weight: one PRODUCT, or a JOINT launch of two or three."""
+        if len(ws) == 1 or len(ws) > 3:
+            for w, o in zip(ws, outs):
+                self.emit(PRODUCT, xs, self.matrix(w, xs, o), o)
             return
-        xs = self.value(x)
-        operands = []
-        for w, out in zip(ws, outs):
-            o = out if isinstance(out, int) else self.value(out)
-            wi = self.weight(w, True)
-            if self.weights[wi].shape != (self.widths[o], self.widths[xs]):
-                raise _Unsupported(f"weight {w!r} {list(self.weights[wi].shape)} against x {self.widths[xs]} wide")
-            operands += [wi, o]
-        self.emit(JOINT, xs, len(ws), *operands)
+        self.emit(JOINT, xs, len(ws), *(v for w, o in zip(ws, outs) for v in (self.matrix(w, xs, o), o)))
 
 
 class _Unsupported(Exception):
@@ -263,8 +298,8 @@ def _step_code(b: _Builder, step, node) -> None:
     """``step``'s instructions, or :class:`_Unsupported`."""
     fn, kind = step.fn, getattr(step.fn, "program_kind", None)
     if getattr(fn, "__name__", "") == "_pass_on":
-        for read, write in zip(step.reads, step.writes):  # the same value under its own name
-            b.values[write] = b.value(read)
+        for read, write in zip(step.reads, step.writes):
+            b.alias(read, write)
         return
     if isinstance(node.op, Add) and kind is None:
         a, c = (b.value(n) for n in step.reads)
@@ -285,22 +320,17 @@ def _step_code(b: _Builder, step, node) -> None:
     elif name == "skip":
         b.emit(SKIP, b.value(r[0]), b.value(r[1]), b.weight(r[2], False), b.epsilon(params[0]), b.value(w[0]),
                b.value(w[1]))
-    elif name == "matmul":
-        b.product(r[0], r[1], w[0])
-    elif name == "siblings":
-        b.joint(r[0], r[1:], w)
+    elif name in ("matmul", "siblings"):
+        b.products(b.value(r[0]), r[1:], [b.value(n) for n in w])
     elif name == "swiglu":
         gate = b.value(w[0])
         up = b.scratch(b.widths[gate])
-        b.joint(r[0], r[1:3], [gate, up])
+        b.products(b.value(r[0]), r[1:3], [gate, up])
         b.emit(SILU, gate, up)
     elif name == "norm_matmul":
         normed = b.scratch(b.widths[b.value(r[0])])
         b.emit(RMS, b.value(r[0]), b.weight(r[1], False), b.epsilon(params[0]), normed)
-        xs, wi, o = normed, b.weight(r[2], True), b.value(w[0])
-        if b.weights[wi].shape != (b.widths[o], b.widths[xs]):
-            raise _Unsupported(f"weight {r[2]!r} does not fit node {node.id}")
-        b.emit(PRODUCT, xs, wi, o)
+        b.products(normed, r[2:3], [b.value(w[0])])
     else:
         raise _Unsupported(f"node {node.id}: {name}")
 
@@ -317,9 +347,9 @@ def _attention_code(b: _Builder, step, chain) -> None:
         raise _Unsupported("attention chains of different rotations or head sizes")
     b.rope = rope
     for name in made[2:4]:
-        b.values[name.removesuffix(_SHARED)] = -1  # a KV view: nothing may read it from the arena
+        b.values[name.removesuffix(_SHARED)] = _KV_VIEW
     cache = len(b.caches)
-    b.caches.append(_Cache(step.state if step.state >= 0 else step.index, step.kv_cache, chain.widths[1]))
+    b.caches.append(_Cache(step.state_key, step.kv_cache, chain.widths[1]))
     a = chain.attn
     b.emit(ATTENTION, b.value(q), b.value(k), b.value(v), cache, b.value(made[0]), b.value(made[1]), b.value(made[4]),
            a.num_heads, a.kv_heads, a.head_dim, int(bool(a.causal)), chain.window, chain.rope.head_dim,
@@ -342,18 +372,19 @@ class Program:
         self.weights = np.array([[w.ctypes.data, w.size] for w in b.weights], np.int64).reshape(-1, 2)
         self._held = b.weights  # the addresses above stay valid while the program lives
         self.eps = np.array(b.eps or [0.0], np.float64)
-        self.caches, self.rope = b.caches, b.rope
+        self.caches, self.rope, self.format = b.caches, b.rope, b.format
         self.imports = [b.values[n.removesuffix(_SHARED)] for n in reads]
         self.exports = [b.values[n.removesuffix(_SHARED)] for n in writes]
-        self.spec = floats.SPECS(("f32", cpu.PATH))
+        self.spec = floats.SPECS((b.format or "f32", cpu.PATH))
         head_dim = b.rope[2] if b.rope else compiled_attention.HEAD_DIMS[0]
         self.attention_spec = compiled_attention.SPECS((cpu.PATH, head_dim))
         self._empty = np.zeros((1, 1), F32)
         self._empty.flags.writeable = False
 
     def describe(self) -> str:
+        products = f"{self.format.upper()} products, " if self.format else ""
         return (f"{len(self.steps)} steps from node {self.index} in one compiled call "
-                f"({len(self.code)} instructions, {len(self.caches)} KV caches)")
+                f"({len(self.code)} instructions, {products}{len(self.caches)} KV caches)")
 
     def __call__(self, inputs: Sequence, ctx: KernelContext) -> tuple:
         """One session's pass (``ctx.state``: its KV states by key); off the fast path, the steps
@@ -418,9 +449,7 @@ class Program:
         ``rooms``, grown as :meth:`KvState.reserve` grows them; False where a write there would be
         refused."""
         for i, cache in enumerate(self.caches):
-            state = kv.get(cache.key)
-            if state is None:
-                state = kv[cache.key] = KvState.for_op(cache.op)
+            state = KvState.held_in(kv, cache.key, cache.op)
             room = state.room(pos, m, cache.width)
             if room is None:
                 if not 0 <= pos <= state.length:
@@ -443,11 +472,8 @@ class Program:
             args = [values[n] if n in values else self.constants[n] for n in step.reads]
             own = plain
             if step.kv_cache is not None:
-                key = step.index if step.state < 0 else step.state
-                state = ctx.state.get(key)
-                if state is None:
-                    state = ctx.state[key] = KvState.for_op(step.kv_cache)
-                own = KernelContext(state=state, rng=ctx.rng, pos=ctx.pos)
+                own = KernelContext(state=KvState.held_in(ctx.state, step.state_key, step.kv_cache), rng=ctx.rng,
+                                    pos=ctx.pos)
             try:
                 outs = step.fn(args, own)
             except ChainedNodeError as e:
@@ -547,7 +573,7 @@ def build(steps: list, graph, specs: dict, constants: dict, backends: list) -> t
         _step_code(b, step, graph.nodes[step.index])
     reads, writes = _borders(steps, lo, hi, graph, constants)
     for name in (*reads, *writes):
-        if b.values.get(name.removesuffix(_SHARED), -1) < 0:
+        if b.values.get(name.removesuffix(_SHARED), _KV_VIEW) == _KV_VIEW:
             return f"value {name!r} crosses the program's border but is not F32 rows"
     return lo, hi, Program(steps[lo:hi], b, reads, writes, backend, constants)
 
