@@ -20,6 +20,7 @@ from dist_runtime.kernels.quant import quantize
 from dist_runtime.tensor import QuantizedArray
 
 HEAD64 = DecoderConfig(vocab=64, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=128)
+KQ = DecoderConfig(vocab=64, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=256)  # K-quant rows
 WINDOW = DecoderConfig(vocab=64, hidden=64, layers=2, heads=4, kv_heads=1, head_dim=16, ffn=96, rope_dim=8,
                        windows=(0, 5))  # partial rotation, a sliding window on one layer
 
@@ -89,6 +90,36 @@ def test_the_program_on_f16_and_bf16_weights(dtype, calls):
     assert " steps from node " in ex.program and len(ex._program_steps) > 2  # a run cut by the F32 down_proj
     ids = np.array([4, 5, 6], np.int32)
     assert same_bits(*(e.run({"tokens": ids})["logits"] for e in (ex, steps)))
+
+
+def k_quant(w: np.ndarray, dtype: DType, rng) -> QuantizedArray:
+    """Random K-quant blocks of ``w``'s shape with sane f16 scales (there is no K-quant encoder:
+    tests/test_compiled_linear.py's way)."""
+    n, k = w.shape
+    data = rng.integers(0, 256, (n, k // 256 * dtype.block_bytes), dtype=np.uint8)
+    blocks = data.reshape(n, k // 256, dtype.block_bytes)
+    for at in {DType.Q4_K: (0, 2), DType.Q5_K: (0, 2), DType.Q6_K: (208,)}[dtype]:
+        scale = rng.uniform(0.002, 0.02, blocks.shape[:2]).astype(np.float16)
+        blocks[..., at:at + 2] = scale.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return QuantizedArray(data, dtype, (n, k))
+
+
+def test_the_program_on_k_quant_weights(calls):
+    """A Q4_K_M-like model (Q4_K and Q6_K products, joint launches mixing them, a Q5_K one, an
+    F32 lm_head): the same bits as the steps, in one program."""
+    rng = np.random.default_rng(5)
+    kinds = {"v_proj": DType.Q6_K, "down_proj": DType.Q6_K, "o_proj": DType.Q5_K}
+    weights = {n: k_quant(w, next((d for part, d in kinds.items() if part in n), DType.Q4_K), rng)
+               if w.ndim == 2 and "embed" not in n and "lm_head" not in n else w
+               for n, w in random_weights(KQ, 3).items()}
+    ex, steps = executors(KQ, weights=weights)
+    assert ex.program.startswith(f"{len(ex._steps) - 1} steps from node ")
+    ops = set(ex._program_steps[1].fn.code[:, 0])
+    assert {program_module.K_JOINT, program_module.K_PRODUCT, program_module.PRODUCT} <= ops  # F32 lm_head
+    for tokens, pos in RUNS:
+        ids = np.asarray(tokens, np.int32)
+        assert same_bits(*(e.run({"tokens": ids}, pos=pos)["logits"] for e in (ex, steps)))
+    assert calls[0] == len(RUNS)
 
 
 def test_the_program_on_one_thread_and_with_attention_over_the_threads(calls):

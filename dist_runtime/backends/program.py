@@ -10,8 +10,8 @@ run of steps it knows as one call of :func:`_execute`, a loop over fixed instruc
 the very compiled functions those steps call, in the same order: the same bits.
 
 Which steps (:func:`build`): the numba backend's products of F32 activations and an F32, F16 or
-BF16 weight, one format a program (Matmul, the q/k/v shared launch, FusedSwiGlu,
-FusedNormMatmul), RmsNorm, FusedSkipNorm, its attention chain (Rope, Rope, KvCache, Sdpa on the
+BF16 weight (one format a program) or a K-quant one (Q4_K, Q5_K, Q6_K) (Matmul, the q/k/v shared
+launch, FusedSwiGlu, FusedNormMatmul), RmsNorm, FusedSkipNorm, its attention chain (Rope, Rope, KvCache, Sdpa on the
 vector cores), Add, and the pass-on steps of chains and shared launches, every value they make
 F32 ``[T, width]``.  Their intermediates live in one arena per call, reused after each value's
 last read.  A batched pass of several sessions runs once over every row, each segment attending
@@ -36,21 +36,24 @@ from dist_runtime.kernels.positions import cos_sin_rows
 from dist_runtime.kernels.registry import KernelContext
 
 from ..dtypes import DType
+from ..tensor import QuantizedArray
 from ..ir.tensor_spec import POS
 from ..ir.ops import Add
 from . import ChainedNodeError
 from .compiled import attention as compiled_attention
-from .compiled import cpu, floats
-from .compiled.registry import SERIAL_BYTES
+from .compiled import cpu, floats, kquants
+from .compiled.registry import CHUNKS, SERIAL_BYTES, block_sums, joint_chunks, joint_part
 from .numba import BLAS_ROWS, _AttentionChain, _f32_at, _rms_rows, _rope_append_attend, _silu_mul_compiled, _skip_rms_rows
 
 F32 = np.dtype(np.float32)
 #: Product weights' numpy types, by the format name their kernels take (floats.SPECS).
 _FORMATS = {F32: "f32", np.dtype(np.float16): "f16", DType.BF16.numpy: "bf16"}
+#: K-quant product weights the program takes (f32 activations), by the kind their kernel takes.
+_K_KINDS = {DType.Q4_K: 4, DType.Q5_K: 5, DType.Q6_K: 6}
 _SHARED = "@shared"
 #: Columns of one instruction in :func:`_execute`'s code: the opcode, then its operands.
 WIDTH = 16
-RMS, SKIP, PRODUCT, JOINT, SILU, ADD, ATTENTION = range(1, 8)
+RMS, SKIP, PRODUCT, JOINT, SILU, ADD, ATTENTION, K_PRODUCT, K_JOINT = range(1, 10)
 #: The slot of a KvCache's outputs (views of the session's cache, read only inside the chain).
 _KV_VIEW = -1
 
@@ -82,6 +85,30 @@ def _stored_at(typingctx, spec, address):
     def codegen(context, builder, sig, args):
         return builder.inttoptr(args[1], context.get_value_type(sig.return_type))
     return types.CPointer(element)(spec, types.int64), codegen
+
+
+@intrinsic
+def _bytes_at(typingctx, address):
+    """The u8 pointer at ``address`` (a K-quant weight's blocks)."""
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+    return types.CPointer(types.uint8)(types.int64), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def _blocks(weights, i):
+    """K-quant weight ``i`` of the weight table: its rows of blocks."""
+    return numba.carray(_bytes_at(weights[i, 0]), (weights[i, 1], weights[i, 2]))
+
+
+@numba.njit(nogil=True, cache=True)
+def _k_joint(c, slots, weights, arena, m):
+    """A K_JOINT instruction's weights, outputs and kinds, a missing third as empty (no chunks)."""
+    w0, o0 = _blocks(weights, c[3]), _rows2d(arena, slots, c[4], m)
+    w1, o1 = _blocks(weights, c[5]), _rows2d(arena, slots, c[6], m)
+    if c[2] == 3:
+        return w0, o0, c[9], w1, o1, c[10], _blocks(weights, c[7]), _rows2d(arena, slots, c[8], m), c[11]
+    return w0, o0, c[9], w1, o1, c[10], w0[:0], o0[:, :0], 4
 
 
 @numba.njit(nogil=True, cache=True)
@@ -174,6 +201,34 @@ def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, position
                         floats._chunk(spec, x, w1, o1, m, n1, k, task - t0)
                     else:
                         floats._chunk(spec, x, w2, o2, m, n2, k, task - t0 - t1)
+        elif op == K_PRODUCT:  # kquants.linear_k, f32 activations
+            x, w, out = _rows2d(arena, slots, c[1], m), _blocks(weights, c[2]), _rows2d(arena, slots, c[3], m)
+            xsum, n = block_sums(x, x.shape[1] // 32), w.shape[0]
+            if _serial(w.size * m * kquants.COST, threads):
+                kquants._k_rows(x, w, out, c[4], cpu.AVX2, xsum, 0, n)
+            else:
+                chunks = min(n, CHUNKS)
+                for part in prange(chunks):
+                    kquants._k_rows(x, w, out, c[4], cpu.AVX2, xsum, part * n // chunks, (part + 1) * n // chunks)
+        elif op == K_JOINT:  # kquants._joint, f32 activations
+            x = _rows2d(arena, slots, c[1], m)
+            w0, o0, kind0, w1, o1, kind1, w2, o2, kind2 = _k_joint(c, slots, weights, arena, m)
+            xsum = block_sums(x, x.shape[1] // 32)
+            if _serial((w0.size + w1.size + w2.size) * m * kquants.COST, threads):
+                kquants._k_rows(x, w0, o0, kind0, cpu.AVX2, xsum, 0, w0.shape[0])
+                kquants._k_rows(x, w1, o1, kind1, cpu.AVX2, xsum, 0, w1.shape[0])
+                kquants._k_rows(x, w2, o2, kind2, cpu.AVX2, xsum, 0, w2.shape[0])
+            else:
+                n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
+                c0, c1, c2 = joint_chunks(n0, n1, n2)
+                for part in prange(c0 + c1 + c2):
+                    at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
+                    if at == 0:
+                        kquants._k_rows(x, w0, o0, kind0, cpu.AVX2, xsum, lo, hi)
+                    elif at == 1:
+                        kquants._k_rows(x, w1, o1, kind1, cpu.AVX2, xsum, lo, hi)
+                    else:
+                        kquants._k_rows(x, w2, o2, kind2, cpu.AVX2, xsum, lo, hi)
         elif op == SILU:
             _silu_mul_compiled(_flat(arena, slots, c[1], m), _flat(arena, slots, c[2], m))
         elif op == ADD:
@@ -252,9 +307,14 @@ class _Builder:
         return len(self.widths) - 1
 
     def weight(self, name: str, matrix: bool) -> int:
-        """Weight ``name``'s row in the weight table: a norm's F32 vector, or a product's
-        matrix stored as F32, F16 or BF16 (one format for all of a program's products)."""
+        """Weight ``name``'s row in the weight table (address, elements or rows, bytes a row): a
+        norm's F32 vector, or a product's matrix stored as F32, F16 or BF16 (one format for all of
+        a program's float products) or as a K-quant."""
         w = self.constants.get(name)
+        if matrix and isinstance(w, QuantizedArray) and w.dtype in _K_KINDS:
+            if not (w.data.ndim == 2 and w.data.flags.c_contiguous and w.data.dtype == np.uint8):
+                raise _Unsupported(f"weight {name!r}: its blocks are not contiguous rows")
+            return self._table(name, w)
         fmt = _FORMATS.get(getattr(w, "dtype", None)) if matrix else ("f32" if getattr(w, "dtype", None) == F32 else None)
         if not (type(w) is np.ndarray and fmt and w.ndim == (2 if matrix else 1) and w.flags.c_contiguous):
             raise _Unsupported(f"weight {name!r} is not a contiguous {'F32, F16 or BF16 matrix' if matrix else 'F32 vector'}")
@@ -262,6 +322,9 @@ class _Builder:
             raise _Unsupported(f"weight {name!r} is {fmt}, the program's products {self.format}")
         if matrix:
             self.format = fmt
+        return self._table(name, w)
+
+    def _table(self, name: str, w) -> int:
         if name not in self.weight_ids:
             self.weight_ids[name] = len(self.weights)
             self.weights.append(w)
@@ -274,6 +337,11 @@ class _Builder:
         self.eps.append(float(eps))
         return len(self.eps) - 1
 
+    def kind(self, wi: int) -> int:
+        """A product weight's K-quant kind (4, 5, 6), or 0 for a float weight."""
+        w = self.weights[wi]
+        return _K_KINDS.get(w.dtype, 0) if isinstance(w, QuantizedArray) else 0
+
     def matrix(self, w: str, xs: int, o: int) -> int:
         """Weight ``w`` of the product of slot ``xs`` into slot ``o``."""
         wi = self.weight(w, True)
@@ -282,12 +350,18 @@ class _Builder:
         return wi
 
     def products(self, xs: int, ws: Sequence[str], outs: Sequence[int]) -> None:
-        """``x @ W^T`` for each weight: one PRODUCT, or a JOINT launch of two or three."""
-        if len(ws) == 1 or len(ws) > 3:
-            for w, o in zip(ws, outs):
-                self.emit(PRODUCT, xs, self.matrix(w, xs, o), o)
-            return
-        self.emit(JOINT, xs, len(ws), *(v for w, o in zip(ws, outs) for v in (self.matrix(w, xs, o), o)))
+        """``x @ W^T`` for each weight: one launch each, or a joint launch of two or three of
+        one family (float or K-quant), as :func:`.compiled.linear_many`."""
+        ids = [self.matrix(w, xs, o) for w, o in zip(ws, outs)]
+        kinds = [self.kind(wi) for wi in ids]
+        if len(ids) == 1 or len(ids) > 3 or (0 in kinds and any(kinds)):
+            for wi, o, kind in zip(ids, outs, kinds):
+                self.emit(K_PRODUCT, xs, wi, o, kind) if kind else self.emit(PRODUCT, xs, wi, o)
+        elif any(kinds):
+            self.emit(K_JOINT, xs, len(ids), *(v for wi, o in zip(ids, outs) for v in (wi, o)), *([0] * (6 - 2 * len(ids))),
+                      *kinds)
+        else:
+            self.emit(JOINT, xs, len(ids), *(v for wi, o in zip(ids, outs) for v in (wi, o)))
 
 
 class _Unsupported(Exception):
@@ -369,7 +443,8 @@ class Program:
             self.code[i, :len(row)] = row
         starts, self.per_row = _allocate(b, steps, reads, writes)
         self.slots = np.array([[s, w] for s, w in zip(starts, b.widths)], np.int64).reshape(-1, 2)
-        self.weights = np.array([[w.ctypes.data, w.size] for w in b.weights], np.int64).reshape(-1, 2)
+        self.weights = np.array([[w.data.ctypes.data, *w.data.shape] if isinstance(w, QuantizedArray)
+                                 else [w.ctypes.data, w.size, 0] for w in b.weights], np.int64).reshape(-1, 3)
         self._held = b.weights  # the addresses above stay valid while the program lives
         self.eps = np.array(b.eps or [0.0], np.float64)
         self.caches, self.rope, self.format = b.caches, b.rope, b.format
@@ -528,9 +603,9 @@ def _operands(row: list[int]) -> list[int]:
         return [row[1], row[4]]
     if op == SKIP:
         return [row[1], row[2], row[5], row[6]]
-    if op == PRODUCT:
+    if op in (PRODUCT, K_PRODUCT):
         return [row[1], row[3]]
-    if op == JOINT:
+    if op in (JOINT, K_JOINT):
         return [row[1], *row[4:4 + 2 * row[2]:2]]
     if op in (SILU,):
         return [row[1], row[2]]
