@@ -231,6 +231,8 @@ class GraphExecutor:
                  compiled_program: bool = True) -> None:
         if huge_pages not in (None, True, False):
             raise TypeError(f"huge_pages= takes True, False or None (decide), not {huge_pages!r}")
+        if compiled_program not in (True, False):
+            raise TypeError(f"compiled_program= takes True or False, not {compiled_program!r}")
         graph, weights, declared_max, opened = _open(model)
         self.backends = make_backends(backends)
         if batch_invariant:  # every kernel's row result independent of the other rows in the pass

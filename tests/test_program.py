@@ -221,3 +221,12 @@ def test_the_arena_reuses_what_is_no_longer_read():
     every = int(prog.slots[:, 1].sum())
     assert prog.per_row < every / 8
     assert prog.per_row >= cfg.vocab + cfg.hidden  # the logits and the last hidden state at least
+
+
+def test_compiled_program_takes_true_or_false():
+    weights = random_weights(HEAD64, 3)
+    g = decoder_graph(HEAD64)
+    graph = Graph(g.nodes, g.inputs, g.outputs,
+                  {n: TensorSpec(w.shape, DType.from_numpy(w.dtype)) for n, w in weights.items()})
+    with pytest.raises(TypeError, match=r"compiled_program= takes True or False, not 'yes'"):
+        GraphExecutor((graph, weights), compiled_program="yes")

@@ -616,8 +616,9 @@ def _operands(row: list[int]) -> list[int]:
 
 def build(steps: list, graph, specs: dict, constants: dict, backends: list) -> tuple[int, int, Program] | str:
     """The longest run of steps ``steps[lo:hi]`` a program takes, as ``(lo, hi, program)``, or
-    why none (``inspect --plan``).  ``specs``: every value's spec at ``T`` rows, for T = 2."""
-    best, why = None, "no step the program takes"
+    why none (``inspect --plan``: what ended the longest run tried).  ``specs``: the values whose
+    rows follow the pass's (inferred at T = 3 and 5), at T = 3."""
+    best, why, tried = None, "no step the program takes", -1
     i = 0
     while i < len(steps):
         j, b, backend = i, _Builder(specs, constants), None
@@ -625,12 +626,14 @@ def build(steps: list, graph, specs: dict, constants: dict, backends: list) -> t
             step = steps[j]
             owner = backends[step.index]
             if getattr(owner, "activations", "f32") != "f32":
-                why = f"the {owner.name} backend's {owner.activations} activations"
+                if j - i > tried:
+                    why, tried = f"the {owner.name} backend's {owner.activations} activations", j - i
                 break
             try:
                 _step_code(b, step, graph.nodes[step.index])
             except _Unsupported as e:
-                why = str(e)
+                if j - i > tried:
+                    why, tried = str(e), j - i
                 break
             if getattr(step.fn, "program_kind", None) or isinstance(step.fn, _AttentionChain):
                 backend = backend or owner
@@ -642,7 +645,7 @@ def build(steps: list, graph, specs: dict, constants: dict, backends: list) -> t
     if best is None:
         return why
     lo, hi, b, backend = best
-    # Rebuild from the chosen start: a builder's values follow the run it was made on.
+    # Made again: the step that ended the run may have left half its instructions in ``b``.
     b = _Builder(specs, constants)
     for step in steps[lo:hi]:
         _step_code(b, step, graph.nodes[step.index])
