@@ -288,7 +288,8 @@ class GraphExecutor:
                 return None, f"no compiled program: shapes not inferable ahead ({e})"
         specs = {n: spec for n, spec in rows[3].items()
                  if len(spec.shape) != 2 or (spec.shape[0], rows[5][n].shape[0]) == (3, 5)}
-        found = program.build(self._steps, self.graph, specs, self._constants, [a.backend for a in self.assignments])
+        found = program.build(self._steps, self.graph, specs, self._constants, [a.backend for a in self.assignments],
+                              _pass_on)
         if isinstance(found, str):
             return None, f"no compiled program: {found}"
         lo, hi, prog = found

@@ -141,11 +141,9 @@ def _rope_append(spec, c, slots, kv, cos, sin, arena, m, starts, positions, g, t
     attending too where :func:`.compiled.attention.serial` would (else the caller does, over the
     threads: the same bits); returns whether it attended."""
     lo, hi, pos = starts[g], starts[g + 1], positions[g]
-    t, width, stop = hi - lo, slots[c[2], 1], pos + hi - lo
-    k_buf = numba.carray(_f32_at(kv[c[4], g, 0]), (kv[c[4], g, 2], width))
-    v_buf = numba.carray(_f32_at(kv[c[4], g, 1]), (kv[c[4], g, 2], width))
-    attend = (threads == 1 or (t == 1 and stop <= compiled_attention.SPLIT_KEYS)
-              or t * stop * width * 4 * 2 < compiled_attention.SERIAL_KV_BYTES)
+    k_buf, v_buf = _cache(c, slots, kv, g)
+    stop = pos + hi - lo
+    attend = compiled_attention.serial_on(hi - lo, stop, stop * k_buf.shape[1] * 4, threads)
     _rope_append_attend(spec, _rows2d(arena, slots, c[1], m)[lo:hi], _rows2d(arena, slots, c[2], m)[lo:hi],
                         _rows2d(arena, slots, c[3], m)[lo:hi], cos[lo:hi], sin[lo:hi], c[13], c[14], k_buf, v_buf,
                         pos, c[8], c[9], c[10], c[11] != 0, c[12], attend, _rows2d(arena, slots, c[5], m)[lo:hi],
@@ -154,11 +152,11 @@ def _rope_append(spec, c, slots, kv, cos, sin, arena, m, starts, positions, g, t
 
 
 @numba.njit(nogil=True, cache=True)
-def _keys(c, slots, kv, positions, starts, g):
-    """Segment ``g``'s K and V rows held once an ATTENTION instruction's rows are written."""
-    width, rows, stop = slots[c[2], 1], kv[c[4], g, 2], positions[g] + starts[g + 1] - starts[g]
-    return (numba.carray(_f32_at(kv[c[4], g, 0]), (rows, width))[:stop],
-            numba.carray(_f32_at(kv[c[4], g, 1]), (rows, width))[:stop])
+def _cache(c, slots, kv, g):
+    """Segment ``g``'s K and V buffers of an ATTENTION instruction's cache (every row they hold)."""
+    width, rows = slots[c[2], 1], kv[c[4], g, 2]
+    return (numba.carray(_f32_at(kv[c[4], g, 0]), (rows, width)),
+            numba.carray(_f32_at(kv[c[4], g, 1]), (rows, width)))
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
@@ -178,7 +176,7 @@ def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, position
         elif op == PRODUCT:
             x, w, out = _flat(arena, slots, c[1], m), _matrix(spec, weights, c[2]), _flat(arena, slots, c[3], m)
             n, k = slots[c[3], 1], slots[c[1], 1]
-            if _serial(n * k * 4 * m, threads):
+            if _serial(w.nbytes * m, threads):
                 floats._rows(spec, x, w, out, m, n, k, 0, n)
             else:
                 for task in prange((n + floats.CHUNK - 1) // floats.CHUNK):
@@ -186,7 +184,7 @@ def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, position
         elif op == JOINT:
             x, k = _flat(arena, slots, c[1], m), slots[c[1], 1]
             w0, o0, n0, w1, o1, n1, w2, o2, n2 = _joint_slots(spec, c, slots, weights, arena, m)
-            if _serial((n0 + n1 + n2) * k * 4 * m, threads):
+            if _serial((w0.nbytes + w1.nbytes + w2.nbytes) * m, threads):
                 floats._rows(spec, x, w0, o0, m, n0, k, 0, n0)
                 floats._rows(spec, x, w1, o1, m, n1, k, 0, n1)
                 if n2:
@@ -204,7 +202,7 @@ def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, position
         elif op == K_PRODUCT:  # kquants.linear_k, f32 activations
             x, w, out = _rows2d(arena, slots, c[1], m), _blocks(weights, c[2]), _rows2d(arena, slots, c[3], m)
             xsum, n = block_sums(x, x.shape[1] // 32), w.shape[0]
-            if _serial(w.size * m * kquants.COST, threads):
+            if _serial(w.nbytes * m * kquants.COST, threads):
                 kquants._k_rows(x, w, out, c[4], cpu.AVX2, xsum, 0, n)
             else:
                 chunks = min(n, CHUNKS)
@@ -214,7 +212,7 @@ def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, position
             x = _rows2d(arena, slots, c[1], m)
             w0, o0, kind0, w1, o1, kind1, w2, o2, kind2 = _k_joint(c, slots, weights, arena, m)
             xsum = block_sums(x, x.shape[1] // 32)
-            if _serial((w0.size + w1.size + w2.size) * m * kquants.COST, threads):
+            if _serial((w0.nbytes + w1.nbytes + w2.nbytes) * m * kquants.COST, threads):
                 kquants._k_rows(x, w0, o0, kind0, cpu.AVX2, xsum, 0, w0.shape[0])
                 kquants._k_rows(x, w1, o1, kind1, cpu.AVX2, xsum, 0, w1.shape[0])
                 kquants._k_rows(x, w2, o2, kind2, cpu.AVX2, xsum, 0, w2.shape[0])
@@ -249,7 +247,8 @@ def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, position
                     continue
                 lo, hi = starts[g], starts[g + 1]
                 q_rot, out = _rows2d(arena, slots, c[5], m)[lo:hi], _rows2d(arena, slots, c[7], m)[lo:hi]
-                k_all, v_all = _keys(c, slots, kv, positions, starts, g)
+                k_buf, v_buf = _cache(c, slots, kv, g)
+                k_all, v_all = k_buf[:positions[g] + hi - lo], v_buf[:positions[g] + hi - lo]
                 heads, kv_heads, head_dim, causal, window = c[8], c[9], c[10], c[11] != 0, c[12]
                 pieces, sums, stats = compiled_attention._scratch(hi - lo, k_all.shape[0], causal, window, heads,
                                                                   head_dim)
@@ -368,10 +367,11 @@ class _Unsupported(Exception):
     """A step the program cannot take (its message says why)."""
 
 
-def _step_code(b: _Builder, step, node) -> None:
-    """``step``'s instructions, or :class:`_Unsupported`."""
+def _step_code(b: _Builder, step, node, pass_on) -> None:
+    """``step``'s instructions, or :class:`_Unsupported` (``pass_on``: the executor's kernel of
+    the steps that pass a group's results on)."""
     fn, kind = step.fn, getattr(step.fn, "program_kind", None)
-    if getattr(fn, "__name__", "") == "_pass_on":
+    if fn is pass_on:
         for read, write in zip(step.reads, step.writes):
             b.alias(read, write)
         return
@@ -478,7 +478,7 @@ class Program:
         """Whether a pass of ``rows`` rows in all whose sessions' KV states and positions are
         ``positions`` runs here (else the executor runs the steps: a position a KV cache refuses
         then fails as its node)."""
-        if rows < 1 or (rows >= BLAS_ROWS and not self.backend.invariant):
+        if not self._rows_fit(rows):
             return False
         for kv, pos in positions:
             for cache in self.caches:
@@ -513,8 +513,13 @@ class Program:
         return tuple(arena[self.slots[s, 0] * m:(self.slots[s, 0] + self.slots[s, 1]) * m].reshape(m, self.slots[s, 1])
                      for s in self.exports)
 
+    def _rows_fit(self, m: int) -> bool:
+        """A pass of ``m`` rows whose products are the compiled ones (BLAS's from BLAS_ROWS
+        rows, unless batch-invariant: :meth:`.numba.NumbaBackend.linear`)."""
+        return m >= 1 and (m < BLAS_ROWS or self.backend.invariant)
+
     def _fits(self, inputs: Sequence, m: int) -> bool:
-        if m < 1 or (m >= BLAS_ROWS and not self.backend.invariant):
+        if not self._rows_fit(m):
             return False
         return all(type(x) is np.ndarray and x.dtype == F32 and x.shape == (m, self.slots[s, 1])
                    for s, x in zip(self.imports, inputs))
@@ -614,7 +619,7 @@ def _operands(row: list[int]) -> list[int]:
     return [row[1], row[2], row[3], row[5], row[6], row[7]]  # ATTENTION
 
 
-def build(steps: list, graph, specs: dict, constants: dict, backends: list) -> tuple[int, int, Program] | str:
+def build(steps: list, graph, specs: dict, constants: dict, backends: list, pass_on) -> tuple[int, int, Program] | str:
     """The longest run of steps ``steps[lo:hi]`` a program takes, as ``(lo, hi, program)``, or
     why none (``inspect --plan``: what ended the longest run tried).  ``specs``: the values whose
     rows follow the pass's (inferred at T = 3 and 5), at T = 3."""
@@ -630,7 +635,7 @@ def build(steps: list, graph, specs: dict, constants: dict, backends: list) -> t
                     why, tried = f"the {owner.name} backend's {owner.activations} activations", j - i
                 break
             try:
-                _step_code(b, step, graph.nodes[step.index])
+                _step_code(b, step, graph.nodes[step.index], pass_on)
             except _Unsupported as e:
                 if j - i > tried:
                     why, tried = str(e), j - i
@@ -638,7 +643,7 @@ def build(steps: list, graph, specs: dict, constants: dict, backends: list) -> t
             if getattr(step.fn, "program_kind", None) or isinstance(step.fn, _AttentionChain):
                 backend = backend or owner
             j += 1
-        real = sum(getattr(step.fn, "__name__", "") != "_pass_on" for step in steps[i:j])
+        real = sum(step.fn is not pass_on for step in steps[i:j])
         if backend is not None and real >= 2 and (best is None or j - i > best[1] - best[0]):
             best = (i, j, b, backend)
         i = max(j, i + 1)
@@ -648,7 +653,7 @@ def build(steps: list, graph, specs: dict, constants: dict, backends: list) -> t
     # Made again: the step that ended the run may have left half its instructions in ``b``.
     b = _Builder(specs, constants)
     for step in steps[lo:hi]:
-        _step_code(b, step, graph.nodes[step.index])
+        _step_code(b, step, graph.nodes[step.index], pass_on)
     reads, writes = _borders(steps, lo, hi, graph, constants)
     for name in (*reads, *writes):
         if b.values.get(name.removesuffix(_SHARED), _KV_VIEW) == _KV_VIEW:

@@ -534,10 +534,17 @@ def attention_rows(q, k, v, num_heads: int, kv_heads: int, head_dim: int, causal
 
 def serial(query_rows: int, keys: int, k_bytes: int) -> bool:
     """Whether :func:`attention_rows` attends on the calling thread (:func:`attention_serial`):
-    one thread, a decode step's one piece, or under :data:`SERIAL_KV_BYTES` of K/V reads.  The
-    same bits either way: only the speed depends on it."""
-    one_piece = query_rows == 1 and keys <= SPLIT_KEYS
-    return numba.get_num_threads() == 1 or one_piece or query_rows * k_bytes * 2 < SERIAL_KV_BYTES
+    :func:`serial_on` with this thread's number of threads."""
+    return serial_on(query_rows, keys, k_bytes, numba.get_num_threads())
+
+
+@numba.njit(nogil=True, cache=True)
+def serial_on(query_rows, keys, k_bytes, threads):
+    """:func:`serial`'s rule, for compiled callers too (the executor's program: numba cannot
+    cache compiled code that asks for the number of threads): one thread, a decode step's one
+    piece, or under :data:`SERIAL_KV_BYTES` of K/V reads.  The same bits either way: only the
+    speed depends on it."""
+    return threads == 1 or (query_rows == 1 and keys <= SPLIT_KEYS) or query_rows * k_bytes * 2 < SERIAL_KV_BYTES
 
 
 #: :func:`attention_rows`' serial driver, for compiled callers (the numba backend's attention
