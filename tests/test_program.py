@@ -141,6 +141,46 @@ def test_the_program_on_one_thread_and_with_attention_over_the_threads(calls):
     assert calls[0] == 3 * len({1, threads})
 
 
+def test_a_thread_alone_does_every_task_planned_for_several(monkeypatch):
+    """The program's threads take tasks by ticket, as they turn up: if numba's pool sends only
+    the calling thread, it alone runs a plan made for four threads (products in four parts, the
+    attention's keys in pieces), in order, to the last task, and gives the steps' bits."""
+    most = []
+
+    def alone(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec, attention_spec):
+        stages, pieces, sums, stats, counters = program_module._prepare(code, slots, weights, m, starts, positions,
+                                                                        4, spec)
+        program_module._work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
+                             4, spec, attention_spec, pieces, sums, stats)
+        assert counters[program_module._DONE] == counters[program_module._CLAIMED] - 1 == stages[-1, 2] + stages[-1, 3]
+        products = [tasks for i, _, tasks, _ in stages if code[i, 0] != program_module.ATTENTION]
+        most.append((max(products), int(pieces.max())))
+    monkeypatch.setattr(program_module, "_execute", alone)
+    ex, steps = executors(HEAD64)
+    for tokens in ((np.arange(300) % 64), [5], [6]):
+        got, want = (e.run({"tokens": np.asarray(tokens, np.int32)})["logits"] for e in (ex, steps))
+        assert same_bits(got, want)
+    assert most[0][0] == 4 and most[0][1] > 1 and len(most) == 3  # four-part products, pieces of keys
+
+
+def test_spin_counters_count_every_thread_s_increments():
+    """:mod:`.compiled.spin`: concurrent ``fetch_add`` calls lose no increment and each returns
+    a distinct value before it; ``wait_until`` returns once the count is reached."""
+    from dist_runtime.backends.compiled import spin
+
+    @numba.njit(parallel=True)
+    def bump(counters, seen, n):
+        for t in numba.prange(4):
+            for i in range(n):
+                seen[t * n + i] = spin.fetch_add(counters, 0)
+        spin.wait_until(counters, 0, 4 * n)
+        return spin.load_acquire(counters, 0)
+
+    counters, seen = np.zeros(16, np.int64), np.zeros(4 * 5000, np.int64)
+    assert bump(counters, seen, 5000) == 20000 == counters[0]
+    assert np.array_equal(np.sort(seen), np.arange(20000))
+
+
 def test_products_for_blas_stay_steps(calls):
     """Where the products go to BLAS (a pass of BLAS_ROWS rows, not batch-invariant), in one
     session or several, the steps run, as without the program."""

@@ -9,6 +9,18 @@ the attention chain's Python ~2-8 us there, against ~0.3 warm).  The program run
 run of steps it knows as one call of :func:`_execute`, a loop over fixed instructions that calls
 the very compiled functions those steps call, in the same order: the same bits.
 
+Its threads stay for the whole call (:func:`_work`).  The instructions become stages of tasks
+(:func:`_stages`): a product's contiguous runs of weight-row chunks, one a thread (a thread's
+rows one stream, as numba's ``prange`` hands them out); the attention's segments, then the pieces
+of the keys of the segments too long for one thread, then their merges; every other instruction
+one task.  A thread takes tickets in order from an atomic counter and starts a task once every
+task of the stages before it is done (:mod:`.compiled.spin`).  One launch of numba's pool a call
+rather than one a product: the pool's idle threads sleep, and waking one after the serial work
+between two products (a norm, the attention of a short context) cost 2-15 us each time.
+Session 19, in one process, 40 rounds alternating with the one-launch-a-product loop it
+replaced: the 125M f32 decode step 0.94x / 0.97x the time (invariant 0.99x), Q4_K_M 0.92x;
+``bench_decode``'s 8-row f32 step 1.15-1.22x a 1-row one, against 1.45-1.60x before.
+
 Which steps (:func:`build`): the numba backend's products of F32 activations and an F32, F16 or
 BF16 weight (one format a program) or a K-quant one (Q4_K, Q5_K, Q6_K) (Matmul, the q/k/v shared
 launch, FusedSwiGlu, FusedNormMatmul), RmsNorm, FusedSkipNorm, its attention chain (Rope, Rope, KvCache, Sdpa on the
@@ -41,7 +53,7 @@ from ..ir.tensor_spec import POS
 from ..ir.ops import Add
 from . import ChainedNodeError
 from .compiled import attention as compiled_attention
-from .compiled import cpu, floats, kquants
+from .compiled import cpu, floats, kquants, spin
 from .compiled.registry import CHUNKS, SERIAL_BYTES, block_sums, joint_chunks, joint_part
 from .numba import BLAS_ROWS, _AttentionChain, _f32_at, _rms_rows, _rope_append_attend, _silu_mul_compiled, _skip_rms_rows
 
@@ -118,12 +130,6 @@ def _matrix(spec, weights, i):
 
 
 @numba.njit(nogil=True, cache=True)
-def _serial(work_bytes, threads):
-    """:func:`.compiled.registry.serial`: the same bits either way, only the speed differs."""
-    return work_bytes < SERIAL_BYTES or threads == 1
-
-
-@numba.njit(nogil=True, cache=True)
 def _joint_slots(spec, c, slots, weights, arena, m):
     """A JOINT instruction's weights and outputs, a missing third as empty (no chunks)."""
     w0, o0 = _matrix(spec, weights, c[3]), _flat(arena, slots, c[4], m)
@@ -135,20 +141,17 @@ def _joint_slots(spec, c, slots, weights, arena, m):
 
 
 @numba.njit(nogil=True, cache=True)
-def _rope_append(spec, c, slots, kv, cos, sin, arena, m, starts, positions, g, threads):
+def _rope_append(spec, c, slots, kv, cos, sin, arena, m, starts, positions, g, attend):
     """The attention chain's compiled call (:class:`~.numba._AttentionChain`) for segment ``g``
     (rows ``starts[g]:starts[g + 1]``, at ``positions[g]``) on its KV cache ``kv[c[4], g]``,
-    attending too where :func:`.compiled.attention.serial` would (else the caller does, over the
-    threads: the same bits); returns whether it attended."""
+    attending too if ``attend`` (:func:`_attends`; else the pieces' stages do, over the threads:
+    the same bits)."""
     lo, hi, pos = starts[g], starts[g + 1], positions[g]
     k_buf, v_buf = _cache(c, slots, kv, g)
-    stop = pos + hi - lo
-    attend = compiled_attention.serial_on(hi - lo, stop, stop * k_buf.shape[1] * 4, threads)
     _rope_append_attend(spec, _rows2d(arena, slots, c[1], m)[lo:hi], _rows2d(arena, slots, c[2], m)[lo:hi],
                         _rows2d(arena, slots, c[3], m)[lo:hi], cos[lo:hi], sin[lo:hi], c[13], c[14], k_buf, v_buf,
                         pos, c[8], c[9], c[10], c[11] != 0, c[12], attend, _rows2d(arena, slots, c[5], m)[lo:hi],
                         _rows2d(arena, slots, c[6], m)[lo:hi], _rows2d(arena, slots, c[7], m)[lo:hi])
-    return attend
 
 
 @numba.njit(nogil=True, cache=True)
@@ -159,103 +162,206 @@ def _cache(c, slots, kv, g):
             numba.carray(_f32_at(kv[c[4], g, 1]), (rows, width)))
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
-def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec, attention_spec):
-    """Every instruction of ``code`` in order (see :class:`Program`).  The threaded loops are
-    those of :func:`floats._threaded`, :func:`floats._threaded_joint` and
-    :func:`.compiled.attention._attention_threaded`, here: a compiled function that calls a
-    parallel one cannot be cached by numba."""
+@numba.njit(nogil=True, cache=True)
+def _attends(c, slots, starts, positions, g, threads):
+    """Whether segment ``g`` of an ATTENTION instruction attends in its chain's call, on one
+    thread (:func:`.compiled.attention.serial_on`), rather than in pieces over the threads."""
+    rows = starts[g + 1] - starts[g]
+    stop = positions[g] + rows
+    return compiled_attention.serial_on(rows, stop, stop * slots[c[2], 1] * 4, threads)
+
+
+@numba.njit(nogil=True, cache=True)
+def _segment_pieces(c, starts, positions, g):
+    """Segment ``g``'s pieces (:func:`.compiled.attention._pieces`): where each query row's start."""
+    rows = starts[g + 1] - starts[g]
+    return compiled_attention._pieces(rows, positions[g] + rows, c[11] != 0, c[12])
+
+
+@numba.njit(nogil=True, cache=True)
+def _stored_bytes(spec, weights, i, k_quant):
+    """Product weight ``i``'s work in bytes: what it stores, times :data:`.kquants.COST` for a
+    K-quant's (decoding its blocks costs more a byte)."""
+    if k_quant:
+        return weights[i, 1] * weights[i, 2] * kquants.COST
+    return _matrix(spec, weights, i).nbytes
+
+
+@numba.njit(nogil=True, cache=True)
+def _product_parts(work_bytes, threads):
+    """A product's tasks: one on a thread (:func:`.compiled.registry.serial`'s rule: the same
+    bits either way, only the speed differs), else one a thread, each a contiguous run of its
+    chunks (a thread's weight rows one stream, as numba's ``prange`` hands them out)."""
+    return 1 if work_bytes < SERIAL_BYTES or threads == 1 else threads
+
+
+@numba.njit(nogil=True, cache=True)
+def _stages(code, slots, weights, m, starts, positions, threads, spec):
+    """The call's stages in order, each ``(instruction, phase, tasks)``, every task of one done
+    before any of the next starts; ``pieces[i, g]``: where segment ``g``'s attention pieces start
+    among ATTENTION instruction ``i``'s (``pieces[i, -1]`` in all; none where it attends whole)."""
+    segments = positions.shape[0]
+    stages = np.zeros((3 * code.shape[0], 3), np.int64)
+    pieces = np.zeros((code.shape[0], segments + 1), np.int64)
+    s = 0
     for i in range(code.shape[0]):
         c = code[i]
-        op = c[0]
-        if op == RMS:
-            _rms_rows(_rows2d(arena, slots, c[1], m), _weight(weights, c[2]), eps[c[3]], _rows2d(arena, slots, c[4], m))
-        elif op == SKIP:
-            _skip_rms_rows(_rows2d(arena, slots, c[1], m), _rows2d(arena, slots, c[2], m), _weight(weights, c[3]),
-                           eps[c[4]], _rows2d(arena, slots, c[5], m), _rows2d(arena, slots, c[6], m))
-        elif op == PRODUCT:
-            x, w, out = _flat(arena, slots, c[1], m), _matrix(spec, weights, c[2]), _flat(arena, slots, c[3], m)
-            n, k = slots[c[3], 1], slots[c[1], 1]
-            if _serial(w.nbytes * m, threads):
-                floats._rows(spec, x, w, out, m, n, k, 0, n)
-            else:
-                for task in prange((n + floats.CHUNK - 1) // floats.CHUNK):
-                    floats._chunk(spec, x, w, out, m, n, k, task)
-        elif op == JOINT:
-            x, k = _flat(arena, slots, c[1], m), slots[c[1], 1]
-            w0, o0, n0, w1, o1, n1, w2, o2, n2 = _joint_slots(spec, c, slots, weights, arena, m)
-            if _serial((w0.nbytes + w1.nbytes + w2.nbytes) * m, threads):
-                floats._rows(spec, x, w0, o0, m, n0, k, 0, n0)
-                floats._rows(spec, x, w1, o1, m, n1, k, 0, n1)
-                if n2:
-                    floats._rows(spec, x, w2, o2, m, n2, k, 0, n2)
-            else:
-                t0, t1 = (n0 + floats.CHUNK - 1) // floats.CHUNK, (n1 + floats.CHUNK - 1) // floats.CHUNK
-                t2 = (n2 + floats.CHUNK - 1) // floats.CHUNK
-                for task in prange(t0 + t1 + t2):
-                    if task < t0:
-                        floats._chunk(spec, x, w0, o0, m, n0, k, task)
-                    elif task < t0 + t1:
-                        floats._chunk(spec, x, w1, o1, m, n1, k, task - t0)
-                    else:
-                        floats._chunk(spec, x, w2, o2, m, n2, k, task - t0 - t1)
-        elif op == K_PRODUCT:  # kquants.linear_k, f32 activations
-            x, w, out = _rows2d(arena, slots, c[1], m), _blocks(weights, c[2]), _rows2d(arena, slots, c[3], m)
-            xsum, n = block_sums(x, x.shape[1] // 32), w.shape[0]
-            if _serial(w.nbytes * m * kquants.COST, threads):
-                kquants._k_rows(x, w, out, c[4], cpu.AVX2, xsum, 0, n)
-            else:
-                chunks = min(n, CHUNKS)
-                for part in prange(chunks):
-                    kquants._k_rows(x, w, out, c[4], cpu.AVX2, xsum, part * n // chunks, (part + 1) * n // chunks)
-        elif op == K_JOINT:  # kquants._joint, f32 activations
-            x = _rows2d(arena, slots, c[1], m)
-            w0, o0, kind0, w1, o1, kind1, w2, o2, kind2 = _k_joint(c, slots, weights, arena, m)
-            xsum = block_sums(x, x.shape[1] // 32)
-            if _serial((w0.nbytes + w1.nbytes + w2.nbytes) * m * kquants.COST, threads):
-                kquants._k_rows(x, w0, o0, kind0, cpu.AVX2, xsum, 0, w0.shape[0])
-                kquants._k_rows(x, w1, o1, kind1, cpu.AVX2, xsum, 0, w1.shape[0])
-                kquants._k_rows(x, w2, o2, kind2, cpu.AVX2, xsum, 0, w2.shape[0])
-            else:
-                n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
-                c0, c1, c2 = joint_chunks(n0, n1, n2)
-                for part in prange(c0 + c1 + c2):
-                    at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
-                    if at == 0:
-                        kquants._k_rows(x, w0, o0, kind0, cpu.AVX2, xsum, lo, hi)
-                    elif at == 1:
-                        kquants._k_rows(x, w1, o1, kind1, cpu.AVX2, xsum, lo, hi)
-                    else:
-                        kquants._k_rows(x, w2, o2, kind2, cpu.AVX2, xsum, lo, hi)
-        elif op == SILU:
-            _silu_mul_compiled(_flat(arena, slots, c[1], m), _flat(arena, slots, c[2], m))
-        elif op == ADD:
-            a, b, out = _flat(arena, slots, c[1], m), _flat(arena, slots, c[2], m), _flat(arena, slots, c[3], m)
-            for j in range(out.shape[0]):
-                out[j] = a[j] + b[j]
+        op, tasks = c[0], 1
+        if op == PRODUCT or op == K_PRODUCT:
+            tasks = _product_parts(_stored_bytes(spec, weights, c[2], op == K_PRODUCT) * m, threads)
+        elif op == JOINT or op == K_JOINT:
+            nbytes = 0
+            for j in range(c[2]):
+                nbytes += _stored_bytes(spec, weights, c[3 + 2 * j], op == K_JOINT)
+            tasks = _product_parts(nbytes * m, threads)
         elif op == ATTENTION:
-            segments = positions.shape[0]
-            attended = np.ones(segments, np.bool_)
-            if segments == 1:
-                attended[0] = _rope_append(attention_spec, c, slots, kv, cos, sin, arena, m, starts, positions, 0, threads)
-            else:  # the threads take segments, as the attention chain's over_segments
-                for g in prange(segments):
-                    attended[g] = _rope_append(attention_spec, c, slots, kv, cos, sin, arena, m, starts, positions, g,
-                                               threads)
+            tasks = segments
             for g in range(segments):
-                if attended[g]:
-                    continue
-                lo, hi = starts[g], starts[g + 1]
-                q_rot, out = _rows2d(arena, slots, c[5], m)[lo:hi], _rows2d(arena, slots, c[7], m)[lo:hi]
-                k_buf, v_buf = _cache(c, slots, kv, g)
-                k_all, v_all = k_buf[:positions[g] + hi - lo], v_buf[:positions[g] + hi - lo]
-                heads, kv_heads, head_dim, causal, window = c[8], c[9], c[10], c[11] != 0, c[12]
-                pieces, sums, stats = compiled_attention._scratch(hi - lo, k_all.shape[0], causal, window, heads,
-                                                                  head_dim)
-                for piece in prange(pieces[-1]):
-                    compiled_attention._attend_piece(attention_spec, q_rot, k_all, v_all, heads, kv_heads, head_dim,
-                                                     causal, window, pieces, piece, sums, stats)
-                compiled_attention._merge(pieces, sums, stats, heads, head_dim, out)
+                count = 0 if _attends(c, slots, starts, positions, g, threads) else _segment_pieces(
+                    c, starts, positions, g)[-1]
+                pieces[i, g + 1] = pieces[i, g] + count
+            if pieces[i, -1]:
+                stages[s] = (i, 0, tasks)
+                stages[s + 1] = (i, 1, pieces[i, -1])
+                s += 2  # then phase 2, the merges: one task a segment
+        stages[s] = (i, 2 if op == ATTENTION and pieces[i, -1] else 0, tasks)
+        s += 1
+    return stages[:s], pieces
+
+
+@numba.njit(nogil=True, cache=True)
+def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec,
+          attention_spec, pieces, sums, stats):
+    """Task ``task`` of ``tasks`` of instruction ``c``'s stage ``phase`` (:func:`_stages`)."""
+    op = c[0]
+    if op == RMS:
+        _rms_rows(_rows2d(arena, slots, c[1], m), _weight(weights, c[2]), eps[c[3]], _rows2d(arena, slots, c[4], m))
+    elif op == SKIP:
+        _skip_rms_rows(_rows2d(arena, slots, c[1], m), _rows2d(arena, slots, c[2], m), _weight(weights, c[3]),
+                       eps[c[4]], _rows2d(arena, slots, c[5], m), _rows2d(arena, slots, c[6], m))
+    elif op == PRODUCT:
+        x, w, out = _flat(arena, slots, c[1], m), _matrix(spec, weights, c[2]), _flat(arena, slots, c[3], m)
+        n, k = slots[c[3], 1], slots[c[1], 1]
+        chunks = (n + floats.CHUNK - 1) // floats.CHUNK
+        floats._rows(spec, x, w, out, m, n, k, task * chunks // tasks * floats.CHUNK,
+                     min(n, (task + 1) * chunks // tasks * floats.CHUNK))
+    elif op == JOINT:
+        x, k = _flat(arena, slots, c[1], m), slots[c[1], 1]
+        w0, o0, n0, w1, o1, n1, w2, o2, n2 = _joint_slots(spec, c, slots, weights, arena, m)
+        t0, t1 = (n0 + floats.CHUNK - 1) // floats.CHUNK, (n1 + floats.CHUNK - 1) // floats.CHUNK
+        chunks = t0 + t1 + (n2 + floats.CHUNK - 1) // floats.CHUNK
+        for chunk in range(task * chunks // tasks, (task + 1) * chunks // tasks):
+            if chunk < t0:
+                floats._chunk(spec, x, w0, o0, m, n0, k, chunk)
+            elif chunk < t0 + t1:
+                floats._chunk(spec, x, w1, o1, m, n1, k, chunk - t0)
+            else:
+                floats._chunk(spec, x, w2, o2, m, n2, k, chunk - t0 - t1)
+    elif op == K_PRODUCT:  # kquants.linear_k, f32 activations
+        x, w, out = _rows2d(arena, slots, c[1], m), _blocks(weights, c[2]), _rows2d(arena, slots, c[3], m)
+        n = w.shape[0]
+        chunks = 1 if tasks == 1 else min(n, CHUNKS)
+        kquants._k_rows(x, w, out, c[4], cpu.AVX2, block_sums(x, x.shape[1] // 32),
+                        task * chunks // tasks * n // chunks, (task + 1) * chunks // tasks * n // chunks)
+    elif op == K_JOINT:  # kquants._joint, f32 activations
+        x = _rows2d(arena, slots, c[1], m)
+        w0, o0, kind0, w1, o1, kind1, w2, o2, kind2 = _k_joint(c, slots, weights, arena, m)
+        xsum = block_sums(x, x.shape[1] // 32)
+        n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
+        c0, c1, c2 = joint_chunks(n0, n1, n2)
+        for part in range(task * (c0 + c1 + c2) // tasks, (task + 1) * (c0 + c1 + c2) // tasks):
+            at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
+            if at == 0:
+                kquants._k_rows(x, w0, o0, kind0, cpu.AVX2, xsum, lo, hi)
+            elif at == 1:
+                kquants._k_rows(x, w1, o1, kind1, cpu.AVX2, xsum, lo, hi)
+            else:
+                kquants._k_rows(x, w2, o2, kind2, cpu.AVX2, xsum, lo, hi)
+    elif op == SILU:
+        _silu_mul_compiled(_flat(arena, slots, c[1], m), _flat(arena, slots, c[2], m))
+    elif op == ADD:
+        a, b, out = _flat(arena, slots, c[1], m), _flat(arena, slots, c[2], m), _flat(arena, slots, c[3], m)
+        for j in range(out.shape[0]):
+            out[j] = a[j] + b[j]
+    elif phase == 0:  # ATTENTION: segment ``task``'s rotations and cache rows, and its attention if whole
+        _rope_append(attention_spec, c, slots, kv, cos, sin, arena, m, starts, positions, task,
+                     pieces[task + 1] == pieces[task])
+    else:  # ATTENTION: one piece of a segment's keys (phase 1) or a segment's merge (phase 2)
+        g = task if phase == 2 else np.searchsorted(pieces, task, side="right") - 1
+        if pieces[g + 1] == pieces[g]:
+            return
+        lo, hi = starts[g], starts[g + 1]
+        k_buf, v_buf = _cache(c, slots, kv, g)
+        at, stop = pieces[g], positions[g] + hi - lo
+        heads, head_dim = c[8], c[10]
+        mine = _segment_pieces(c, starts, positions, g)
+        sums_g = sums[:(pieces[-1]) * heads * head_dim].reshape((pieces[-1], heads * head_dim))[at:pieces[g + 1]]
+        stats_g = stats[:pieces[-1] * 2 * heads].reshape((pieces[-1], 2, heads))[at:pieces[g + 1]]
+        if phase == 1:
+            compiled_attention._attend_piece(attention_spec, _rows2d(arena, slots, c[5], m)[lo:hi], k_buf[:stop],
+                                             v_buf[:stop], heads, c[9], head_dim, c[11] != 0, c[12], mine,
+                                             task - at, sums_g, stats_g)
+        else:
+            compiled_attention._merge(mine, sums_g, stats_g, heads, head_dim, _rows2d(arena, slots, c[7], m)[lo:hi])
+
+
+#: :func:`_execute`'s counters: tickets handed out, tasks finished (a cache line apart).
+_CLAIMED, _DONE = 0, 8
+
+
+@numba.njit(nogil=True, cache=True)
+def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec,
+          attention_spec, pieces, sums, stats):
+    """One thread's share of a call: it takes the next ticket (a task, the stages' in order)
+    until none is left, each once every task of the stages before it is done.  Tickets are
+    taken in order, so the earliest unfinished one's thread never waits: no deadlock, whichever
+    threads turn up (one thread alone does every task)."""
+    total = stages[-1, 2] + stages[-1, 3]
+    s = 0
+    while True:
+        ticket = spin.fetch_add(counters, _CLAIMED)
+        if ticket >= total:
+            return
+        while stages[s, 3] + stages[s, 2] <= ticket:
+            s += 1
+        spin.wait_until(counters, _DONE, stages[s, 3])
+        i = stages[s, 0]
+        _task(code[i], stages[s, 1], ticket - stages[s, 3], stages[s, 2], slots, weights, eps, kv, cos, sin, arena,
+              m, starts, positions, threads, spec, attention_spec, pieces[i], sums, stats)
+        spin.fetch_add(counters, _DONE)
+
+
+@numba.njit(nogil=True, cache=True)
+def _prepare(code, slots, weights, m, starts, positions, threads, spec):
+    """A call's stages (:func:`_stages`, each with its first ticket), its attention pieces,
+    their scratch and the counters, made before any thread starts."""
+    planned, pieces = _stages(code, slots, weights, m, starts, positions, threads, spec)
+    stages = np.empty((planned.shape[0], 4), np.int64)  # (instruction, phase, tasks, first ticket)
+    stages[:, :3] = planned
+    stages[0, 3] = 0
+    for s in range(1, stages.shape[0]):
+        stages[s, 3] = stages[s - 1, 3] + stages[s - 1, 2]
+    most = 1
+    for i in range(code.shape[0]):
+        if code[i, 0] == ATTENTION:
+            most = max(most, pieces[i, -1] * slots[code[i, 5], 1])
+    return stages, pieces, np.empty(most, np.float32), np.empty(2 * most, np.float32), np.zeros(16, np.int64)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec, attention_spec):
+    """Every instruction of ``code`` in order (see :class:`Program`), on ``threads`` threads that
+    stay from the first task to the last (:func:`_work`), spinning between stages rather than
+    going back to numba's pool: one launch a call, not one a product, and no sleeping thread to
+    wake after each stretch of serial work (~2-15 us each: :mod:`.compiled.threads`)."""
+    stages, pieces, sums, stats, counters = _prepare(code, slots, weights, m, starts, positions, threads, spec)
+    if threads == 1:
+        _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec,
+              attention_spec, pieces, sums, stats)
+    else:
+        for _ in prange(threads):
+            _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads,
+                  spec, attention_spec, pieces, sums, stats)
 
 
 # -- building it --------------------------------------------------------------------------------------
