@@ -151,7 +151,7 @@ def test_a_thread_alone_does_every_task_planned_for_several(monkeypatch):
         stages, pieces, sums, stats, counters = program_module._prepare(code, slots, weights, m, starts, positions,
                                                                         4, spec)
         program_module._work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
-                             4, spec, attention_spec, pieces, sums, stats)
+                             spec, attention_spec, pieces, sums, stats)
         assert counters[program_module._DONE] == counters[program_module._CLAIMED] - 1 == stages[-1, 2] + stages[-1, 3]
         products = [tasks for i, _, tasks, _ in stages if code[i, 0] != program_module.ATTENTION]
         most.append((max(products), int(pieces.max())))

@@ -232,8 +232,8 @@ def _stages(code, slots, weights, m, starts, positions, threads, spec):
 
 
 @numba.njit(nogil=True, cache=True)
-def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec,
-          attention_spec, pieces, sums, stats):
+def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, spec, attention_spec,
+          pieces, sums, stats):
     """Task ``task`` of ``tasks`` of instruction ``c``'s stage ``phase`` (:func:`_stages`)."""
     op = c[0]
     if op == RMS:
@@ -312,7 +312,7 @@ _CLAIMED, _DONE = 0, 8
 
 
 @numba.njit(nogil=True, cache=True)
-def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec,
+def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, spec,
           attention_spec, pieces, sums, stats):
     """One thread's share of a call: it takes the next ticket (a task, the stages' in order)
     until none is left, each once every task of the stages before it is done.  Tickets are
@@ -329,7 +329,7 @@ def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, s
         spin.wait_until(counters, _DONE, stages[s, 3])
         i = stages[s, 0]
         _task(code[i], stages[s, 1], ticket - stages[s, 3], stages[s, 2], slots, weights, eps, kv, cos, sin, arena,
-              m, starts, positions, threads, spec, attention_spec, pieces[i], sums, stats)
+              m, starts, positions, spec, attention_spec, pieces[i], sums, stats)
         spin.fetch_add(counters, _DONE)
 
 
@@ -358,12 +358,12 @@ def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, position
     wake after each stretch of serial work (~2-15 us each: :mod:`.compiled.threads`)."""
     stages, pieces, sums, stats, counters = _prepare(code, slots, weights, m, starts, positions, threads, spec)
     if threads == 1:
-        _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec,
+        _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, spec,
               attention_spec, pieces, sums, stats)
     else:
         for _ in prange(threads):
-            _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads,
-                  spec, attention_spec, pieces, sums, stats)
+            _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, spec,
+                  attention_spec, pieces, sums, stats)
 
 
 # -- building it --------------------------------------------------------------------------------------
