@@ -16,18 +16,19 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from dist_runtime.backends.compiled import cpu, floats, linear, set_threads  # noqa: E402
+from dist_runtime.backends.compiled import cpu, floats, linear, linear_many, set_threads  # noqa: E402
 from dist_runtime.dtypes import DType  # noqa: E402
+from dist_runtime.kernels.quant import dequantize, quantize  # noqa: E402
 
 PATHS = ["portable", pytest.param("avx2", marks=pytest.mark.skipif(not cpu.AVX2, reason=cpu.REASON))]
 FORMATS = {"f32": np.float32, "f16": np.float16, "bf16": DType.BF16.numpy}
 
 
-def product(x: np.ndarray, w: np.ndarray, fmt: str, path: str, threaded=False) -> np.ndarray:
+def product(x: np.ndarray, w, fmt: str, path: str, threaded=False) -> np.ndarray:
     """``x @ w.T`` through the kernel of ``fmt`` on ``path`` (not only the one this CPU chose), on
-    the calling thread or (``threaded``) numba's pool."""
+    the calling thread or (``threaded``) numba's pool; ``w`` a quantized array for ``"q8_0"``."""
     x = np.ascontiguousarray(x, np.float32)
-    stored = w if fmt == "f32" else w.view(np.uint16)
+    stored = w.data if fmt == "q8_0" else w if fmt == "f32" else w.view(np.uint16)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     args = (floats.SPECS((fmt, path)), x.reshape(-1), np.ascontiguousarray(stored).reshape(-1),
             out.reshape(-1), x.shape[0], w.shape[0], x.shape[1])
@@ -82,6 +83,44 @@ def test_every_tile_shape_gives_a_row_the_same_bits(path, fmt, k):
     alone = np.concatenate([product(x[i:i + 1], w, fmt, path) for i in range(len(x))])
     for m in range(1, len(x) + 1):
         assert np.array_equal(product(x[:m], w, fmt, path).view(np.uint32), alone[:m].view(np.uint32)), m
+
+
+@pytest.mark.parametrize("path", PATHS)
+# one block; odd block counts (a lone row's 4 weight rows and the rest); two spans at M > 2 tiles
+@pytest.mark.parametrize("k", [32, 288, 544])
+def test_q8_0_gives_f32s_bits_on_the_dequantized_weight_in_every_tile_shape(path, k):
+    """A Q8_0 element, ``code * d``, is exact in f32: the product must be the F32 kernel's on the
+    dequantized weight, bit for bit, whatever the rows of x (every tile shape, the lone rows' four
+    weight rows and the rest) and within 1e-5 of float64; NaN and inf reach their rows only."""
+    rng = np.random.default_rng(k)
+    n = floats.CHUNK + floats.COLS + 2
+    x = rng.standard_normal((2 * floats.ROWS + 1, k)).astype(np.float32)
+    x[3, 7], x[5, k - 1] = np.nan, np.inf
+    q = quantize(rng.standard_normal((n, k)).astype(np.float32), DType.Q8_0)
+    w = dequantize(q)
+    alone = np.concatenate([product(x[i:i + 1], q, "q8_0", path) for i in range(len(x))])
+    assert np.array_equal(alone.view(np.uint32), product(x, w, "f32", path).view(np.uint32))
+    for m in range(1, len(x) + 1):
+        assert np.array_equal(product(x[:m], q, "q8_0", path).view(np.uint32), alone[:m].view(np.uint32)), m
+    fine = [i for i in range(len(x)) if i not in (3, 5)]
+    want = x[fine].astype(np.float64) @ w.astype(np.float64).T
+    assert np.max(np.abs(alone[fine] - want)) <= 1e-5 * np.max(np.abs(want))
+    assert np.isnan(alone[3]).all() and not np.isfinite(alone[5]).any()
+
+
+def test_q8_0_is_the_registered_kernel_of_f32_activations():
+    """Q8_0 with f32 activations runs here (with Q8_0 activations, legacy.py's integer dots), alone
+    and in a joint launch of Q8_0 weights; a joint launch mixing Q8_0 with another legacy type runs
+    each product alone, with the same bits."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    qs = [quantize(rng.standard_normal((n, 256)).astype(np.float32), DType.Q8_0) for n in (40, 24)]
+    want = [product(x, q, "q8_0", cpu.PATH) for q in qs]
+    assert np.array_equal(linear(x, qs[0]), want[0])
+    assert all(np.array_equal(a, b) for a, b in zip(linear_many(x, qs), want))
+    q4 = quantize(rng.standard_normal((16, 256)).astype(np.float32), DType.Q4_0)
+    mixed = linear_many(x, [qs[0], q4])
+    assert np.array_equal(mixed[0], want[0]) and np.array_equal(mixed[1], linear(x, q4))
 
 
 @pytest.mark.parametrize("threads", [1, 2])

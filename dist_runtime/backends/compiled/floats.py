@@ -1,4 +1,6 @@
-"""The F32, F16 and BF16 kernels: ``x [M, K] @ W[N, K]^T`` read from the stored weight in place.
+"""The F32, F16, BF16 (and Q8_0, f32 activations) kernels: ``x [M, K] @ W[N, K]^T`` read from the
+stored weight in place.  A Q8_0 element, ``code * d``, is exact in f32, so its products are F32's
+on the dequantized weight, bit for bit (:func:`_weight_access`).
 
 The work is cut into tiles of ``rows`` rows of ``x`` by ``cols`` rows of ``W``: a tile loads each
 8-element piece of its weight rows once, widens it to f32 in registers (F16, BF16) and multiplies
@@ -55,8 +57,10 @@ ROWS, COLS = (8, 3) if cpu.REGISTERS >= 32 else (4, 3)
 #: against 2 or 3 rows 0.93-0.95x at 2048 x 768, no different at 4096 x 4096.  F16 / BF16 two rows
 #: against one: 0.78-0.79x / 0.67-0.70x at 4096 x 4096, 0.78x / 0.95x at 2048 x 768 (one row is a
 #: single chain, 4 cycles a piece: 16 bytes of F16, half F32's).  (On an earlier Intel machine 6
-#: rows had been best.)
-LONE_COLS = {"f32": 1, "f16": 2, "bf16": 2}
+#: rows had been best.)  Q8_0 four: a piece's decoding (widen, convert, scale) and multiply-add
+#: sit on one chain, so one row at a time left a lone row compute-bound (in cache, 768 x 2048, two
+#: threads: four rows 0.81x the time of the per-block kernel it replaced; two rows no faster than it).
+LONE_COLS = {"f32": 1, "f16": 2, "bf16": 2, "q8_0": 4}
 #: Weight rows per thread task: a multiple of ``COLS`` and of :data:`LONE_COLS`.
 CHUNK = 12
 #: Elements of ``K`` per span when ``M`` > ``ROWS`` (one span, all of ``K``, when a single tile of
@@ -92,7 +96,10 @@ LONE_FAR_K = simd.PREFETCH_FAR // 4
 
 
 #: The kernels' compile-time choice: (weight format, path) -- each pair its own compiled code.
-SPECS = simd.Choice((fmt, path) for fmt in ("f32", "f16", "bf16") for path in ("avx2", "portable"))
+SPECS = simd.Choice((fmt, path) for fmt in ("f32", "f16", "bf16", "q8_0") for path in ("avx2", "portable"))
+
+#: Q8_0's block: an f16 scale ``d`` and 32 int8 codes (34 bytes); an element is ``code * d``.
+Q8_BLOCK, Q8_BYTES = 32, 34
 
 
 def _tile(rows: int, cols: int, far_only: bool = False):
@@ -120,17 +127,17 @@ def _codegen(fmt, path, rows, cols, far_only, context, builder, sig, args):
     def at(ptr, row, col, stride=k):
         return builder.gep(ptr, [builder.add(builder.mul(row, stride), col)])
 
+    turn, load_w = _weight_access(builder, fmt, path, w, k)
     xrows = [builder.add(m0, i64(r)) for r in range(rows)]
     wrows = [builder.add(n0, i64(c)) for c in range(cols)]
     vec = simd.vector(simd.F32, LANES).as_pointer()
     slots = [[builder.bitcast(at(acc, row, builder.mul(builder.sub(col, lo), i64(LANES)), i64(CHUNK * LANES)), vec)
               for col in wrows] for row in xrows]
     lanes = [[cgutils.alloca_once_value(builder, builder.load(slot, align=4)) for slot in line] for line in slots]
-    size = 4 if fmt == "f32" else 2
-    unroll = max(1, 64 // (LANES * size))  # pieces per 64-byte line of a weight row: one prefetch each
+    # Pieces a loop turn: one prefetch each, a 64-byte line of F32 / F16 / BF16, a block of Q8_0.
+    unroll = Q8_BLOCK // LANES if fmt == "q8_0" else 64 // (LANES * (4 if fmt == "f32" else 2))
 
-    def piece(i):
-        ws = [simd.load(builder, at(w, row, i), fmt, LANES, path) for row in wrows]
+    def piece(i, ws):
         for r, row in enumerate(xrows):
             xs = simd.load(builder, at(x, row, i), "f32", LANES, path)
             for c, wv in enumerate(ws):
@@ -140,20 +147,20 @@ def _codegen(fmt, path, rows, cols, far_only, context, builder, sig, args):
     lined = builder.add(k0, builder.mul(builder.sdiv(builder.sub(k1, k0), step), step))
     hinted = rows > 1 or fmt != "f32" or far_only  # a lone row of x on F32: see LONE_FAR_K
     with cgutils.for_range_slice(builder, k0, lined, step) as (i, _):
-        for row in wrows if hinted else ():  # a hint, never a fault past the end: this piece's line, ahead
-            simd.prefetch_ahead(builder, at(w, row, i), 0, 64, near=not far_only)
+        turns = [turn(row, i) for row in wrows]
+        for ptr, _ in turns if hinted else ():  # a hint, never a fault past the end: this turn's line, ahead
+            simd.prefetch_ahead(builder, ptr, 0, 64, near=not far_only)
         for u in range(unroll):  # the same pieces in the same order as one at a time
-            piece(builder.add(i, i64(u * LANES)))
+            piece(builder.add(i, i64(u * LANES)), [load_w(t, u * LANES, LANES) for t in turns])
     with cgutils.for_range_slice(builder, lined, k1, i64(LANES)) as (i, _):
-        piece(i)
+        piece(i, [load_w(turn(row, i), 0, LANES) for row in wrows])
     whole = builder.and_(k, i64(-LANES))
     with builder.if_else(builder.icmp_signed("==", k1, whole)) as (last, more):
         with last:
             sums = [[cgutils.alloca_once_value(builder, simd.hsum(builder, builder.load(a))) for a in line]
                     for line in lanes]
             with cgutils.for_range_slice(builder, whole, k, i64(1)) as (i, _):
-                ws = [builder.extract_element(simd.load(builder, at(w, row, i), fmt, 1, path), i64(0))
-                      for row in wrows]
+                ws = [builder.extract_element(load_w(turn(row, i), 0, 1), i64(0)) for row in wrows]
                 for r, row in enumerate(xrows):
                     xv = builder.load(at(x, row, i))
                     for c, wv in enumerate(ws):
@@ -168,12 +175,42 @@ def _codegen(fmt, path, rows, cols, far_only, context, builder, sig, args):
     return context.get_dummy_value()
 
 
+def _weight_access(builder, fmt, path, w, k):
+    """``(turn(row, i), load(turned, offset, lanes))`` for the weight ``w`` (flat, its element
+    pointer): ``turn`` what a loop turn over elements ``i ..`` of weight row ``row`` needs (a
+    pointer to element ``i`` first, the one to prefetch ahead of), ``load`` elements ``i + offset
+    ..`` (``offset`` a constant within the turn's Q8_0 block) as ``<lanes x float>``.  A Q8_0
+    element is its code times its block's ``d``, exactly (a 7-bit code times an 11-bit f16
+    significand fits f32's 24 bits): the products then run as on F32 weights; its turn reads
+    ``d`` once for the block's four pieces (``K`` a multiple of 32: the ``K mod 8`` tail never
+    runs)."""
+    i64 = ir.IntType(64)
+    if fmt != "q8_0":
+        def turn(row, i):
+            return builder.gep(w, [builder.add(builder.mul(row, k), i)]), None
+        return turn, lambda turned, offset, lanes: simd.load(builder, builder.gep(turned[0], [i64(offset)]), fmt, lanes, path)
+
+    row_bytes = builder.mul(builder.lshr(k, i64(5)), i64(Q8_BYTES))
+
+    def turn(row, i):  # i >= 0: shifts, not signed division
+        block = builder.gep(w, [builder.add(builder.mul(row, row_bytes), builder.mul(builder.lshr(i, i64(5)), i64(Q8_BYTES)))])
+        d = simd.load(builder, block, "f16", 1, path)
+        return builder.gep(block, [builder.add(i64(2), builder.and_(i, i64(Q8_BLOCK - 1)))]), d
+
+    def load(turned, offset, lanes):
+        codes, d = turned
+        vec = builder.load(builder.bitcast(builder.gep(codes, [i64(offset)]), simd.vector(ir.IntType(8), lanes).as_pointer()), align=1)
+        floats = builder.sitofp(builder.sext(vec, simd.vector(simd.I32, lanes)), simd.vector(simd.F32, lanes))
+        return builder.fmul(floats, builder.shuffle_vector(d, d, ir.Constant(simd.vector(simd.I32, lanes), [0] * lanes)))
+    return turn, load
+
+
 #: Rows of ``x`` in the tile for a remainder of ``M mod ROWS`` >= HALF (tiles of 8 rows: 4, so that
 #: M = 4..7 still share each weight piece among 4 rows; tiles of 4: none, 0).
 HALF = ROWS // 2 if ROWS >= 8 else 0
 #: A full tile, a half tile, and one weight row (the last of a chunk) for each of them; one row of
 #: ``x`` against two weight rows or one (the lone rows of ``x``: :data:`LONE_COLS`).
-_TILE, _HALF, _PAIR = _tile(ROWS, COLS), _tile(max(HALF, 1), COLS), _tile(1, 2)
+_TILE, _HALF, _PAIR, _QUAD = _tile(ROWS, COLS), _tile(max(HALF, 1), COLS), _tile(1, 2), _tile(1, 4)
 _COLUMN, _HALF_COLUMN, _ONE = _tile(ROWS, 1), _tile(max(HALF, 1), 1), _tile(1, 1)
 _ONE_FAR = _tile(1, 1, far_only=True)
 
@@ -225,6 +262,10 @@ def _chunk(spec, x, w, out, m, n, k, task):
                 while j + 2 <= end:
                     _PAIR(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
                     j += 2
+            if _lone_cols(spec) == 4:
+                while j + 4 <= end:
+                    _QUAD(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                    j += 4
             far = _lone_cols(spec) == 1 and k >= LONE_FAR_K
             while j < end:
                 if far:
@@ -287,3 +328,7 @@ def _run_joint(spec: np.ndarray, x: np.ndarray, ws: list, outs: list, q8: bool, 
 for _dtype, _fmt in ((DType.F32, "f32"), (DType.F16, "f16"), (DType.BF16, "bf16")):
     kernel(_dtype)(functools.partial(_run, SPECS((_fmt, cpu.PATH))))
     joint_kernel(_dtype)(functools.partial(_run_joint, SPECS((_fmt, cpu.PATH))))
+
+#: Q8_0 weights with f32 activations (legacy.py routes them here; Q8_0 activations stay there).
+q8_0 = functools.partial(_run, SPECS(("q8_0", cpu.PATH)))
+q8_0_joint = functools.partial(_run_joint, SPECS(("q8_0", cpu.PATH)))
