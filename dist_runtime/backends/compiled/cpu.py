@@ -20,7 +20,7 @@ FEATURES = _features()
 AVX2 = {"avx2", "fma", "f16c"} <= FEATURES and os.environ.get("DIST_RUNTIME_PORTABLE") != "1"
 PATH = "avx2" if AVX2 else "portable"
 #: 32 vector registers (AVX-512VL gives 256-bit operations the registers 16-31): room for the F32
-#: kernels' tiles of 8 rows of ``x`` (floats.ROWS).  Only the tile shape depends on it, not the bits.
+#: kernels' tiles of 8 rows of ``x`` (floats.ROWS, floats.TILES).  Only the tile shape depends on it, not the bits.
 REGISTERS = 32 if {"avx512f", "avx512vl"} <= FEATURES else 16
 #: 8-bit dot products in one instruction (``vpdpbusd``, ``vpdpwssd``: AVX-VNNI or AVX-512 VNNI on
 #: 256-bit registers) in place of ``pmaddubsw`` then ``pmaddwd``: the same exact integer sums.

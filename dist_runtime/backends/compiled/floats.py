@@ -6,7 +6,8 @@ The work is cut into tiles of ``rows`` rows of ``x`` by ``cols`` rows of ``W``: 
 8-element piece of its weight rows once, widens it to f32 in registers (F16, BF16) and multiplies
 it into the ``rows x cols`` vector accumulators.  Threads take chunks of :data:`CHUNK` weight rows;
 a chunk walks ``K`` in spans of :data:`SPAN` and, within a span, takes :data:`ROWS` rows of ``x``
-at a time (8 where the CPU has 32 vector registers, else 4; then :data:`HALF`, then one) against
+at a time (8 where the CPU has 32 vector registers, else 4, by :data:`COLS` weight rows, or the
+format's own :data:`TILES`; then :data:`HALF`, then one) against
 all its weight rows, so the span of its weight rows stays in L1 while every row of ``x`` uses it:
 the weight comes from memory once per call whatever ``M``, and each row of ``x`` from L2 once per
 chunk.  Between spans the accumulators wait in a scratch array.  When ``x`` takes at most two tiles
@@ -47,6 +48,14 @@ LANES = 8
 #: once for all 8 (the 125M model's products at M = 8, 2 threads, with the prefetch below: 39.6 ms
 #: against 42.3 for 4 x 3 and 42.3 for 8 x 2, in one run on the busy machine).
 ROWS, COLS = (8, 3) if cpu.REGISTERS >= 32 else (4, 3)
+#: A format's tile, ``(rows, cols)``, where it is not ``(ROWS, COLS)``.  Q8_0 on 16 registers:
+#: 4 x 2.  Its 4 x 3 tile kept three broadcast scales ``d`` and three decoded pieces beside the 12
+#: accumulators, 19 registers, and LLVM spilled accumulators to the stack inside the loop; 4 x 2
+#: needs 13.  AMD EPYC (Zen 3, AVX2), the 125M model's products (chains of its Q8_0 weights from
+#: memory, two threads, medians of 15 interleaved rounds) against 8 x 1 (8 accumulators, each
+#: piece decoded once for 8 rows): 4 x 2 0.84x / 0.90x / 0.92x the time at M = 4 / 8 / 16, 4 x 3
+#: 1.10x / 1.14x / 1.18x, 5 x 2 1.66x / 1.28x / 0.91x.
+TILES = {"q8_0": (4, 2)} if cpu.REGISTERS < 32 else {}
 #: Weight rows a lone row of ``x`` (``M`` = 1, and the last ``M mod ROWS``) takes at a time, per
 #: stored format: F32 one, so that each thread reads its weight as one sequential stream; F16 and
 #: BF16 two, whose two chains of multiply-adds keep pace with half the bytes a piece.  Tiles of 6
@@ -102,9 +111,16 @@ SPECS = simd.Choice((fmt, path) for fmt in ("f32", "f16", "bf16", "q8_0") for pa
 Q8_BLOCK, Q8_BYTES = 32, 34
 
 
-def _tile(rows: int, cols: int, far_only: bool = False):
+def _shape(fmt: str) -> tuple[int, int, int]:
+    """``(rows, cols, half)`` of ``fmt``'s tiles (:data:`TILES`, :data:`HALF`)."""
+    rows, cols = TILES.get(fmt, (ROWS, COLS))
+    return rows, cols, rows // 2 if rows >= 8 else 0
+
+
+def _tile(rows: int | str, cols: int | str, far_only: bool = False):
     """The intrinsic ``tile(spec, x, w, out, acc, m0, n0, lo, n, k, k0, k1)`` for the products of
-    rows ``m0 + r`` of ``x`` and ``n0 + c`` of ``W`` (``r < rows``, ``c < cols``; arrays flat,
+    rows ``m0 + r`` of ``x`` and ``n0 + c`` of ``W`` (``r < rows``, ``c < cols``, each a number or
+    the format's own: ``"rows"`` / ``"half"`` / ``"cols"``, :func:`_shape`; arrays flat,
     ``spec`` :data:`SPECS`'s argument for (weight format, :data:`cpu.PATH`)): their lanes, kept in
     ``acc[m, n - lo]`` (``[M, CHUNK, LANES]``), take ``k0 <= k < k1``; once ``k1`` is the last
     multiple of 8, the lanes are summed, the ``K mod 8`` last products added and ``out`` written.
@@ -113,8 +129,11 @@ def _tile(rows: int, cols: int, far_only: bool = False):
     its weight row far ahead (:data:`LONE_FAR_K`), not near."""
     @intrinsic
     def tile(typingctx, spec, x, w, out, acc, m0, n0, lo, n, k, k0, k1):
+        fmt, path = SPECS.of(spec)
+        full, wide, half = _shape(fmt)
+        shape = {"rows": full, "half": max(half, 1)}.get(rows, rows), wide if cols == "cols" else cols
         return (types.void(spec, x, w, out, acc, *[types.intp] * 7),
-                functools.partial(_codegen, *SPECS.of(spec), rows, cols, far_only))
+                functools.partial(_codegen, fmt, path, *shape, far_only))
     return tile
 
 
@@ -205,13 +224,14 @@ def _weight_access(builder, fmt, path, w, k):
     return turn, load
 
 
-#: Rows of ``x`` in the tile for a remainder of ``M mod ROWS`` >= HALF (tiles of 8 rows: 4, so that
-#: M = 4..7 still share each weight piece among 4 rows; tiles of 4: none, 0).
-HALF = ROWS // 2 if ROWS >= 8 else 0
-#: A full tile, a half tile, and one weight row (the last of a chunk) for each of them; one row of
-#: ``x`` against two weight rows or one (the lone rows of ``x``: :data:`LONE_COLS`).
-_TILE, _HALF, _PAIR, _QUAD = _tile(ROWS, COLS), _tile(max(HALF, 1), COLS), _tile(1, 2), _tile(1, 4)
-_COLUMN, _HALF_COLUMN, _ONE = _tile(ROWS, 1), _tile(max(HALF, 1), 1), _tile(1, 1)
+#: Rows of ``x`` in the tile for a remainder of ``M mod rows`` >= half (tiles of 8 rows: 4, so that
+#: M = 4..7 still share each weight piece among 4 rows; tiles of 4: none, 0): :func:`_shape`.
+HALF = _shape("f32")[2]
+#: A full tile, a half tile, and one weight row (the last of a chunk) for each of them, in the
+#: format's shape (:func:`_shape`); one row of ``x`` against four, two or one weight rows (the
+#: lone rows of ``x``: :data:`LONE_COLS`).
+_TILE, _HALF, _PAIR, _QUAD = _tile("rows", "cols"), _tile("half", "cols"), _tile(1, 2), _tile(1, 4)
+_COLUMN, _HALF_COLUMN, _ONE = _tile("rows", 1), _tile("half", 1), _tile(1, 1)
 _ONE_FAR = _tile(1, 1, far_only=True)
 
 
@@ -222,40 +242,52 @@ def _lone_cols(typingctx, spec):
     return types.intp(spec), lambda context, builder, sig, args: context.get_constant(types.intp, cols)
 
 
+@intrinsic
+def _tile_shape(typingctx, spec):
+    """:func:`_shape` of ``spec``'s weight format, constants of its compiled code."""
+    shape = _shape(SPECS.of(spec)[0])
+
+    def codegen(context, builder, sig, args):
+        return context.make_tuple(builder, sig.return_type, [context.get_constant(types.intp, v) for v in shape])
+    return types.UniTuple(types.intp, 3)(spec), codegen
+
+
 @numba.njit(nogil=True, cache=True)
 def _chunk(spec, x, w, out, m, n, k, task):
     """Weight rows ``task * CHUNK`` up to the next chunk, span by span (all of ``K`` at once when
-    ``x`` takes at most two tiles of rows, which have little to reuse); within a span, ``ROWS``
-    rows of ``x`` at a time (then ``HALF``, then one) against every weight row of the chunk."""
+    ``x`` takes at most two tiles of rows, which have little to reuse); within a span, the
+    format's tile of rows of ``x`` at a time (then a half one, then one) against every weight row
+    of the chunk."""
+    rows, cols, half = _tile_shape(spec)
     lo = task * CHUNK
     end = min(n, lo + CHUNK)
     whole = k // LANES * LANES
-    rest = m % ROWS
-    passes = m // ROWS + (rest // HALF + rest % HALF if HALF else rest)
+    rest = m % rows
+    passes = m // rows + (rest // half + rest % half if half else rest)
     span = max(whole, LANES) if passes <= 2 else SPAN
     acc = np.zeros(m * CHUNK * LANES, np.float32)
     k0 = 0
     while True:  # at least once: K < 8 still has its products to finish
         k1 = min(whole, k0 + span)
         i = 0
-        while i + ROWS <= m:
+        while i + rows <= m:
             j = lo
-            while j + COLS <= end:
+            while j + cols <= end:
                 _TILE(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
-                j += COLS
+                j += cols
             while j < end:
                 _COLUMN(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
                 j += 1
-            i += ROWS
-        if HALF and i + HALF <= m:
+            i += rows
+        if half and i + half <= m:
             j = lo
-            while j + COLS <= end:
+            while j + cols <= end:
                 _HALF(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
-                j += COLS
+                j += cols
             while j < end:
                 _HALF_COLUMN(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
                 j += 1
-            i += HALF
+            i += half
         while i < m:
             j = lo
             if _lone_cols(spec) == 2:
