@@ -16,7 +16,7 @@ from dist_runtime.errors import DistRuntimeError
 from dist_runtime.executor import GraphExecutor
 from dist_runtime.importers.hf.llama import DecoderConfig, decoder_graph, random_weights
 from dist_runtime.ir import Graph, TensorSpec
-from dist_runtime.kernels.quant import quantize
+from dist_runtime.kernels.quant import dequantize, quantize
 from dist_runtime.tensor import QuantizedArray
 
 HEAD64 = DecoderConfig(vocab=64, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=128)
@@ -73,10 +73,11 @@ def test_the_program_gives_the_steps_bits(cfg, calls):
     assert calls[0] == 2 * len(RUNS)
 
 
-@pytest.mark.parametrize("dtype", [DType.F16, DType.BF16])
-def test_the_program_on_f16_and_bf16_weights(dtype, calls):
-    """Products of F16 or BF16 weights (a safetensors model's own): the same bits as the steps;
-    a model mixing product formats keeps the steps for the other format's."""
+@pytest.mark.parametrize("dtype", [DType.F16, DType.BF16, DType.Q8_0])
+def test_the_program_on_f16_bf16_and_q8_0_weights(dtype, calls):
+    """Products of F16 or BF16 weights (a safetensors model's own) or Q8_0 ones (a GGUF file's):
+    the same bits as the steps; a model mixing product formats keeps the steps for the other
+    format's."""
     weights = {n: quantize(w, dtype) if w.ndim == 2 and "embed" not in n else w  # F32 rows from the table
                for n, w in random_weights(HEAD64, 3).items()}
     ex, steps = executors(HEAD64, weights=weights)
@@ -85,7 +86,8 @@ def test_the_program_on_f16_and_bf16_weights(dtype, calls):
         ids = np.asarray(tokens, np.int32)
         assert same_bits(*(e.run({"tokens": ids}, pos=pos)["logits"] for e in (ex, steps)))
     assert calls[0] == len(RUNS)
-    mixed = {n: w.astype(np.float32) if "down_proj" in n else w for n, w in weights.items()}
+    mixed = {n: (dequantize(w) if isinstance(w, QuantizedArray) else w.astype(np.float32)) if "down_proj" in n else w
+             for n, w in weights.items()}
     ex, steps = executors(HEAD64, weights=mixed)
     assert " steps from node " in ex.program and len(ex._program_steps) > 2  # a run cut by the F32 down_proj
     ids = np.array([4, 5, 6], np.int32)
@@ -237,13 +239,13 @@ def test_an_error_names_the_node_as_without_the_program(pos, node):
 
 
 def test_what_the_program_leaves_out():
-    """Q8_0 products and the numba backend's Q8_0 activations are not the program's: the plan
-    says why, and the results are the steps' own."""
+    """The other legacy blocks' products (Q4_0 here) and the numba backend's Q8_0 activations are
+    not the program's: the plan says why, and the results are the steps' own."""
     weights = random_weights(HEAD64, 3)
-    quantized = {n: quantize(w, DType.Q8_0) if w.ndim == 2 and "embed" not in n and "lm_head" not in n else w
+    quantized = {n: quantize(w, DType.Q4_0) if w.ndim == 2 and "embed" not in n and "lm_head" not in n else w
                  for n, w in weights.items()}
     ex, steps = executors(HEAD64, weights=quantized)
-    assert ex.program.startswith("no compiled program") or " steps from node " in ex.program
+    assert ex.program.startswith("2 steps from node ")  # the final norm and the F32 lm_head alone
     ids = np.array([5, 6, 7], np.int32)
     assert same_bits(*(e.run({"tokens": ids})["logits"] for e in (ex, steps)))
     q8, _ = executors(HEAD64, backends=["numba-q8", "cpu"])

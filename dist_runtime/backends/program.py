@@ -21,8 +21,8 @@ Session 19, in one process, 40 rounds alternating with the one-launch-a-product 
 replaced: the 125M f32 decode step 0.94x / 0.97x the time (invariant 0.99x), Q4_K_M 0.92x;
 ``bench_decode``'s 8-row f32 step 1.15-1.22x a 1-row one, against 1.45-1.60x before.
 
-Which steps (:func:`build`): the numba backend's products of F32 activations and an F32, F16 or
-BF16 weight (one format a program) or a K-quant one (Q4_K, Q5_K, Q6_K) (Matmul, the q/k/v shared
+Which steps (:func:`build`): the numba backend's products of F32 activations and an F32, F16,
+BF16 or Q8_0 weight (one format a program) or a K-quant one (Q4_K, Q5_K, Q6_K) (Matmul, the q/k/v shared
 launch, FusedSwiGlu, FusedNormMatmul), RmsNorm, FusedSkipNorm, its attention chain (Rope, Rope, KvCache, Sdpa on the
 vector cores), Add, and the pass-on steps of chains and shared launches, every value they make
 F32 ``[T, width]``.  Their intermediates live in one arena per call, reused after each value's
@@ -91,8 +91,8 @@ def _weight(weights, i):
 @intrinsic
 def _stored_at(typingctx, spec, address):
     """The pointer at ``address`` to a product weight's elements as ``spec``'s format stores
-    them: f32, or the u16 of F16 / BF16."""
-    element = types.float32 if floats.SPECS.of(spec)[0] == "f32" else types.uint16
+    them: f32, the u16 of F16 / BF16, or Q8_0's bytes."""
+    element = {"f32": types.float32, "q8_0": types.uint8}.get(floats.SPECS.of(spec)[0], types.uint16)
 
     def codegen(context, builder, sig, args):
         return builder.inttoptr(args[1], context.get_value_type(sig.return_type))
@@ -418,18 +418,25 @@ class _Builder:
         norm's F32 vector, or a product's matrix stored as F32, F16 or BF16 (one format for all of
         a program's float products) or as a K-quant."""
         w = self.constants.get(name)
-        if matrix and isinstance(w, QuantizedArray) and w.dtype in _K_KINDS:
+        if matrix and isinstance(w, QuantizedArray) and (w.dtype in _K_KINDS or w.dtype == DType.Q8_0):
             if not (w.data.ndim == 2 and w.data.flags.c_contiguous and w.data.dtype == np.uint8):
                 raise _Unsupported(f"weight {name!r}: its blocks are not contiguous rows")
+            if w.dtype == DType.Q8_0:  # F32's tiles on its blocks (floats.py): one format of a program's
+                self._float_format(name, "q8_0")
             return self._table(name, w)
         fmt = _FORMATS.get(getattr(w, "dtype", None)) if matrix else ("f32" if getattr(w, "dtype", None) == F32 else None)
         if not (type(w) is np.ndarray and fmt and w.ndim == (2 if matrix else 1) and w.flags.c_contiguous):
-            raise _Unsupported(f"weight {name!r} is not a contiguous {'F32, F16 or BF16 matrix' if matrix else 'F32 vector'}")
-        if matrix and self.format not in (None, fmt):
-            raise _Unsupported(f"weight {name!r} is {fmt}, the program's products {self.format}")
+            raise _Unsupported(f"weight {name!r} is not a contiguous "
+                               f"{'F32, F16, BF16, Q8_0 or K-quant matrix' if matrix else 'F32 vector'}")
         if matrix:
-            self.format = fmt
+            self._float_format(name, fmt)
         return self._table(name, w)
+
+    def _float_format(self, name: str, fmt: str) -> None:
+        """The format of the program's products run on :mod:`.compiled.floats`' tiles: one a program."""
+        if self.format not in (None, fmt):
+            raise _Unsupported(f"weight {name!r} is {fmt}, the program's products {self.format}")
+        self.format = fmt
 
     def _table(self, name: str, w) -> int:
         if name not in self.weight_ids:
@@ -551,7 +558,8 @@ class Program:
             self.code[i, :len(row)] = row
         starts, self.per_row = _allocate(b, steps, reads, writes)
         self.slots = np.array([[s, w] for s, w in zip(starts, b.widths)], np.int64).reshape(-1, 2)
-        self.weights = np.array([[w.data.ctypes.data, *w.data.shape] if isinstance(w, QuantizedArray)
+        self.weights = np.array([[w.data.ctypes.data, *w.data.shape] if isinstance(w, QuantizedArray) and w.dtype in _K_KINDS
+                                 else [w.data.ctypes.data, w.data.size, 0] if isinstance(w, QuantizedArray)  # Q8_0: flat
                                  else [w.ctypes.data, w.size, 0] for w in b.weights], np.int64).reshape(-1, 3)
         self._held = b.weights  # the addresses above stay valid while the program lives
         self.eps = np.array(b.eps or [0.0], np.float64)
