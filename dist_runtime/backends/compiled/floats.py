@@ -15,7 +15,8 @@ of rows (a step of 8 rows is one) the chunk walks all of ``K`` at once.  Each ti
 weight rows ahead of its loads, into L1 and, further ahead, into L2 (:data:`.simd.PREFETCH_NEAR`,
 :data:`.simd.PREFETCH_FAR`), except a lone row of ``x`` on F32, which takes the far hint alone
 and only on rows of 16 KB or more, else leaves it to the hardware (:data:`LONE_FAR_K`; measured in
-the notes on the prefetch below).
+the notes on the prefetch below); where the CPU has 16 vector registers, a lone F32 row takes four
+weight rows at a time with no hint (:data:`LONE_COLS`).
 
 Batch invariance: every output ``(m, n)`` is the same sequence of operations in every tile shape,
 span, thread and position: 8 lanes, lane ``j`` a chain of multiply-adds over ``k = j, j + 8, ...``
@@ -69,7 +70,12 @@ TILES = {"q8_0": (4, 2)} if cpu.REGISTERS < 32 else {}
 #: rows had been best.)  Q8_0 four: a piece's decoding (widen, convert, scale) and multiply-add
 #: sit on one chain, so one row at a time left a lone row compute-bound (in cache, 768 x 2048, two
 #: threads: four rows 0.81x the time of the per-block kernel it replaced; two rows no faster than it).
-LONE_COLS = {"f32": 1, "f16": 2, "bf16": 2, "q8_0": 4}
+#: Where the CPU has 16 vector registers, F32 takes four too: on the AMD EPYC of session 20 (Zen 3,
+#: AVX2; the measurements above were on a Zen 4 with AVX-512), two threads, chains of weights from
+#: memory, medians of 11 interleaved rounds, four rows against one: 4096 x 4096 0.84-0.86x the time
+#: (24-26 GB/s against 30-31), the 125M model's products 0.98-1.02x; two rows 0.86x / 1.08-1.10x,
+#: six 0.86x / 0.97x, four with both prefetch hints 0.86x / 1.06x.
+LONE_COLS = {"f32": 1 if cpu.REGISTERS >= 32 else 4, "f16": 2, "bf16": 2, "q8_0": 4}
 #: Weight rows per thread task: a multiple of ``COLS`` and of :data:`LONE_COLS`.
 CHUNK = 12
 #: Elements of ``K`` per span when ``M`` > ``ROWS`` (one span, all of ``K``, when a single tile of
