@@ -74,7 +74,7 @@ def test_both_paths_match_float64_for_any_k(fmt, path, m, n, k):
 @pytest.mark.parametrize("k", [45, 541, floats.LONE_FAR_K + 13])
 def test_every_tile_shape_gives_a_row_the_same_bits(path, fmt, k):
     """M = 1..2 ROWS + 1 and N across a chunk's edge run a row through every tile shape (rows of x
-    by weight rows: ROWS x COLS, HALF x COLS, 1 x ROW_COLS, ROWS x 1, HALF x 1, 1 x 1), in one span
+    by weight rows: ROWS x COLS, half x COLS, 1 x LONE_COLS, ROWS x 1, half x 1, 1 x 1), in one span
     or several: each must equal the row alone."""
     rng = np.random.default_rng(5)
     n = floats.CHUNK + floats.COLS + 1

@@ -558,9 +558,11 @@ class Program:
             self.code[i, :len(row)] = row
         starts, self.per_row = _allocate(b, steps, reads, writes)
         self.slots = np.array([[s, w] for s, w in zip(starts, b.widths)], np.int64).reshape(-1, 2)
-        self.weights = np.array([[w.data.ctypes.data, *w.data.shape] if isinstance(w, QuantizedArray) and w.dtype in _K_KINDS
-                                 else [w.data.ctypes.data, w.data.size, 0] if isinstance(w, QuantizedArray)  # Q8_0: flat
-                                 else [w.ctypes.data, w.size, 0] for w in b.weights], np.int64).reshape(-1, 3)
+        rows = [isinstance(w, QuantizedArray) and w.dtype in _K_KINDS for w in b.weights]
+        stored = [w.data if isinstance(w, QuantizedArray) else w for w in b.weights]
+        # K-quants by [rows, row bytes]; floats and Q8_0 (floats.py's tiles) flat
+        self.weights = np.array([[a.ctypes.data, *a.shape] if k else [a.ctypes.data, a.size, 0]
+                                 for k, a in zip(rows, stored)], np.int64).reshape(-1, 3)
         self._held = b.weights  # the addresses above stay valid while the program lives
         self.eps = np.array(b.eps or [0.0], np.float64)
         self.caches, self.rope, self.format = b.caches, b.rope, b.format

@@ -7,7 +7,7 @@ The work is cut into tiles of ``rows`` rows of ``x`` by ``cols`` rows of ``W``: 
 it into the ``rows x cols`` vector accumulators.  Threads take chunks of :data:`CHUNK` weight rows;
 a chunk walks ``K`` in spans of :data:`SPAN` and, within a span, takes :data:`ROWS` rows of ``x``
 at a time (8 where the CPU has 32 vector registers, else 4, by :data:`COLS` weight rows, or the
-format's own :data:`TILES`; then :data:`HALF`, then one) against
+format's own :data:`TILES`; then a half tile, then one: :func:`_shape`) against
 all its weight rows, so the span of its weight rows stays in L1 while every row of ``x`` uses it:
 the weight comes from memory once per call whatever ``M``, and each row of ``x`` from L2 once per
 chunk.  Between spans the accumulators wait in a scratch array.  When ``x`` takes at most two tiles
@@ -118,7 +118,10 @@ Q8_BLOCK, Q8_BYTES = 32, 34
 
 
 def _shape(fmt: str) -> tuple[int, int, int]:
-    """``(rows, cols, half)`` of ``fmt``'s tiles (:data:`TILES`, :data:`HALF`)."""
+    """``(rows, cols, half)`` of ``fmt``'s tiles (:data:`ROWS` x :data:`COLS` or its :data:`TILES`),
+    ``half`` the rows of ``x`` in the tile for a remainder of ``M mod rows`` >= ``half``: tiles of 8
+    rows have one of 4, so that M = 4..7 still share each weight piece among 4 rows; tiles of 4
+    none (0)."""
     rows, cols = TILES.get(fmt, (ROWS, COLS))
     return rows, cols, rows // 2 if rows >= 8 else 0
 
@@ -230,9 +233,6 @@ def _weight_access(builder, fmt, path, w, k):
     return turn, load
 
 
-#: Rows of ``x`` in the tile for a remainder of ``M mod rows`` >= half (tiles of 8 rows: 4, so that
-#: M = 4..7 still share each weight piece among 4 rows; tiles of 4: none, 0): :func:`_shape`.
-HALF = _shape("f32")[2]
 #: A full tile, a half tile, and one weight row (the last of a chunk) for each of them, in the
 #: format's shape (:func:`_shape`); one row of ``x`` against four, two or one weight rows (the
 #: lone rows of ``x``: :data:`LONE_COLS`).
