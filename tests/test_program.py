@@ -76,8 +76,9 @@ def test_the_program_gives_the_steps_bits(cfg, calls):
 @pytest.mark.parametrize("dtype", [DType.F16, DType.BF16, DType.Q8_0])
 def test_the_program_on_f16_bf16_and_q8_0_weights(dtype, calls):
     """Products of F16 or BF16 weights (a safetensors model's own) or Q8_0 ones (a GGUF file's):
-    the same bits as the steps; a model mixing product formats keeps the steps for the other
-    format's."""
+    the same bits as the steps; a model mixing product formats (F32 down_proj, a joint launch
+    of the other format's gate and up) runs in the same one program, each product in its
+    weight's format."""
     weights = {n: quantize(w, dtype) if w.ndim == 2 and "embed" not in n else w  # F32 rows from the table
                for n, w in random_weights(HEAD64, 3).items()}
     ex, steps = executors(HEAD64, weights=weights)
@@ -89,9 +90,12 @@ def test_the_program_on_f16_bf16_and_q8_0_weights(dtype, calls):
     mixed = {n: (dequantize(w) if isinstance(w, QuantizedArray) else w.astype(np.float32)) if "down_proj" in n else w
              for n, w in weights.items()}
     ex, steps = executors(HEAD64, weights=mixed)
-    assert " steps from node " in ex.program and len(ex._program_steps) > 2  # a run cut by the F32 down_proj
-    ids = np.array([4, 5, 6], np.int32)
-    assert same_bits(*(e.run({"tokens": ids})["logits"] for e in (ex, steps)))
+    assert ex.program.startswith(f"{len(ex._steps) - 1} steps from node ")
+    assert f"{dtype.name} and F32 products" in ex.program
+    for tokens, pos in RUNS[:3]:
+        ids = np.asarray(tokens, np.int32)
+        assert same_bits(*(e.run({"tokens": ids}, pos=pos)["logits"] for e in (ex, steps)))
+    assert calls[0] == len(RUNS) + 3
 
 
 def k_quant(w: np.ndarray, dtype: DType, rng) -> QuantizedArray:
@@ -149,11 +153,10 @@ def test_a_thread_alone_does_every_task_planned_for_several(monkeypatch):
     attention's keys in pieces), in order, to the last task, and gives the steps' bits."""
     most = []
 
-    def alone(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec, attention_spec):
-        stages, pieces, sums, stats, counters = program_module._prepare(code, slots, weights, m, starts, positions,
-                                                                        4, spec)
+    def alone(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, attention_spec):
+        stages, pieces, sums, stats, counters = program_module._prepare(code, slots, weights, m, starts, positions, 4)
         program_module._work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
-                             spec, attention_spec, pieces, sums, stats)
+                             attention_spec, pieces, sums, stats)
         assert counters[program_module._DONE] == counters[program_module._CLAIMED] - 1 == stages[-1, 2] + stages[-1, 3]
         products = [tasks for i, _, tasks, _ in stages if code[i, 0] != program_module.ATTENTION]
         most.append((max(products), int(pieces.max())))

@@ -22,7 +22,8 @@ replaced: the 125M f32 decode step 0.94x / 0.97x the time (invariant 0.99x), Q4_
 ``bench_decode``'s 8-row f32 step 1.15-1.22x a 1-row one, against 1.45-1.60x before.
 
 Which steps (:func:`build`): the numba backend's products of F32 activations and an F32, F16,
-BF16 or Q8_0 weight (one format a program) or a K-quant one (Q4_K, Q5_K, Q6_K) (Matmul, the q/k/v shared
+BF16 or Q8_0 weight (a program mixes them: each weight's format is a run-time code of the weight
+table, so one compile of the program serves every format) or a K-quant one (Q4_K, Q5_K, Q6_K) (Matmul, the q/k/v shared
 launch, FusedSwiGlu, FusedNormMatmul), RmsNorm, FusedSkipNorm, its attention chain (Rope, Rope, KvCache, Sdpa on the
 vector cores), Add, and the pass-on steps of chains and shared launches, every value they make
 F32 ``[T, width]``.  Their intermediates live in one arena per call, reused after each value's
@@ -60,6 +61,13 @@ from .numba import BLAS_ROWS, _AttentionChain, _f32_at, _rms_rows, _rope_append_
 F32 = np.dtype(np.float32)
 #: Product weights' numpy types, by the format name their kernels take (floats.SPECS).
 _FORMATS = {F32: "f32", np.dtype(np.float16): "f16", DType.BF16.numpy: "bf16"}
+#: The float formats' codes in the weight table (a float weight's third column) and their
+#: compile-time choices: each product branches on its weight's code.  A choice a program was
+#: compiled for, one compile a format (and a head size), cost ~50-80 s each on the 2-core test
+#: machine, 11 of them over the test suite's models.
+F32_CODE, F16_CODE, BF16_CODE, Q8_0_CODE = range(4)
+_CODES = {"f32": F32_CODE, "f16": F16_CODE, "bf16": BF16_CODE, "q8_0": Q8_0_CODE}
+_F32, _F16, _BF16, _Q8_0 = (floats.SPECS((fmt, cpu.PATH)) for fmt in _CODES)
 #: K-quant product weights the program takes (f32 activations), by the kind their kernel takes.
 _K_KINDS = {DType.Q4_K: 4, DType.Q5_K: 5, DType.Q6_K: 6}
 _SHARED = "@shared"
@@ -130,14 +138,31 @@ def _matrix(spec, weights, i):
 
 
 @numba.njit(nogil=True, cache=True)
-def _joint_slots(spec, c, slots, weights, arena, m):
-    """A JOINT instruction's weights and outputs, a missing third as empty (no chunks)."""
-    w0, o0 = _matrix(spec, weights, c[3]), _flat(arena, slots, c[4], m)
-    w1, o1 = _matrix(spec, weights, c[5]), _flat(arena, slots, c[6], m)
-    if c[2] == 3:
-        w2, o2 = _matrix(spec, weights, c[7]), _flat(arena, slots, c[8], m)
-        return w0, o0, slots[c[4], 1], w1, o1, slots[c[6], 1], w2, o2, slots[c[8], 1]
-    return w0, o0, slots[c[4], 1], w1, o1, slots[c[6], 1], w0[:0], o0[:0], 0
+def _float_rows(x, weights, i, out, m, n, k, lo, hi):
+    """:func:`.compiled.floats._rows` of float product weight ``i``, in its format."""
+    code = weights[i, 2]
+    if code == F32_CODE:
+        floats._rows(_F32, x, _matrix(_F32, weights, i), out, m, n, k, lo, hi)
+    elif code == F16_CODE:
+        floats._rows(_F16, x, _matrix(_F16, weights, i), out, m, n, k, lo, hi)
+    elif code == BF16_CODE:
+        floats._rows(_BF16, x, _matrix(_BF16, weights, i), out, m, n, k, lo, hi)
+    else:
+        floats._rows(_Q8_0, x, _matrix(_Q8_0, weights, i), out, m, n, k, lo, hi)
+
+
+@numba.njit(nogil=True, cache=True)
+def _float_chunk(x, weights, i, out, m, n, k, chunk):
+    """:func:`.compiled.floats._chunk` of float product weight ``i``, in its format."""
+    code = weights[i, 2]
+    if code == F32_CODE:
+        floats._chunk(_F32, x, _matrix(_F32, weights, i), out, m, n, k, chunk)
+    elif code == F16_CODE:
+        floats._chunk(_F16, x, _matrix(_F16, weights, i), out, m, n, k, chunk)
+    elif code == BF16_CODE:
+        floats._chunk(_BF16, x, _matrix(_BF16, weights, i), out, m, n, k, chunk)
+    else:
+        floats._chunk(_Q8_0, x, _matrix(_Q8_0, weights, i), out, m, n, k, chunk)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -179,12 +204,13 @@ def _segment_pieces(c, starts, positions, g):
 
 
 @numba.njit(nogil=True, cache=True)
-def _stored_bytes(spec, weights, i, k_quant):
+def _stored_bytes(weights, i, k_quant):
     """Product weight ``i``'s work in bytes: what it stores, times :data:`.kquants.COST` for a
     K-quant's (decoding its blocks costs more a byte)."""
     if k_quant:
         return weights[i, 1] * weights[i, 2] * kquants.COST
-    return _matrix(spec, weights, i).nbytes
+    code = weights[i, 2]
+    return weights[i, 1] * (4 if code == F32_CODE else 1 if code == Q8_0_CODE else 2)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -198,7 +224,7 @@ def _product_parts(work_bytes, threads):
 
 
 @numba.njit(nogil=True, cache=True)
-def _stages(code, slots, weights, m, starts, positions, threads, spec):
+def _stages(code, slots, weights, m, starts, positions, threads):
     """The call's stages in order, each ``(instruction, phase, tasks)``, every task of one done
     before any of the next starts; ``pieces[i, g]``: where segment ``g``'s attention pieces start
     among ATTENTION instruction ``i``'s (``pieces[i, -1]`` in all; none where it attends whole)."""
@@ -210,11 +236,11 @@ def _stages(code, slots, weights, m, starts, positions, threads, spec):
         c = code[i]
         op, tasks = c[0], 1
         if op == PRODUCT or op == K_PRODUCT:
-            tasks = _product_parts(_stored_bytes(spec, weights, c[2], op == K_PRODUCT) * m, threads)
+            tasks = _product_parts(_stored_bytes(weights, c[2], op == K_PRODUCT) * m, threads)
         elif op == JOINT or op == K_JOINT:
             nbytes = 0
             for j in range(c[2]):
-                nbytes += _stored_bytes(spec, weights, c[3 + 2 * j], op == K_JOINT)
+                nbytes += _stored_bytes(weights, c[3 + 2 * j], op == K_JOINT)
             tasks = _product_parts(nbytes * m, threads)
         elif op == ATTENTION:
             tasks = segments
@@ -232,7 +258,7 @@ def _stages(code, slots, weights, m, starts, positions, threads, spec):
 
 
 @numba.njit(nogil=True, cache=True)
-def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, spec, attention_spec,
+def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, attention_spec,
           pieces, sums, stats):
     """Task ``task`` of ``tasks`` of instruction ``c``'s stage ``phase`` (:func:`_stages`)."""
     op = c[0]
@@ -242,23 +268,23 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, st
         _skip_rms_rows(_rows2d(arena, slots, c[1], m), _rows2d(arena, slots, c[2], m), _weight(weights, c[3]),
                        eps[c[4]], _rows2d(arena, slots, c[5], m), _rows2d(arena, slots, c[6], m))
     elif op == PRODUCT:
-        x, w, out = _flat(arena, slots, c[1], m), _matrix(spec, weights, c[2]), _flat(arena, slots, c[3], m)
         n, k = slots[c[3], 1], slots[c[1], 1]
         chunks = (n + floats.CHUNK - 1) // floats.CHUNK
-        floats._rows(spec, x, w, out, m, n, k, task * chunks // tasks * floats.CHUNK,
-                     min(n, (task + 1) * chunks // tasks * floats.CHUNK))
-    elif op == JOINT:
+        _float_rows(_flat(arena, slots, c[1], m), weights, c[2], _flat(arena, slots, c[3], m), m, n, k,
+                    task * chunks // tasks * floats.CHUNK, min(n, (task + 1) * chunks // tasks * floats.CHUNK))
+    elif op == JOINT:  # the weights' chunks in order, each in its weight's format (a missing third: none)
         x, k = _flat(arena, slots, c[1], m), slots[c[1], 1]
-        w0, o0, n0, w1, o1, n1, w2, o2, n2 = _joint_slots(spec, c, slots, weights, arena, m)
+        n0, n1 = slots[c[4], 1], slots[c[6], 1]
+        n2 = slots[c[8], 1] if c[2] == 3 else 0
         t0, t1 = (n0 + floats.CHUNK - 1) // floats.CHUNK, (n1 + floats.CHUNK - 1) // floats.CHUNK
         chunks = t0 + t1 + (n2 + floats.CHUNK - 1) // floats.CHUNK
         for chunk in range(task * chunks // tasks, (task + 1) * chunks // tasks):
             if chunk < t0:
-                floats._chunk(spec, x, w0, o0, m, n0, k, chunk)
+                _float_chunk(x, weights, c[3], _flat(arena, slots, c[4], m), m, n0, k, chunk)
             elif chunk < t0 + t1:
-                floats._chunk(spec, x, w1, o1, m, n1, k, chunk - t0)
+                _float_chunk(x, weights, c[5], _flat(arena, slots, c[6], m), m, n1, k, chunk - t0)
             else:
-                floats._chunk(spec, x, w2, o2, m, n2, k, chunk - t0 - t1)
+                _float_chunk(x, weights, c[7], _flat(arena, slots, c[8], m), m, n2, k, chunk - t0 - t1)
     elif op == K_PRODUCT:  # kquants.linear_k, f32 activations
         x, w, out = _rows2d(arena, slots, c[1], m), _blocks(weights, c[2]), _rows2d(arena, slots, c[3], m)
         n = w.shape[0]
@@ -312,7 +338,7 @@ _CLAIMED, _DONE = 0, 8
 
 
 @numba.njit(nogil=True, cache=True)
-def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, spec,
+def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
           attention_spec, pieces, sums, stats):
     """One thread's share of a call: it takes the next ticket (a task, the stages' in order)
     until none is left, each once every task of the stages before it is done.  Tickets are
@@ -329,15 +355,15 @@ def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, s
         spin.wait_until(counters, _DONE, stages[s, 3])
         i = stages[s, 0]
         _task(code[i], stages[s, 1], ticket - stages[s, 3], stages[s, 2], slots, weights, eps, kv, cos, sin, arena,
-              m, starts, positions, spec, attention_spec, pieces[i], sums, stats)
+              m, starts, positions, attention_spec, pieces[i], sums, stats)
         spin.fetch_add(counters, _DONE)
 
 
 @numba.njit(nogil=True, cache=True)
-def _prepare(code, slots, weights, m, starts, positions, threads, spec):
+def _prepare(code, slots, weights, m, starts, positions, threads):
     """A call's stages (:func:`_stages`, each with its first ticket), its attention pieces,
     their scratch and the counters, made before any thread starts."""
-    planned, pieces = _stages(code, slots, weights, m, starts, positions, threads, spec)
+    planned, pieces = _stages(code, slots, weights, m, starts, positions, threads)
     stages = np.empty((planned.shape[0], 4), np.int64)  # (instruction, phase, tasks, first ticket)
     stages[:, :3] = planned
     stages[0, 3] = 0
@@ -351,18 +377,18 @@ def _prepare(code, slots, weights, m, starts, positions, threads, spec):
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
-def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec, attention_spec):
+def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, attention_spec):
     """Every instruction of ``code`` in order (see :class:`Program`), on ``threads`` threads that
     stay from the first task to the last (:func:`_work`), spinning between stages rather than
     going back to numba's pool: one launch a call, not one a product, and no sleeping thread to
     wake after each stretch of serial work (~2-15 us each: :mod:`.compiled.threads`)."""
-    stages, pieces, sums, stats, counters = _prepare(code, slots, weights, m, starts, positions, threads, spec)
+    stages, pieces, sums, stats, counters = _prepare(code, slots, weights, m, starts, positions, threads)
     if threads == 1:
-        _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, spec,
+        _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
               attention_spec, pieces, sums, stats)
     else:
         for _ in prange(threads):
-            _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, spec,
+            _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
                   attention_spec, pieces, sums, stats)
 
 
@@ -389,7 +415,7 @@ class _Builder:
         self.eps: list[float] = []
         self.caches: list[_Cache] = []
         self.rope: tuple | None = None  # (rope_dim, base, head_dim of attention) of every chain
-        self.format: str | None = None  # of every product weight: "f32", "f16" or "bf16"
+        self.formats: dict[str, None] = {}  # of the float product weights, in order of first use
 
     def value(self, name: str) -> int:
         """The slot of value ``name`` (or of its ``@shared`` form), made on first use."""
@@ -414,29 +440,23 @@ class _Builder:
         return len(self.widths) - 1
 
     def weight(self, name: str, matrix: bool) -> int:
-        """Weight ``name``'s row in the weight table (address, elements or rows, bytes a row): a
-        norm's F32 vector, or a product's matrix stored as F32, F16 or BF16 (one format for all of
-        a program's float products) or as a K-quant."""
+        """Weight ``name``'s row in the weight table: a norm's F32 vector, a product's matrix stored
+        as F32, F16, BF16 or Q8_0 (its format's code in the table, :data:`F32_CODE` ...), or as a
+        K-quant."""
         w = self.constants.get(name)
         if matrix and isinstance(w, QuantizedArray) and (w.dtype in _K_KINDS or w.dtype == DType.Q8_0):
             if not (w.data.ndim == 2 and w.data.flags.c_contiguous and w.data.dtype == np.uint8):
                 raise _Unsupported(f"weight {name!r}: its blocks are not contiguous rows")
-            if w.dtype == DType.Q8_0:  # F32's tiles on its blocks (floats.py): one format of a program's
-                self._float_format(name, "q8_0")
+            if w.dtype == DType.Q8_0:  # F32's tiles on its blocks (floats.py)
+                self.formats["q8_0"] = None
             return self._table(name, w)
         fmt = _FORMATS.get(getattr(w, "dtype", None)) if matrix else ("f32" if getattr(w, "dtype", None) == F32 else None)
         if not (type(w) is np.ndarray and fmt and w.ndim == (2 if matrix else 1) and w.flags.c_contiguous):
             raise _Unsupported(f"weight {name!r} is not a contiguous "
                                f"{'F32, F16, BF16, Q8_0 or K-quant matrix' if matrix else 'F32 vector'}")
         if matrix:
-            self._float_format(name, fmt)
+            self.formats[fmt] = None
         return self._table(name, w)
-
-    def _float_format(self, name: str, fmt: str) -> None:
-        """The format of the program's products run on :mod:`.compiled.floats`' tiles: one a program."""
-        if self.format not in (None, fmt):
-            raise _Unsupported(f"weight {name!r} is {fmt}, the program's products {self.format}")
-        self.format = fmt
 
     def _table(self, name: str, w) -> int:
         if name not in self.weight_ids:
@@ -560,22 +580,22 @@ class Program:
         self.slots = np.array([[s, w] for s, w in zip(starts, b.widths)], np.int64).reshape(-1, 2)
         rows = [isinstance(w, QuantizedArray) and w.dtype in _K_KINDS for w in b.weights]
         stored = [w.data if isinstance(w, QuantizedArray) else w for w in b.weights]
-        # K-quants by [rows, row bytes]; floats and Q8_0 (floats.py's tiles) flat
-        self.weights = np.array([[a.ctypes.data, *a.shape] if k else [a.ctypes.data, a.size, 0]
-                                 for k, a in zip(rows, stored)], np.int64).reshape(-1, 3)
+        # K-quants by [address, rows, row bytes]; the rest [address, elements, format code]: floats
+        # and Q8_0 (floats.py's tiles) flat, a norm's vector (F32, the code unread)
+        self.weights = np.array([[a.ctypes.data, *a.shape] if k else [a.ctypes.data, a.size, _code(w)]
+                                 for k, a, w in zip(rows, stored, b.weights)], np.int64).reshape(-1, 3)
         self._held = b.weights  # the addresses above stay valid while the program lives
         self.eps = np.array(b.eps or [0.0], np.float64)
-        self.caches, self.rope, self.format = b.caches, b.rope, b.format
+        self.caches, self.rope, self.formats = b.caches, b.rope, list(b.formats)
         self.imports = [b.values[n.removesuffix(_SHARED)] for n in reads]
         self.exports = [b.values[n.removesuffix(_SHARED)] for n in writes]
-        self.spec = floats.SPECS((b.format or "f32", cpu.PATH))
         head_dim = b.rope[2] if b.rope else compiled_attention.HEAD_DIMS[0]
         self.attention_spec = compiled_attention.SPECS((cpu.PATH, head_dim))
         self._empty = np.zeros((1, 1), F32)
         self._empty.flags.writeable = False
 
     def describe(self) -> str:
-        products = f"{self.format.upper()} products, " if self.format else ""
+        products = f"{' and '.join(f.upper() for f in self.formats)} products, " if self.formats else ""
         return (f"{len(self.steps)} steps from node {self.index} in one compiled call "
                 f"({len(self.code)} instructions, {products}{len(self.caches)} KV caches)")
 
@@ -624,7 +644,7 @@ class Program:
                 cos.flags.writeable = sin.flags.writeable = False
         positions = np.array([ctx.pos for ctx in ctxs], np.int64)
         _execute(self.code, self.slots, self.weights, self.eps, kv, cos, sin, arena, m, starts, positions,
-                 numba.get_num_threads(), self.spec, self.attention_spec)
+                 numba.get_num_threads(), self.attention_spec)
         for ctx, t in zip(ctxs, rows):
             for cache in self.caches:
                 ctx.state[cache.key].hold(ctx.pos + t)
@@ -682,6 +702,13 @@ class Program:
             for name in step.frees:
                 values.pop(name, None)
         return tuple(values[n] for n in self.writes)
+
+
+def _code(w) -> int:
+    """A float weight's format code in the weight table (F32 for a norm's vector)."""
+    if isinstance(w, QuantizedArray):
+        return Q8_0_CODE
+    return _CODES[_FORMATS[w.dtype]]
 
 
 def _allocate(b: _Builder, steps: list, reads: tuple, writes: tuple) -> tuple[list[int], int]:
