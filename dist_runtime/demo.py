@@ -86,6 +86,11 @@ def part_generation(out: Path, stages: int, sessions: int, new_tokens: int) -> b
     requests = [Request(f"s{i}", [int(t) for t in rng.integers(1, cfg.vocab, 4 + 3 * i)], new_tokens,
                         Sampling() if i == 0 else Sampling(temperature=0.8, top_k=40, seed=i))
                 for i in range(sessions)]
+    # The one-process reference first: on a fresh install it compiles the kernels (~90 s on 2
+    # cores) and numba caches them, so the stages load them where both compiled them side by side.
+    with _step(f"generate the same {sessions} sessions in one process (the reference; a first run compiles)"):
+        with load_model(path) as model:
+            want = generate(LocalEngine(GraphExecutor(model, batch_invariant=True)), requests).tokens
     with _step(f"generate {new_tokens} tokens for {sessions} sessions at once on {stages} stages"):
         with Pipeline(path, stages=stages, max_context=256, options=StageOptions(cpus=0.5)) as pipe:
             first = generate(pipe.coordinator, requests)
@@ -99,8 +104,6 @@ def part_generation(out: Path, stages: int, sessions: int, new_tokens: int) -> b
     cold, warm = (min(s.first_token_seconds for s in run.sessions) for run in (first, again))
     print(f"   time to first token: the first request {cold * 1e3:.1f} ms, the same request later "
           f"{warm * 1e3:.1f} ms as new sessions ({cold / warm:.2f}x; the stages warmed up when deployed)")
-    with load_model(path) as model:
-        want = generate(LocalEngine(GraphExecutor(model, batch_invariant=True)), requests).tokens
     ok = got == want == {sid.rstrip("'"): ids for sid, ids in again.tokens.items()}
     print(f"   vs one process running the same sessions: {'the same tokens' if ok else 'DIFFERENT tokens'}")
     return ok
