@@ -89,17 +89,33 @@ def deploy(model_path: str | os.PathLike, stages: list[StageGraph], options: Sta
             if options.max_sessions:
                 kwargs["max_sessions"] = options.max_sessions
             actors.append(Actor.options(**opts).remote(stage, **kwargs))
-        reports = _load_weights(Path(model_path), stages, actors, options, load_model)
-    except ray.exceptions.GetTimeoutError:
-        kill(actors)
-        raise StageUnavailableError(
-            f"the stage actors were not all placed and loaded within {options.placement_timeout:.0f} s: "
-            f"each asks for {options.cpus:g} CPU(s){' and ' + str(options.resources) if options.resources else ''}; "
-            f"the cluster has {ray.available_resources().get('CPU', 0):g} CPU(s) free") from None
+        _placed(actors, options)
+        try:
+            reports = _load_weights(Path(model_path), stages, actors, options, load_model)
+        except ray.exceptions.GetTimeoutError:
+            # Placed, but loading includes the warm-up, which on a node whose numba cache is cold
+            # compiles the kernels: ~90 s on an idle core here, more on a busy one.
+            raise StageUnavailableError(
+                f"the stage actors were placed but did not all load their weights and warm up (which "
+                f"compiles the kernels on a node's first run) within {options.load_timeout:.0f} s") from None
     except BaseException:
         kill(actors)
         raise
     return actors, reports
+
+
+def _placed(actors: list, options: StageOptions) -> None:
+    """Wait until every actor is running on a node (``placement_timeout``): a stage no node can
+    take fails here, in seconds, whatever its loading would take."""
+    import ray
+
+    try:
+        call_all(actors, "ping", timeout=options.placement_timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise StageUnavailableError(
+            f"the stage actors were not all placed within {options.placement_timeout:.0f} s: "
+            f"each asks for {options.cpus:g} CPU(s){' and ' + str(options.resources) if options.resources else ''}; "
+            f"the cluster has {ray.available_resources().get('CPU', 0):g} CPU(s) free") from None
 
 
 def _load_weights(path: Path, stages, actors, options: StageOptions, load_model) -> list[dict]:
@@ -112,7 +128,7 @@ def _load_weights(path: Path, stages, actors, options: StageOptions, load_model)
         else:
             expected = [fingerprint(model, st.weights) for st in stages]
             loaded = ray.get([a.load_file.remote(worker_path, fp) for a, fp in zip(actors, expected)],
-                             timeout=options.placement_timeout)
+                             timeout=options.load_timeout)
         pending = []
         for stage, actor, result in zip(stages, actors, loaded):
             if result["loaded"]:
@@ -124,8 +140,8 @@ def _load_weights(path: Path, stages, actors, options: StageOptions, load_model)
             pending.append(actor.load_weights.remote(ref))
             result["fallback"] = result["reason"]
             del ref  # the actor's views keep the object alive for as long as it needs them
-        ray.get(pending, timeout=options.placement_timeout)
-    return call_all(actors, "report", timeout=options.placement_timeout)
+        ray.get(pending, timeout=options.load_timeout)
+    return call_all(actors, "report", timeout=options.load_timeout)
 
 
 def kill(actors: list) -> None:

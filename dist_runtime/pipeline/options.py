@@ -35,7 +35,10 @@ class StageOptions:
     spread: bool = True
     max_sessions: int | None = None
     extra_env: dict = field(default_factory=dict)
-    placement_timeout: float = 120.0  # seconds for the actors to be placed and load their weights
+    placement_timeout: float = 120.0  # seconds for the actors to be placed (running on a node)
+    # seconds for placed actors to load their weights and warm up: a node's first run compiles the
+    # kernels (~90 s on an idle core of the 2-core test machine, minutes on a busy one)
+    load_timeout: float = 1800.0
 
 
 def add_deployment_options(p) -> None:
