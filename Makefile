@@ -39,7 +39,7 @@ demo: setup
 	$(BIN)/dist-runtime demo -o out
 
 test: setup browser
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 --dist worksteal -q
 
 docs: setup
 	$(BIN)/python -m dist_runtime.ir.docgen
