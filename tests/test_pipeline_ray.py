@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import time
 
 import numpy as np
 import pytest
@@ -189,15 +188,11 @@ def test_cli_pipeline_command(model_path, tmp_path, capsys):
 def test_placing_the_stages_and_loading_them_have_their_own_deadlines(model_path):
     """Placement is awaited for ``placement_timeout``, loading (with the warm-up, which compiles
     the kernels on a node's first run) for ``load_timeout``: a load that runs late says so, not
-    that the stages could not be placed, and leaves no actor holding its CPUs."""
-    free = ray.available_resources().get("CPU", 0)  # the module's other pipelines may hold some
+    that the stages could not be placed (its actors are killed on the same path as a placement
+    failure's, whose release of their CPUs tests/test_pipeline_recovery.py checks)."""
     options = StageOptions(fuse=False, cpus=0.5, placement_timeout=60, load_timeout=0.001)
     with pytest.raises(StageUnavailableError, match="placed but did not all load their weights and warm up"):
         Pipeline(model_path, stages=2, max_context=64, options=options)
-    deadline = time.monotonic() + 30
-    while ray.available_resources().get("CPU", 0) < free and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert ray.available_resources().get("CPU", 0) == free
 
 
 def test_encoder_runs_split_with_batches_in_flight(tmp_path, capsys):
