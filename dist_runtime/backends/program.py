@@ -139,7 +139,8 @@ def _matrix(spec, weights, i):
 
 @numba.njit(nogil=True, cache=True)
 def _float_rows(x, weights, i, out, m, n, k, lo, hi):
-    """:func:`.compiled.floats._rows` of float product weight ``i``, in its format."""
+    """:func:`.compiled.floats._rows` of float product weight ``i``, in its format (rows ``lo``
+    to ``hi``: whole chunks, one of them a JOINT task's)."""
     code = weights[i, 2]
     if code == F32_CODE:
         floats._rows(_F32, x, _matrix(_F32, weights, i), out, m, n, k, lo, hi)
@@ -149,20 +150,6 @@ def _float_rows(x, weights, i, out, m, n, k, lo, hi):
         floats._rows(_BF16, x, _matrix(_BF16, weights, i), out, m, n, k, lo, hi)
     else:
         floats._rows(_Q8_0, x, _matrix(_Q8_0, weights, i), out, m, n, k, lo, hi)
-
-
-@numba.njit(nogil=True, cache=True)
-def _float_chunk(x, weights, i, out, m, n, k, chunk):
-    """:func:`.compiled.floats._chunk` of float product weight ``i``, in its format."""
-    code = weights[i, 2]
-    if code == F32_CODE:
-        floats._chunk(_F32, x, _matrix(_F32, weights, i), out, m, n, k, chunk)
-    elif code == F16_CODE:
-        floats._chunk(_F16, x, _matrix(_F16, weights, i), out, m, n, k, chunk)
-    elif code == BF16_CODE:
-        floats._chunk(_BF16, x, _matrix(_BF16, weights, i), out, m, n, k, chunk)
-    else:
-        floats._chunk(_Q8_0, x, _matrix(_Q8_0, weights, i), out, m, n, k, chunk)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -280,11 +267,14 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, st
         chunks = t0 + t1 + (n2 + floats.CHUNK - 1) // floats.CHUNK
         for chunk in range(task * chunks // tasks, (task + 1) * chunks // tasks):
             if chunk < t0:
-                _float_chunk(x, weights, c[3], _flat(arena, slots, c[4], m), m, n0, k, chunk)
+                _float_rows(x, weights, c[3], _flat(arena, slots, c[4], m), m, n0, k, chunk * floats.CHUNK,
+                            min(n0, (chunk + 1) * floats.CHUNK))
             elif chunk < t0 + t1:
-                _float_chunk(x, weights, c[5], _flat(arena, slots, c[6], m), m, n1, k, chunk - t0)
+                _float_rows(x, weights, c[5], _flat(arena, slots, c[6], m), m, n1, k, (chunk - t0) * floats.CHUNK,
+                            min(n1, (chunk - t0 + 1) * floats.CHUNK))
             else:
-                _float_chunk(x, weights, c[7], _flat(arena, slots, c[8], m), m, n2, k, chunk - t0 - t1)
+                _float_rows(x, weights, c[7], _flat(arena, slots, c[8], m), m, n2, k, (chunk - t0 - t1) * floats.CHUNK,
+                            min(n2, (chunk - t0 - t1 + 1) * floats.CHUNK))
     elif op == K_PRODUCT:  # kquants.linear_k, f32 activations
         x, w, out = _rows2d(arena, slots, c[1], m), _blocks(weights, c[2]), _rows2d(arena, slots, c[3], m)
         n = w.shape[0]
