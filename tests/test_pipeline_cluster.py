@@ -3,8 +3,8 @@ stages pinned to two distinct worker nodes by custom resources.
 
 It proves that each stage actor holds only its own stage's weights: the tensors it holds are
 exactly the plan's, their bytes equal the plan's weight bytes for the stage, and the pages of the
-model file resident in the actor's process are those bytes (plus the small header sections and
-the kernel's fault-around at the edges), well under the whole file.
+model file resident in the actor's process are at most those bytes (plus the small header sections
+and the kernel's fault-around at the edges), well under the whole file.
 """
 
 from __future__ import annotations
@@ -59,8 +59,10 @@ def test_stages_on_distinct_nodes_hold_only_their_weights(cluster, tmp_path):
             assert report["source"] == f"file {path.resolve()}"
             assert report["weights"] == list(stage.weights)
             assert report["weight_bytes"] == stage.memory.weights
+            # An upper bound only: the kernel may reclaim clean pages of a mapped file at any time
+            # (a CI run with a full page cache measured 5.46 of a stage's 5.77 MB resident).
             resident = report["resident_file_bytes"]
-            assert stage.memory.weights <= resident <= stage.memory.weights + 256 * 1024 < total * 0.6
+            assert 0 < resident <= stage.memory.weights + 256 * 1024 < total * 0.6
     with load_model(path) as model:
         assert got == generate(LocalEngine(GraphExecutor(model, fuse=False, batch_invariant=True)), reqs).tokens
 
