@@ -113,7 +113,8 @@ def test_q8_portable_path_gives_the_same_bits(dtype, m, k):
     the package picks the vector path on this CPU."""
     x, w = data(dtype, m, 23, k, seed=5)
     out = np.empty((m, 23), np.float32)
-    legacy._q8_portable(*legacy._quantized(x, 32), w.data.reshape(23, -1), out, CODES[dtype], 32, 0, 23)
+    quantized = legacy._quantized(x, 32, legacy._XCENTRE[CODES[dtype]])
+    legacy._q8_portable(*quantized, w.data.reshape(23, -1), out, CODES[dtype], 32, 0, 23)
     assert np.array_equal(out.view(np.uint32), lanes_dot(x, w).view(np.uint32))
 
 
@@ -149,7 +150,7 @@ def test_q8_256_bit_path_gives_the_same_bits(dtype, m, k):
     directly: the same lanes, the same bits."""
     x, w = data(dtype, m, 19, k, seed=6)
     out = np.empty((m, 19), np.float32)
-    _narrow()(*legacy._quantized(x, 32), w.data.reshape(19, -1), out, CODES[dtype], 0, 19)
+    _narrow()(*legacy._quantized(x, 32, legacy._XCENTRE[CODES[dtype]]), w.data.reshape(19, -1), out, CODES[dtype], 0, 19)
     assert np.array_equal(out.view(np.uint32), lanes_dot(x, w).view(np.uint32))
 
 
@@ -207,45 +208,47 @@ def test_q8_reads_nothing_past_the_weight(dtype, tmp_path):
     assert float(child.stdout) == pytest.approx(float(np.abs(linear(xs, w, activations="q8_0")).sum()), rel=1e-6)
 
 
-def grouped(x: np.ndarray) -> list[np.ndarray]:
+def grouped(x: np.ndarray, centre: int) -> list[np.ndarray]:
     """The quantizer's arrays for ``x`` built from :func:`ggml_quantize_row_q8` (numpy): codes in
-    groups of 4 blocks (elements 0-15 of each, then 16-31 of each), minus each lane's code sum
-    (lane l: elements 4l..4l+3 and 16+4l..16+4l+3), each lane's d, and s per block; a last group's
-    missing blocks zeros."""
+    groups of 4 blocks (elements 0-15 of each, then 16-31 of each), minus ``centre`` times each
+    lane's code sum (lane l: elements 4l..4l+3 and 16+4l..16+4l+3), each lane's d, and s per
+    block; a last group's missing blocks zeros."""
     q, d, s, _ = ggml_quantize_row_q8(x)
     m, nb, _ = q.shape
     pad = -nb % 4
     q, d, s = (np.concatenate([a, np.zeros((m, pad) + a.shape[2:], a.dtype)], axis=1) for a in (q, d, s))
     blocks = q.reshape(m, -1, 4, 2, 16)  # group, block of the group, half, element
     xp = blocks.transpose(0, 1, 3, 2, 4).reshape(m, -1).astype(np.int8)
-    xn = -blocks.reshape(m, -1, 4, 2, 4, 4).sum(axis=(3, 5)).reshape(m, -1)
+    xn = -centre * blocks.reshape(m, -1, 4, 2, 4, 4).sum(axis=(3, 5)).reshape(m, -1)
     return [xp, xn.astype(np.int32), np.repeat(d, 4, axis=1).astype(np.float32), s.astype(np.float32)]
 
 
+@pytest.mark.parametrize("centre", [1, 8])
 @pytest.mark.parametrize("m, k", [(3, 352), (1, 32), (2, 4096)])
-def test_quantizers_give_llama_cpps_blocks(m, k):
+def test_quantizers_give_llama_cpps_blocks(m, k, centre):
     """Both quantizers (the scalar one, the vector path's where the CPU has it) against a numpy
-    model of llama.cpp's quantize_row_q8_1_ref: every code, lane sum, scale and block sum, for
-    blocks of zeros, huge and tiny values and halves exactly between two codes; and a block with a
-    NaN or an inf gets codes 0 and a scale that is not finite (in both alike)."""
+    model of llama.cpp's quantize_row_q8_1_ref: every code, lane sum (times the weight's centre),
+    scale and block sum, for blocks of zeros, huge and tiny values and halves exactly between two
+    codes; and a block with a NaN or an inf gets codes 0 and a scale that is not finite (in both
+    alike)."""
     rng = np.random.default_rng(7)
     x = (rng.standard_normal((m, k)) * np.exp(rng.uniform(-30, 30, (m, k // 32, 1))).repeat(32, 1).reshape(m, k)
          ).astype(np.float32)
     x[0, :32] = 0.0
     if k > 96:
         x[0, 32:64] = np.arange(32, dtype=np.float32) - 15.5  # d = 15.5 / 127: some x * (1 / d) near .5
-    scalar = [np.zeros(a.shape, a.dtype) for a in legacy._quantized(x, 32)]
-    legacy._quantize_rows(x, 32, *scalar)
+    scalar = [np.zeros(a.shape, a.dtype) for a in legacy._quantized(x, 32, centre)]
+    legacy._quantize_rows(x, 32, centre, *scalar)
     with np.errstate(over="ignore"):  # blocks of ~1e13: d overflows f16 to inf, as in llama.cpp
-        reference = grouped(x)
-    for ours in (scalar, list(legacy._quantized(x, 32))):
+        reference = grouped(x, centre)
+    for ours in (scalar, list(legacy._quantized(x, 32, centre))):
         for got, want in zip(ours, reference, strict=True):
             assert np.array_equal(got, want)
     if k > 96:
         x[-1, 70], x[-1, 100] = np.nan, np.inf  # blocks 2 and 3: the first group's second half
         scalar = [np.zeros(a.shape, a.dtype) for a in scalar]
-        legacy._quantize_rows(x, 32, *scalar)
-        for got, ref in zip(legacy._quantized(x, 32), scalar, strict=True):
+        legacy._quantize_rows(x, 32, centre, *scalar)
+        for got, ref in zip(legacy._quantized(x, 32, centre), scalar, strict=True):
             assert np.array_equal(got, ref, equal_nan=got.dtype.kind == "f")
         xp, _, xd, _ = scalar
         assert not xp[-1, 32:64].any() and not xp[-1, 96:128].any() and np.isnan(xd[-1, 8:12]).all() and np.isinf(xd[-1, 12:16]).all()

@@ -41,11 +41,13 @@ from ...kernels.quant import QK, _LEGACY
 from . import cpu, floats
 from .registry import (CHUNKS, KERNELS, Drivers, block_sums, joint_chunks, joint_kernel, joint_part, joint_slots, kernel,
                        run, serial)
-from .simd_int8 import FORMATS, GROUP, GROUP_BYTES, LANES, centre
+from .simd_int8 import FORMATS, GROUP, GROUP_BYTES, LANES, centre, unsigned_centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
 _SPEC = np.array([[_LEGACY[d].bits, centre(_LEGACY[d]), _LEGACY[d].scales + _LEGACY[d].high_bits,
                    _LEGACY[d].affine, d.block_bytes] for d in FORMATS.values()], np.int64)
+#: per format code: what the vector path's unsigned codes carry (the quantizer folds it into ``xn``).
+_XCENTRE = np.array([unsigned_centre(_LEGACY[d]) for d in FORMATS.values()], np.int64)
 #: f16 exponent e (1..30) -> 2^(e - 25): a normal half is (1024 + mantissa) * that, exactly.
 _POW2 = np.array([2.0 ** (e - 25) for e in range(32)], np.float32)
 
@@ -185,7 +187,7 @@ def _to_f16(v):
 
 
 @numba.njit(nogil=True, cache=True)  # one thread: a parallel launch costs more than it saves
-def _quantize_rows(x, qk, xp, xn, xd, xs):
+def _quantize_rows(x, qk, c, xp, xn, xd, xs):
     """:func:`_quantized`'s arrays in scalar code: the portable path's, and the definition that
     the vector path's :func:`.simd_int8.quantize_row` is tested against."""
     for m in range(x.shape[0]):
@@ -209,24 +211,25 @@ def _quantize_rows(x, qk, xp, xn, xd, xs):
                 for half in range(0, qk, 16):
                     for j in range(half + 4 * lane, half + 4 * lane + 4):
                         part += np.int32(xp[m, _grouped(b, j)])
-                xn[m, g * LANES + 4 * h + lane] = -part
+                xn[m, g * LANES + 4 * h + lane] = -np.int32(c) * part
                 xd[m, g * LANES + 4 * h + lane] = _to_f16(d)
             xs[m, GROUP * g + h] = _to_f16(np.float32(total) * d)
 
 
 @numba.njit(nogil=True, cache=True)
-def _quantized(x, qk):
+def _quantized(x, qk, c):
     """``x`` f32 [M, K] quantized per 32-block as llama.cpp's ``quantize_row_q8_1_ref`` makes it
     (Q8_0 is the same without ``s``): ``d = max|x| / 127``, codes ``roundf(x * (1 / d))``, ``d``
     as f16, ``s = f16(d * sum(codes))`` with the f32 ``d``; laid out by groups of 4 blocks
-    for :func:`.simd_int8.q8_rows` (its docstring: ``xp``, ``xn``, ``xd``, ``xs``), a last group's
-    missing blocks all zeros.  In the product's own compiled call: a separate one, and its arrays made in
+    for :func:`.simd_int8.q8_rows` (its docstring: ``xp``, ``xn``, ``xd``, ``xs``; ``xn`` for a
+    weight whose unsigned codes carry ``c``, :data:`_XCENTRE`), a last group's missing blocks all
+    zeros.  In the product's own compiled call: a separate one, and its arrays made in
     Python, cost 3-4 us a product (85 a 125M model's token)."""
     m, k = x.shape
     groups = (k // qk + GROUP - 1) // GROUP
     xp, xn = np.zeros((m, groups * GROUP_BYTES), np.int8), np.zeros((m, groups * LANES), np.int32)
     xd, xs = np.zeros((m, groups * LANES), np.float32), np.zeros((m, groups * GROUP), np.float32)
-    _quantize_all(x, qk, xp, xn, xd, xs)  # the path's own: below
+    _quantize_all(x, qk, c, xp, xn, xd, xs)  # the path's own: below
     return xp, xn, xd, xs
 
 
@@ -241,11 +244,11 @@ if cpu.AVX2:
     _Q8_ROWS = q8_rows(cpu.WIDE)
 
     @numba.njit(nogil=True, cache=True)
-    def _quantize_all(x, _qk, xp, xn, xd, xs):
+    def _quantize_all(x, _qk, c, xp, xn, xd, xs):
         """:func:`_quantize_rows`' arrays, a block at a time in vectors (4096 elements: ~5 us with
         the arrays' allocation, 33 in scalar code)."""
         for r in range(x.shape[0]):
-            quantize_row(x, r, xp, xn, xd, xs)
+            quantize_row(x, r, c, xp, xn, xd, xs)
 
     @numba.njit(nogil=True, cache=True)
     def _f32_avx2(x, xsum, w, out, fmt, qk, lo, hi):
@@ -270,12 +273,12 @@ if cpu.AVX2:
 
     @numba.njit(nogil=True, cache=True)
     def _q8_avx2_serial(x, w, out, fmt, qk, lo, hi):
-        xp, xn, xd, xs = _quantized(x, qk)
+        xp, xn, xd, xs = _quantized(x, qk, _XCENTRE[fmt])
         _q8_avx2(xp, xn, xd, xs, w, out, fmt, qk, lo, hi)
 
     @numba.njit(nogil=True, cache=True, parallel=True)
     def _q8_avx2_threaded(x, w, out, fmt, qk):
-        xp, xn, xd, xs = _quantized(x, qk)
+        xp, xn, xd, xs = _quantized(x, qk, _XCENTRE[fmt])
         n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
         for c in numba.prange(chunks):
             _q8_avx2(xp, xn, xd, xs, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
@@ -287,12 +290,12 @@ else:
 
     @numba.njit(nogil=True, cache=True)
     def _q8_portable_serial(x, w, out, fmt, qk, lo, hi):
-        xp, xn, xd, xs = _quantized(x, qk)
+        xp, xn, xd, xs = _quantized(x, qk, _XCENTRE[fmt])
         _q8_portable(xp, xn, xd, xs, w, out, fmt, qk, lo, hi)
 
     @numba.njit(nogil=True, cache=True, parallel=True)
     def _q8_portable_threaded(x, w, out, fmt, qk):
-        xp, xn, xd, xs = _quantized(x, qk)
+        xp, xn, xd, xs = _quantized(x, qk, _XCENTRE[fmt])
         n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
         for c in numba.prange(chunks):
             _q8_portable(xp, xn, xd, xs, w, out, fmt, qk, c * n // chunks, (c + 1) * n // chunks)
@@ -335,18 +338,21 @@ def _f32_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _q8_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
-    """As :func:`_f32_joint`, ``x`` quantized once."""
-    xp, xn, xd, xs = _quantized(x, qk)
+    """As :func:`_f32_joint`, ``x`` quantized once (``xn`` then scaled by each weight's centre)."""
+    xp, xn, xd, xs = _quantized(x, qk, 1)
+    xn0 = (xn * np.int32(_XCENTRE[fmt0])).astype(np.int32)
+    xn1 = (xn * np.int32(_XCENTRE[fmt1])).astype(np.int32)
+    xn2 = (xn * np.int32(_XCENTRE[fmt2])).astype(np.int32)
     n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
     c0, c1, c2 = joint_chunks(n0, n1, n2)
     for c in numba.prange(c0 + c1 + c2):
         slot, lo, hi = joint_part(c, c0, c1, c2, n0, n1, n2)
         if slot == 0:
-            _q8_rows(xp, xn, xd, xs, w0, out0, fmt0, qk, lo, hi)
+            _q8_rows(xp, xn0, xd, xs, w0, out0, fmt0, qk, lo, hi)
         elif slot == 1:
-            _q8_rows(xp, xn, xd, xs, w1, out1, fmt1, qk, lo, hi)
+            _q8_rows(xp, xn1, xd, xs, w1, out1, fmt1, qk, lo, hi)
         else:
-            _q8_rows(xp, xn, xd, xs, w2, out2, fmt2, qk, lo, hi)
+            _q8_rows(xp, xn2, xd, xs, w2, out2, fmt2, qk, lo, hi)
 
 
 _CODES = {dtype: code for code, dtype in FORMATS.items()}
