@@ -242,8 +242,8 @@ def main() -> None:
     xs = {m: rng.standard_normal((m, args.k), dtype=np.float32) for m in measured}
 
     def before(key):
-        for flush in flushes.get(key[0], ()):  # the child flushes its own
-            flush(xs[1])
+        for flush in flushes.get(key[0], ()):  # the child flushes its own, with the same rows
+            flush(xs[min(measured)])
 
     try:
         times = medians({(name, m): (lambda fn=fn, x=xs[m]: fn(x)) for name, _, fn in rows for m in measured},

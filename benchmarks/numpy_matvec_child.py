@@ -68,8 +68,8 @@ def main() -> None:
         if not line.strip():
             break
         x = xs[int(line)]
-        for flush in flushes:  # as the parent does before each product: its threads awake
-            xs[1] @ flush.T
+        for flush in flushes:  # as the parent does before each product (one row, or its fewest): threads awake
+            xs[min(xs)] @ flush.T
         start = time.perf_counter()
         x @ w.T
         seconds = time.perf_counter() - start
