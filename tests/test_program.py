@@ -241,20 +241,38 @@ def test_an_error_names_the_node_as_without_the_program(pos, node):
     assert errors[0] == errors[1] and f"({node})" in errors[0][1] and errors[0][3] == {2}
 
 
+@pytest.mark.parametrize("backends", [None, ["numba-q8", "cpu"]], ids=["f32 activations", "q8 activations"])
+def test_the_program_on_legacy_blocks_and_quantized_activations(backends, calls):
+    """A GGUF-like model of every product family: K-quants (Q4_K, Q5_K, Q6_K, joint launches
+    mixing them), legacy blocks (a joint Q4_1 gate and Q5_0 up, a Q4_0 down_proj) and a Q8_0
+    lm_head, with f32 activations or quantized ones (the numba-q8 backend: llama.cpp's numerics):
+    one program, the same bits as the steps."""
+    rng = np.random.default_rng(5)
+    kinds = {"v_proj": DType.Q6_K, "o_proj": DType.Q5_K, "q_proj": DType.Q4_K, "k_proj": DType.Q4_K}
+    legacy = {"gate_proj": DType.Q4_1, "up_proj": DType.Q5_0, "down_proj": DType.Q4_0, "lm_head": DType.Q8_0}
+    weights = {}
+    for n, w in random_weights(KQ, 3).items():
+        kind = next((d for part, d in kinds.items() if part in n), None)
+        block = next((d for part, d in legacy.items() if part in n), None)
+        weights[n] = k_quant(w, kind, rng) if kind else quantize(w, block) if block else w
+    ex, steps = executors(KQ, weights=weights, backends=backends)
+    assert ex.program.startswith(f"{len(ex._steps) - 1} steps from node ")
+    assert ("Q8-quantized activations" in ex.program) == (backends is not None)
+    ops = set(ex._program_steps[1].fn.code[:, 0])
+    assert {program_module.K_JOINT, program_module.K_PRODUCT, program_module.L_JOINT, program_module.L_PRODUCT} <= ops
+    for tokens, pos in RUNS[:5]:
+        ids = np.asarray(tokens, np.int32)
+        assert same_bits(*(e.run({"tokens": ids}, pos=pos)["logits"] for e in (ex, steps)))
+    assert calls[0] == 5
+
+
 def test_what_the_program_leaves_out():
-    """The other legacy blocks' products (Q4_0 here) and the numba backend's Q8_0 activations are
-    not the program's: the plan says why, and the results are the steps' own."""
-    weights = random_weights(HEAD64, 3)
-    quantized = {n: quantize(w, DType.Q4_0) if w.ndim == 2 and "embed" not in n and "lm_head" not in n else w
-                 for n, w in weights.items()}
-    ex, steps = executors(HEAD64, weights=quantized)
-    assert ex.program.startswith("2 steps from node ")  # the final norm and the F32 lm_head alone
-    ids = np.array([5, 6, 7], np.int32)
-    assert same_bits(*(e.run({"tokens": ids})["logits"] for e in (ex, steps)))
-    q8, _ = executors(HEAD64, backends=["numba-q8", "cpu"])
-    assert q8.program == "no compiled program: the numba-q8 backend's q8_0 activations"
-    cpu, _ = executors(HEAD64, backends=["cpu"])
+    """Steps of the CPU library's kernels are not the program's: the plan says why, and the
+    results are the steps' own."""
+    cpu, steps = executors(HEAD64, backends=["cpu"])
     assert cpu.program.startswith("no compiled program: node ")
+    ids = np.array([5, 6, 7], np.int32)
+    assert same_bits(*(e.run({"tokens": ids})["logits"] for e in (cpu, steps)))
 
 
 def test_the_arena_reuses_what_is_no_longer_read():

@@ -23,7 +23,10 @@ replaced: the 125M f32 decode step 0.94x / 0.97x the time (invariant 0.99x), Q4_
 
 Which steps (:func:`build`): the numba backend's products of F32 activations and an F32, F16,
 BF16 or Q8_0 weight (a program mixes them: each weight's format is a run-time code of the weight
-table, so one compile of the program serves every format) or a K-quant one (Q4_K, Q5_K, Q6_K) (Matmul, the q/k/v shared
+table, so one compile of the program serves every format), a K-quant one (Q4_K, Q5_K, Q6_K) or
+a legacy block one (Q4_0, Q4_1, Q5_0, Q5_1), and the numba-q8 backend's products with quantized
+activations (K-quant and legacy block weights, Q8_0 among them: each task quantizes its ``x``
+itself, a few us, rather than a stage of its own) (Matmul, the q/k/v shared
 launch, FusedSwiGlu, FusedNormMatmul), RmsNorm, FusedSkipNorm, its attention chain (Rope, Rope, KvCache, Sdpa on the
 vector cores), Add, and the pass-on steps of chains and shared launches, every value they make
 F32 ``[T, width]``.  Their intermediates live in one arena per call, reused after each value's
@@ -54,7 +57,7 @@ from ..ir.tensor_spec import POS
 from ..ir.ops import Add
 from . import ChainedNodeError
 from .compiled import attention as compiled_attention
-from .compiled import cpu, floats, kquants, spin
+from .compiled import cpu, floats, kquants, legacy, spin
 from .compiled.registry import CHUNKS, SERIAL_BYTES, block_sums, joint_chunks, joint_part
 from .numba import BLAS_ROWS, _AttentionChain, _f32_at, _rms_rows, _rope_append_attend, _silu_mul_compiled, _skip_rms_rows
 
@@ -68,12 +71,15 @@ _FORMATS = {F32: "f32", np.dtype(np.float16): "f16", DType.BF16.numpy: "bf16"}
 F32_CODE, F16_CODE, BF16_CODE, Q8_0_CODE = range(4)
 _CODES = {"f32": F32_CODE, "f16": F16_CODE, "bf16": BF16_CODE, "q8_0": Q8_0_CODE}
 _F32, _F16, _BF16, _Q8_0 = (floats.SPECS((fmt, cpu.PATH)) for fmt in _CODES)
-#: K-quant product weights the program takes (f32 activations), by the kind their kernel takes.
+#: K-quant product weights the program takes, by the kind their kernel takes.
 _K_KINDS = {DType.Q4_K: 4, DType.Q5_K: 5, DType.Q6_K: 6}
+#: Legacy block weights the program takes, by their format code in :mod:`.compiled.legacy` (Q8_0
+#: too where the activations are quantized; with f32 ones it runs F32's tiles, a float format).
+_LEGACY = dict(legacy._CODES)
 _SHARED = "@shared"
 #: Columns of one instruction in :func:`_execute`'s code: the opcode, then its operands.
 WIDTH = 16
-RMS, SKIP, PRODUCT, JOINT, SILU, ADD, ATTENTION, K_PRODUCT, K_JOINT = range(1, 10)
+RMS, SKIP, PRODUCT, JOINT, SILU, ADD, ATTENTION, K_PRODUCT, K_JOINT, L_PRODUCT, L_JOINT = range(1, 12)
 #: The slot of a KvCache's outputs (views of the session's cache, read only inside the chain).
 _KV_VIEW = -1
 
@@ -117,18 +123,19 @@ def _bytes_at(typingctx, address):
 
 @numba.njit(nogil=True, cache=True)
 def _blocks(weights, i):
-    """K-quant weight ``i`` of the weight table: its rows of blocks."""
+    """Block weight ``i`` of the weight table (a K-quant or legacy one): its rows of blocks."""
     return numba.carray(_bytes_at(weights[i, 0]), (weights[i, 1], weights[i, 2]))
 
 
 @numba.njit(nogil=True, cache=True)
-def _k_joint(c, slots, weights, arena, m):
-    """A K_JOINT instruction's weights, outputs and kinds, a missing third as empty (no chunks)."""
+def _joint_blocks(c, slots, weights, arena, m):
+    """A K_JOINT or L_JOINT instruction's weights, outputs and kinds (formats), a missing third
+    as empty (no chunks) with the first's kind."""
     w0, o0 = _blocks(weights, c[3]), _rows2d(arena, slots, c[4], m)
     w1, o1 = _blocks(weights, c[5]), _rows2d(arena, slots, c[6], m)
     if c[2] == 3:
         return w0, o0, c[9], w1, o1, c[10], _blocks(weights, c[7]), _rows2d(arena, slots, c[8], m), c[11]
-    return w0, o0, c[9], w1, o1, c[10], w0[:0], o0[:, :0], 4
+    return w0, o0, c[9], w1, o1, c[10], w0[:0], o0[:, :0], c[9]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -150,6 +157,30 @@ def _float_rows(x, weights, i, out, m, n, k, lo, hi):
         floats._rows(_BF16, x, _matrix(_BF16, weights, i), out, m, n, k, lo, hi)
     else:
         floats._rows(_Q8_0, x, _matrix(_Q8_0, weights, i), out, m, n, k, lo, hi)
+
+
+@numba.njit(nogil=True, cache=True)
+def _k_part(x, w, out, kind, q8, lo, hi):
+    """Rows ``lo..hi`` of a K-quant product, as :func:`.compiled.kquants.linear_k` computes them:
+    ``x``'s block sums, or (``q8``) its Q8_K quantization, made again by each task (a few us; the
+    same arrays, so the same bits)."""
+    if q8:
+        q, dx, sums = kquants._q8_k(x, kind)
+        kquants._k_q8_rows(x, w, out, kind, cpu.AVX2, q, dx, sums, lo, hi)
+    else:
+        kquants._k_rows(x, w, out, kind, cpu.AVX2, block_sums(x, x.shape[1] // 32), lo, hi)
+
+
+@numba.njit(nogil=True, cache=True)
+def _legacy_part(x, w, out, fmt, q8, lo, hi):
+    """Rows ``lo..hi`` of a legacy block product (format code ``fmt``), as the legacy drivers
+    compute them: with ``x``'s block sums, or (``q8``) its Q8_0 / Q8_1 quantization for this
+    format, made again by each task."""
+    if q8:
+        xp, xn, xd, xs = legacy._quantized(x, legacy.QK, legacy._XCENTRE[fmt])
+        legacy._q8_rows(xp, xn, xd, xs, w, out, fmt, legacy.QK, lo, hi)
+    else:
+        legacy._f32_rows(x, block_sums(x, x.shape[1] // legacy.QK), w, out, fmt, legacy.QK, lo, hi)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -191,11 +222,13 @@ def _segment_pieces(c, starts, positions, g):
 
 
 @numba.njit(nogil=True, cache=True)
-def _stored_bytes(weights, i, k_quant):
-    """Product weight ``i``'s work in bytes: what it stores, times :data:`.kquants.COST` for a
-    K-quant's (decoding its blocks costs more a byte)."""
-    if k_quant:
+def _stored_bytes(weights, i, op):
+    """Product weight ``i``'s work in bytes (of instruction ``op``): what it stores, times
+    :data:`.kquants.COST` for a K-quant's (decoding its blocks costs more a byte)."""
+    if op == K_PRODUCT or op == K_JOINT:
         return weights[i, 1] * weights[i, 2] * kquants.COST
+    if op == L_PRODUCT or op == L_JOINT:
+        return weights[i, 1] * weights[i, 2]
     code = weights[i, 2]
     return weights[i, 1] * (4 if code == F32_CODE else 1 if code == Q8_0_CODE else 2)
 
@@ -222,12 +255,12 @@ def _stages(code, slots, weights, m, starts, positions, threads):
     for i in range(code.shape[0]):
         c = code[i]
         op, tasks = c[0], 1
-        if op == PRODUCT or op == K_PRODUCT:
-            tasks = _product_parts(_stored_bytes(weights, c[2], op == K_PRODUCT) * m, threads)
-        elif op == JOINT or op == K_JOINT:
+        if op == PRODUCT or op == K_PRODUCT or op == L_PRODUCT:
+            tasks = _product_parts(_stored_bytes(weights, c[2], op) * m, threads)
+        elif op == JOINT or op == K_JOINT or op == L_JOINT:
             nbytes = 0
             for j in range(c[2]):
-                nbytes += _stored_bytes(weights, c[3 + 2 * j], op == K_JOINT)
+                nbytes += _stored_bytes(weights, c[3 + 2 * j], op)
             tasks = _product_parts(nbytes * m, threads)
         elif op == ATTENTION:
             tasks = segments
@@ -275,26 +308,27 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, st
             else:
                 _float_rows(x, weights, c[7], _flat(arena, slots, c[8], m), m, n2, k, (chunk - t0 - t1) * floats.CHUNK,
                             min(n2, (chunk - t0 - t1 + 1) * floats.CHUNK))
-    elif op == K_PRODUCT:  # kquants.linear_k, f32 activations
+    elif op == K_PRODUCT or op == L_PRODUCT:  # kquants.linear_k, legacy's drivers
         x, w, out = _rows2d(arena, slots, c[1], m), _blocks(weights, c[2]), _rows2d(arena, slots, c[3], m)
         n = w.shape[0]
         chunks = 1 if tasks == 1 else min(n, CHUNKS)
-        kquants._k_rows(x, w, out, c[4], cpu.AVX2, block_sums(x, x.shape[1] // 32),
-                        task * chunks // tasks * n // chunks, (task + 1) * chunks // tasks * n // chunks)
-    elif op == K_JOINT:  # kquants._joint, f32 activations
+        lo, hi = task * chunks // tasks * n // chunks, (task + 1) * chunks // tasks * n // chunks
+        if op == K_PRODUCT:
+            _k_part(x, w, out, c[4], c[5] != 0, lo, hi)
+        else:
+            _legacy_part(x, w, out, c[4], c[5] != 0, lo, hi)
+    elif op == K_JOINT or op == L_JOINT:  # kquants._joint, legacy._joint: the weights' parts in order
         x = _rows2d(arena, slots, c[1], m)
-        w0, o0, kind0, w1, o1, kind1, w2, o2, kind2 = _k_joint(c, slots, weights, arena, m)
-        xsum = block_sums(x, x.shape[1] // 32)
+        w0, o0, kind0, w1, o1, kind1, w2, o2, kind2 = _joint_blocks(c, slots, weights, arena, m)
         n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
         c0, c1, c2 = joint_chunks(n0, n1, n2)
         for part in range(task * (c0 + c1 + c2) // tasks, (task + 1) * (c0 + c1 + c2) // tasks):
             at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
-            if at == 0:
-                kquants._k_rows(x, w0, o0, kind0, cpu.AVX2, xsum, lo, hi)
-            elif at == 1:
-                kquants._k_rows(x, w1, o1, kind1, cpu.AVX2, xsum, lo, hi)
+            w, out, kind = (w0, o0, kind0) if at == 0 else (w1, o1, kind1) if at == 1 else (w2, o2, kind2)
+            if op == K_JOINT:
+                _k_part(x, w, out, kind, c[12] != 0, lo, hi)
             else:
-                kquants._k_rows(x, w2, o2, kind2, cpu.AVX2, xsum, lo, hi)
+                _legacy_part(x, w, out, kind, c[12] != 0, lo, hi)
     elif op == SILU:
         _silu_mul_compiled(_flat(arena, slots, c[1], m), _flat(arena, slots, c[2], m))
     elif op == ADD:
@@ -405,7 +439,9 @@ class _Builder:
         self.eps: list[float] = []
         self.caches: list[_Cache] = []
         self.rope: tuple | None = None  # (rope_dim, base, head_dim of attention) of every chain
-        self.formats: dict[str, None] = {}  # of the float product weights, in order of first use
+        self.formats: dict[str, None] = {}  # of the product weights but K-quants, in order of first use
+        self.by_rows: list[bool] = []  # each weight's layout in the table: rows of blocks, or flat
+        self.q8 = False  # whether some product quantizes its activations
 
     def value(self, name: str) -> int:
         """The slot of value ``name`` (or of its ``@shared`` form), made on first use."""
@@ -429,30 +465,36 @@ class _Builder:
         self.widths.append(width)
         return len(self.widths) - 1
 
-    def weight(self, name: str, matrix: bool) -> int:
+    def weight(self, name: str, matrix: bool, q8: bool = False) -> int:
         """Weight ``name``'s row in the weight table: a norm's F32 vector, a product's matrix stored
-        as F32, F16, BF16 or Q8_0 (its format's code in the table, :data:`F32_CODE` ...), or as a
-        K-quant."""
+        as F32, F16, BF16 or Q8_0 (its format's code in the table, :data:`F32_CODE` ...; Q8_0 on
+        F32's tiles), or as rows of blocks: a K-quant, a legacy block type, or Q8_0 where the
+        product quantizes its activations (``q8``)."""
         w = self.constants.get(name)
-        if matrix and isinstance(w, QuantizedArray) and (w.dtype in _K_KINDS or w.dtype == DType.Q8_0):
+        if matrix and isinstance(w, QuantizedArray) and (w.dtype in _K_KINDS or w.dtype in _LEGACY):
             if not (w.data.ndim == 2 and w.data.flags.c_contiguous and w.data.dtype == np.uint8):
                 raise _Unsupported(f"weight {name!r}: its blocks are not contiguous rows")
-            if w.dtype == DType.Q8_0:  # F32's tiles on its blocks (floats.py)
-                self.formats["q8_0"] = None
-            return self._table(name, w)
+            by_rows = w.dtype != DType.Q8_0 or q8
+            if w.dtype not in _K_KINDS:
+                self.formats[w.dtype.name.lower()] = None
+            self.q8 |= q8 and by_rows
+            return self._table(name, w, by_rows)
         fmt = _FORMATS.get(getattr(w, "dtype", None)) if matrix else ("f32" if getattr(w, "dtype", None) == F32 else None)
         if not (type(w) is np.ndarray and fmt and w.ndim == (2 if matrix else 1) and w.flags.c_contiguous):
             raise _Unsupported(f"weight {name!r} is not a contiguous "
-                               f"{'F32, F16, BF16, Q8_0 or K-quant matrix' if matrix else 'F32 vector'}")
+                               f"{'F32, F16, BF16, GGML block' if matrix else 'F32 vector'}"
+                               f"{' matrix' if matrix else ''}")
         if matrix:
             self.formats[fmt] = None
-        return self._table(name, w)
+        return self._table(name, w, False)
 
-    def _table(self, name: str, w) -> int:
-        if name not in self.weight_ids:
-            self.weight_ids[name] = len(self.weights)
+    def _table(self, name: str, w, by_rows: bool) -> int:
+        key = (name, by_rows)
+        if key not in self.weight_ids:
+            self.weight_ids[key] = len(self.weights)
             self.weights.append(w)
-        return self.weight_ids[name]
+            self.by_rows.append(by_rows)
+        return self.weight_ids[key]
 
     def emit(self, *operands: int) -> None:
         self.code.append([int(v) for v in operands])
@@ -461,40 +503,50 @@ class _Builder:
         self.eps.append(float(eps))
         return len(self.eps) - 1
 
-    def kind(self, wi: int) -> int:
-        """A product weight's K-quant kind (4, 5, 6), or 0 for a float weight."""
+    def family(self, wi: int) -> tuple[int, int]:
+        """A product weight's ``(single, joint)`` opcodes and its kind: a K-quant's (4, 5, 6), a
+        legacy block weight's format code, or 0 for a float weight (Q8_0 on F32's tiles too)."""
         w = self.weights[wi]
-        return _K_KINDS.get(w.dtype, 0) if isinstance(w, QuantizedArray) else 0
+        if not self.by_rows[wi]:
+            return (PRODUCT, JOINT), 0
+        if w.dtype in _K_KINDS:
+            return (K_PRODUCT, K_JOINT), _K_KINDS[w.dtype]
+        return (L_PRODUCT, L_JOINT), _LEGACY[w.dtype]
 
-    def matrix(self, w: str, xs: int, o: int) -> int:
+    def matrix(self, w: str, xs: int, o: int, q8: bool) -> int:
         """Weight ``w`` of the product of slot ``xs`` into slot ``o``."""
-        wi = self.weight(w, True)
+        wi = self.weight(w, True, q8)
         if self.weights[wi].shape != (self.widths[o], self.widths[xs]):
             raise _Unsupported(f"weight {w!r} {list(self.weights[wi].shape)} against x {self.widths[xs]} wide")
         return wi
 
-    def products(self, xs: int, ws: Sequence[str], outs: Sequence[int]) -> None:
-        """``x @ W^T`` for each weight: one launch each, or a joint launch of two or three of
-        one family (float or K-quant), as :func:`.compiled.linear_many`."""
-        ids = [self.matrix(w, xs, o) for w, o in zip(ws, outs)]
-        kinds = [self.kind(wi) for wi in ids]
-        if len(ids) == 1 or len(ids) > 3 or (0 in kinds and any(kinds)):
-            for wi, o, kind in zip(ids, outs, kinds):
-                self.emit(K_PRODUCT, xs, wi, o, kind) if kind else self.emit(PRODUCT, xs, wi, o)
-        elif any(kinds):
-            self.emit(K_JOINT, xs, len(ids), *(v for wi, o in zip(ids, outs) for v in (wi, o)), *([0] * (6 - 2 * len(ids))),
-                      *kinds)
+    def products(self, xs: int, ws: Sequence[str], outs: Sequence[int], q8: bool) -> None:
+        """``x @ W^T`` for each weight, with f32 activations or (``q8``) quantized ones where its
+        type has such a product: one launch each, or a joint launch of two or three of one family
+        (float, K-quant or legacy block), as :func:`.compiled.linear_many`."""
+        ids = [self.matrix(w, xs, o, q8) for w, o in zip(ws, outs)]
+        families = [self.family(wi) for wi in ids]
+        if len(ids) == 1 or len(ids) > 3 or len({ops for ops, _ in families}) > 1:
+            for wi, o, ((single, _), kind) in zip(ids, outs, families):
+                self.emit(PRODUCT, xs, wi, o) if single == PRODUCT else self.emit(single, xs, wi, o, kind, q8)
+            return
+        (_, joint), _ = families[0]
+        pairs = [v for wi, o in zip(ids, outs) for v in (wi, o)]
+        if joint == JOINT:
+            self.emit(JOINT, xs, len(ids), *pairs)
         else:
-            self.emit(JOINT, xs, len(ids), *(v for wi, o in zip(ids, outs) for v in (wi, o)))
+            kinds = [kind for _, kind in families]
+            self.emit(joint, xs, len(ids), *pairs, *([0] * (6 - len(pairs))), *kinds, *([kinds[0]] * (3 - len(kinds))), q8)
 
 
 class _Unsupported(Exception):
     """A step the program cannot take (its message says why)."""
 
 
-def _step_code(b: _Builder, step, node, pass_on) -> None:
+def _step_code(b: _Builder, step, node, pass_on, q8: bool = False) -> None:
     """``step``'s instructions, or :class:`_Unsupported` (``pass_on``: the executor's kernel of
-    the steps that pass a group's results on)."""
+    the steps that pass a group's results on; ``q8``: its backend quantizes the activations of
+    its products)."""
     fn, kind = step.fn, getattr(step.fn, "program_kind", None)
     if fn is pass_on:
         for read, write in zip(step.reads, step.writes):
@@ -520,16 +572,16 @@ def _step_code(b: _Builder, step, node, pass_on) -> None:
         b.emit(SKIP, b.value(r[0]), b.value(r[1]), b.weight(r[2], False), b.epsilon(params[0]), b.value(w[0]),
                b.value(w[1]))
     elif name in ("matmul", "siblings"):
-        b.products(b.value(r[0]), r[1:], [b.value(n) for n in w])
+        b.products(b.value(r[0]), r[1:], [b.value(n) for n in w], q8)
     elif name == "swiglu":
         gate = b.value(w[0])
         up = b.scratch(b.widths[gate])
-        b.products(b.value(r[0]), r[1:3], [gate, up])
+        b.products(b.value(r[0]), r[1:3], [gate, up], q8)
         b.emit(SILU, gate, up)
     elif name == "norm_matmul":
         normed = b.scratch(b.widths[b.value(r[0])])
         b.emit(RMS, b.value(r[0]), b.weight(r[1], False), b.epsilon(params[0]), normed)
-        b.products(normed, r[2:3], [b.value(w[0])])
+        b.products(normed, r[2:3], [b.value(w[0])], q8)
     else:
         raise _Unsupported(f"node {node.id}: {name}")
 
@@ -568,15 +620,14 @@ class Program:
             self.code[i, :len(row)] = row
         starts, self.per_row = _allocate(b, steps, reads, writes)
         self.slots = np.array([[s, w] for s, w in zip(starts, b.widths)], np.int64).reshape(-1, 2)
-        rows = [isinstance(w, QuantizedArray) and w.dtype in _K_KINDS for w in b.weights]
         stored = [w.data if isinstance(w, QuantizedArray) else w for w in b.weights]
-        # K-quants by [address, rows, row bytes]; the rest [address, elements, format code]: floats
-        # and Q8_0 (floats.py's tiles) flat, a norm's vector (F32, the code unread)
+        # Block weights by [address, rows, row bytes]; the rest [address, elements, format code]:
+        # floats and Q8_0 on floats.py's tiles flat, a norm's vector (F32, the code unread)
         self.weights = np.array([[a.ctypes.data, *a.shape] if k else [a.ctypes.data, a.size, _code(w)]
-                                 for k, a, w in zip(rows, stored, b.weights)], np.int64).reshape(-1, 3)
+                                 for k, a, w in zip(b.by_rows, stored, b.weights)], np.int64).reshape(-1, 3)
         self._held = b.weights  # the addresses above stay valid while the program lives
         self.eps = np.array(b.eps or [0.0], np.float64)
-        self.caches, self.rope, self.formats = b.caches, b.rope, list(b.formats)
+        self.caches, self.rope, self.formats, self.q8 = b.caches, b.rope, list(b.formats), b.q8
         self.imports = [b.values[n.removesuffix(_SHARED)] for n in reads]
         self.exports = [b.values[n.removesuffix(_SHARED)] for n in writes]
         head_dim = b.rope[2] if b.rope else compiled_attention.HEAD_DIMS[0]
@@ -586,6 +637,7 @@ class Program:
 
     def describe(self) -> str:
         products = f"{' and '.join(f.upper() for f in self.formats)} products, " if self.formats else ""
+        products += "Q8-quantized activations, " if self.q8 else ""
         return (f"{len(self.steps)} steps from node {self.index} in one compiled call "
                 f"({len(self.code)} instructions, {products}{len(self.caches)} KV caches)")
 
@@ -743,9 +795,9 @@ def _operands(row: list[int]) -> list[int]:
         return [row[1], row[4]]
     if op == SKIP:
         return [row[1], row[2], row[5], row[6]]
-    if op in (PRODUCT, K_PRODUCT):
+    if op in (PRODUCT, K_PRODUCT, L_PRODUCT):
         return [row[1], row[3]]
-    if op in (JOINT, K_JOINT):
+    if op in (JOINT, K_JOINT, L_JOINT):
         return [row[1], *row[4:4 + 2 * row[2]:2]]
     if op in (SILU,):
         return [row[1], row[2]]
@@ -765,12 +817,12 @@ def build(steps: list, graph, specs: dict, constants: dict, backends: list, pass
         while j < len(steps):
             step = steps[j]
             owner = backends[step.index]
-            if getattr(owner, "activations", "f32") != "f32":
+            if getattr(owner, "activations", "f32") not in ("f32", "q8_0"):
                 if j - i > tried:
                     why, tried = f"the {owner.name} backend's {owner.activations} activations", j - i
                 break
             try:
-                _step_code(b, step, graph.nodes[step.index], pass_on)
+                _step_code(b, step, graph.nodes[step.index], pass_on, _quantizes(owner))
             except _Unsupported as e:
                 if j - i > tried:
                     why, tried = str(e), j - i
@@ -788,12 +840,17 @@ def build(steps: list, graph, specs: dict, constants: dict, backends: list, pass
     # Made again: the step that ended the run may have left half its instructions in ``b``.
     b = _Builder(specs, constants)
     for step in steps[lo:hi]:
-        _step_code(b, step, graph.nodes[step.index], pass_on)
+        _step_code(b, step, graph.nodes[step.index], pass_on, _quantizes(backends[step.index]))
     reads, writes = _borders(steps, lo, hi, graph, constants)
     for name in (*reads, *writes):
         if b.values.get(name.removesuffix(_SHARED), _KV_VIEW) == _KV_VIEW:
             return f"value {name!r} crosses the program's border but is not F32 rows"
     return lo, hi, Program(steps[lo:hi], b, reads, writes, backend, constants)
+
+
+def _quantizes(backend) -> bool:
+    """Whether ``backend``'s products quantize their activations (``numba-q8``)."""
+    return getattr(backend, "activations", "f32") == "q8_0"
 
 
 def _borders(steps: list, lo: int, hi: int, graph, constants: dict) -> tuple[tuple, tuple]:
