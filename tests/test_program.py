@@ -120,8 +120,9 @@ def test_the_program_on_k_quant_weights(calls):
                for n, w in random_weights(KQ, 3).items()}
     ex, steps = executors(KQ, weights=weights)
     assert ex.program.startswith(f"{len(ex._steps) - 1} steps from node ")
-    ops = set(ex._program_steps[1].fn.code[:, 0])
-    assert {program_module.K_JOINT, program_module.K_PRODUCT, program_module.PRODUCT} <= ops  # F32 lm_head
+    code = ex._program_steps[1].fn.code
+    blocks = code[code[:, 0] == program_module.K_BLOCKS]
+    assert program_module.PRODUCT in code[:, 0] and {1, 2, 3} <= set(blocks[:, 2])  # F32 lm_head; o_proj, gate/up, q/k/v
     for tokens, pos in RUNS:
         ids = np.asarray(tokens, np.int32)
         assert same_bits(*(e.run({"tokens": ids}, pos=pos)["logits"] for e in (ex, steps)))
@@ -258,8 +259,10 @@ def test_the_program_on_legacy_blocks_and_quantized_activations(backends, calls)
     ex, steps = executors(KQ, weights=weights, backends=backends)
     assert ex.program.startswith(f"{len(ex._steps) - 1} steps from node ")
     assert ("Q8-quantized activations" in ex.program) == (backends is not None)
-    ops = set(ex._program_steps[1].fn.code[:, 0])
-    assert {program_module.K_JOINT, program_module.K_PRODUCT, program_module.L_JOINT, program_module.L_PRODUCT} <= ops
+    code = ex._program_steps[1].fn.code
+    launches = {(op, count) for op, count in code[:, :3:2] if op in (program_module.K_BLOCKS, program_module.L_BLOCKS)}
+    assert {(program_module.K_BLOCKS, 3), (program_module.K_BLOCKS, 1), (program_module.L_BLOCKS, 2),
+            (program_module.L_BLOCKS, 1)} <= launches  # q/k/v, o_proj, gate/up, down_proj
     for tokens, pos in RUNS[:5]:
         ids = np.asarray(tokens, np.int32)
         assert same_bits(*(e.run({"tokens": ids}, pos=pos)["logits"] for e in (ex, steps)))

@@ -26,7 +26,7 @@ BF16 or Q8_0 weight (a program mixes them: each weight's format is a run-time co
 table, so one compile of the program serves every format), a K-quant one (Q4_K, Q5_K, Q6_K) or
 a legacy block one (Q4_0, Q4_1, Q5_0, Q5_1), and the numba-q8 backend's products with quantized
 activations (K-quant and legacy block weights, Q8_0 among them: each task quantizes its ``x``
-itself, a few us, rather than a stage of its own) (Matmul, the q/k/v shared
+once itself, a few us, rather than in a stage of its own) (Matmul, the q/k/v shared
 launch, FusedSwiGlu, FusedNormMatmul), RmsNorm, FusedSkipNorm, its attention chain (Rope, Rope, KvCache, Sdpa on the
 vector cores), Add, and the pass-on steps of chains and shared launches, every value they make
 F32 ``[T, width]``.  Their intermediates live in one arena per call, reused after each value's
@@ -79,7 +79,10 @@ _LEGACY = dict(legacy._CODES)
 _SHARED = "@shared"
 #: Columns of one instruction in :func:`_execute`'s code: the opcode, then its operands.
 WIDTH = 16
-RMS, SKIP, PRODUCT, JOINT, SILU, ADD, ATTENTION, K_PRODUCT, K_JOINT, L_PRODUCT, L_JOINT = range(1, 12)
+#: ``K_BLOCKS`` / ``L_BLOCKS``: the products of one to three K-quant / legacy block weights with one
+#: ``x`` (one launch, as :func:`.compiled.linear_many`): one code path a family, since numba
+#: compiles a kernel again into every function that calls it (each path cost ~25 s of compile).
+RMS, SKIP, PRODUCT, JOINT, SILU, ADD, ATTENTION, K_BLOCKS, L_BLOCKS = range(1, 10)
 #: The slot of a KvCache's outputs (views of the session's cache, read only inside the chain).
 _KV_VIEW = -1
 
@@ -129,13 +132,15 @@ def _blocks(weights, i):
 
 @numba.njit(nogil=True, cache=True)
 def _joint_blocks(c, slots, weights, arena, m):
-    """A K_JOINT or L_JOINT instruction's weights, outputs and kinds (formats), a missing third
-    as empty (no chunks) with the first's kind."""
+    """A K_BLOCKS or L_BLOCKS instruction's weights, outputs and kinds (formats), the missing
+    second and third as empty (no chunks) with the first's kind."""
     w0, o0 = _blocks(weights, c[3]), _rows2d(arena, slots, c[4], m)
-    w1, o1 = _blocks(weights, c[5]), _rows2d(arena, slots, c[6], m)
+    w1, o1, w2, o2 = w0[:0], o0[:, :0], w0[:0], o0[:, :0]
+    if c[2] >= 2:
+        w1, o1 = _blocks(weights, c[5]), _rows2d(arena, slots, c[6], m)
     if c[2] == 3:
-        return w0, o0, c[9], w1, o1, c[10], _blocks(weights, c[7]), _rows2d(arena, slots, c[8], m), c[11]
-    return w0, o0, c[9], w1, o1, c[10], w0[:0], o0[:, :0], c[9]
+        w2, o2 = _blocks(weights, c[7]), _rows2d(arena, slots, c[8], m)
+    return w0, o0, c[9], w1, o1, c[10], w2, o2, c[11]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -160,27 +165,47 @@ def _float_rows(x, weights, i, out, m, n, k, lo, hi):
 
 
 @numba.njit(nogil=True, cache=True)
-def _k_part(x, w, out, kind, q8, lo, hi):
-    """Rows ``lo..hi`` of a K-quant product, as :func:`.compiled.kquants.linear_k` computes them:
-    ``x``'s block sums, or (``q8``) its Q8_K quantization, made again by each task (a few us; the
-    same arrays, so the same bits)."""
+def _k_joint_parts(x, joint, q8, first, last, c0, c1, c2):
+    """Parts ``first..last`` of a K_BLOCKS (:func:`.compiled.kquants._k_threaded_joint` and its q8
+    twin), ``x`` prepared once for them all (its block sums, or its Q8_K quantization)."""
+    w0, o0, kind0, w1, o1, kind1, w2, o2, kind2 = joint
+    n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
     if q8:
-        q, dx, sums = kquants._q8_k(x, kind)
-        kquants._k_q8_rows(x, w, out, kind, cpu.AVX2, q, dx, sums, lo, hi)
+        q, dx, sums32, sums16 = kquants._quantize_q8_k(x)
+        for part in range(first, last):
+            at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
+            w, out, kind = (w0, o0, kind0) if at == 0 else (w1, o1, kind1) if at == 1 else (w2, o2, kind2)
+            kquants._k_q8_rows(x, w, out, kind, cpu.AVX2, q, dx, sums16 if kind == 6 else sums32, lo, hi)
     else:
-        kquants._k_rows(x, w, out, kind, cpu.AVX2, block_sums(x, x.shape[1] // 32), lo, hi)
+        xsum = block_sums(x, x.shape[1] // 32)
+        for part in range(first, last):
+            at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
+            w, out, kind = (w0, o0, kind0) if at == 0 else (w1, o1, kind1) if at == 1 else (w2, o2, kind2)
+            kquants._k_rows(x, w, out, kind, cpu.AVX2, xsum, lo, hi)
 
 
 @numba.njit(nogil=True, cache=True)
-def _legacy_part(x, w, out, fmt, q8, lo, hi):
-    """Rows ``lo..hi`` of a legacy block product (format code ``fmt``), as the legacy drivers
-    compute them: with ``x``'s block sums, or (``q8``) its Q8_0 / Q8_1 quantization for this
-    format, made again by each task."""
+def _legacy_joint_parts(x, joint, q8, first, last, c0, c1, c2):
+    """Parts ``first..last`` of an L_BLOCKS (:func:`.compiled.legacy._f32_joint`, ``_q8_joint``),
+    ``x`` prepared once for them all (its block sums, or quantized, each weight's lane sums scaled
+    by its centre)."""
+    w0, o0, fmt0, w1, o1, fmt1, w2, o2, fmt2 = joint
+    n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
     if q8:
-        xp, xn, xd, xs = legacy._quantized(x, legacy.QK, legacy._XCENTRE[fmt])
-        legacy._q8_rows(xp, xn, xd, xs, w, out, fmt, legacy.QK, lo, hi)
+        xp, xn, xd, xs = legacy._quantized(x, legacy.QK, 1)
+        xn0 = (xn * np.int32(legacy._XCENTRE[fmt0])).astype(np.int32)
+        xn1 = (xn * np.int32(legacy._XCENTRE[fmt1])).astype(np.int32)
+        xn2 = (xn * np.int32(legacy._XCENTRE[fmt2])).astype(np.int32)
+        for part in range(first, last):
+            at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
+            w, out, fmt, xnw = (w0, o0, fmt0, xn0) if at == 0 else (w1, o1, fmt1, xn1) if at == 1 else (w2, o2, fmt2, xn2)
+            legacy._q8_rows(xp, xnw, xd, xs, w, out, fmt, legacy.QK, lo, hi)
     else:
-        legacy._f32_rows(x, block_sums(x, x.shape[1] // legacy.QK), w, out, fmt, legacy.QK, lo, hi)
+        xsum = block_sums(x, x.shape[1] // legacy.QK)
+        for part in range(first, last):
+            at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
+            w, out, fmt = (w0, o0, fmt0) if at == 0 else (w1, o1, fmt1) if at == 1 else (w2, o2, fmt2)
+            legacy._f32_rows(x, xsum, w, out, fmt, legacy.QK, lo, hi)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -225,9 +250,9 @@ def _segment_pieces(c, starts, positions, g):
 def _stored_bytes(weights, i, op):
     """Product weight ``i``'s work in bytes (of instruction ``op``): what it stores, times
     :data:`.kquants.COST` for a K-quant's (decoding its blocks costs more a byte)."""
-    if op == K_PRODUCT or op == K_JOINT:
+    if op == K_BLOCKS:
         return weights[i, 1] * weights[i, 2] * kquants.COST
-    if op == L_PRODUCT or op == L_JOINT:
+    if op == L_BLOCKS:
         return weights[i, 1] * weights[i, 2]
     code = weights[i, 2]
     return weights[i, 1] * (4 if code == F32_CODE else 1 if code == Q8_0_CODE else 2)
@@ -255,9 +280,9 @@ def _stages(code, slots, weights, m, starts, positions, threads):
     for i in range(code.shape[0]):
         c = code[i]
         op, tasks = c[0], 1
-        if op == PRODUCT or op == K_PRODUCT or op == L_PRODUCT:
+        if op == PRODUCT:
             tasks = _product_parts(_stored_bytes(weights, c[2], op) * m, threads)
-        elif op == JOINT or op == K_JOINT or op == L_JOINT:
+        elif op == JOINT or op == K_BLOCKS or op == L_BLOCKS:
             nbytes = 0
             for j in range(c[2]):
                 nbytes += _stored_bytes(weights, c[3 + 2 * j], op)
@@ -308,27 +333,16 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, st
             else:
                 _float_rows(x, weights, c[7], _flat(arena, slots, c[8], m), m, n2, k, (chunk - t0 - t1) * floats.CHUNK,
                             min(n2, (chunk - t0 - t1 + 1) * floats.CHUNK))
-    elif op == K_PRODUCT or op == L_PRODUCT:  # kquants.linear_k, legacy's drivers
-        x, w, out = _rows2d(arena, slots, c[1], m), _blocks(weights, c[2]), _rows2d(arena, slots, c[3], m)
-        n = w.shape[0]
-        chunks = 1 if tasks == 1 else min(n, CHUNKS)
-        lo, hi = task * chunks // tasks * n // chunks, (task + 1) * chunks // tasks * n // chunks
-        if op == K_PRODUCT:
-            _k_part(x, w, out, c[4], c[5] != 0, lo, hi)
-        else:
-            _legacy_part(x, w, out, c[4], c[5] != 0, lo, hi)
-    elif op == K_JOINT or op == L_JOINT:  # kquants._joint, legacy._joint: the weights' parts in order
+    elif op == K_BLOCKS or op == L_BLOCKS:  # kquants' and legacy's drivers: the weights' parts in order
         x = _rows2d(arena, slots, c[1], m)
-        w0, o0, kind0, w1, o1, kind1, w2, o2, kind2 = _joint_blocks(c, slots, weights, arena, m)
-        n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
+        joint = _joint_blocks(c, slots, weights, arena, m)
+        n0, n1, n2 = joint[0].shape[0], joint[3].shape[0], joint[6].shape[0]
         c0, c1, c2 = joint_chunks(n0, n1, n2)
-        for part in range(task * (c0 + c1 + c2) // tasks, (task + 1) * (c0 + c1 + c2) // tasks):
-            at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
-            w, out, kind = (w0, o0, kind0) if at == 0 else (w1, o1, kind1) if at == 1 else (w2, o2, kind2)
-            if op == K_JOINT:
-                _k_part(x, w, out, kind, c[12] != 0, lo, hi)
-            else:
-                _legacy_part(x, w, out, kind, c[12] != 0, lo, hi)
+        first, last = task * (c0 + c1 + c2) // tasks, (task + 1) * (c0 + c1 + c2) // tasks
+        if op == K_BLOCKS:
+            _k_joint_parts(x, joint, c[12] != 0, first, last, c0, c1, c2)
+        else:
+            _legacy_joint_parts(x, joint, c[12] != 0, first, last, c0, c1, c2)
     elif op == SILU:
         _silu_mul_compiled(_flat(arena, slots, c[1], m), _flat(arena, slots, c[2], m))
     elif op == ADD:
@@ -504,14 +518,15 @@ class _Builder:
         return len(self.eps) - 1
 
     def family(self, wi: int) -> tuple[int, int]:
-        """A product weight's ``(single, joint)`` opcodes and its kind: a K-quant's (4, 5, 6), a
-        legacy block weight's format code, or 0 for a float weight (Q8_0 on F32's tiles too)."""
+        """A product weight's family (:data:`JOINT`: float, Q8_0 on F32's tiles too;
+        :data:`K_BLOCKS`; :data:`L_BLOCKS`) and its kind: a K-quant's (4, 5, 6), a legacy block
+        weight's format code, 0 for a float weight."""
         w = self.weights[wi]
         if not self.by_rows[wi]:
-            return (PRODUCT, JOINT), 0
+            return JOINT, 0
         if w.dtype in _K_KINDS:
-            return (K_PRODUCT, K_JOINT), _K_KINDS[w.dtype]
-        return (L_PRODUCT, L_JOINT), _LEGACY[w.dtype]
+            return K_BLOCKS, _K_KINDS[w.dtype]
+        return L_BLOCKS, _LEGACY[w.dtype]
 
     def matrix(self, w: str, xs: int, o: int, q8: bool) -> int:
         """Weight ``w`` of the product of slot ``xs`` into slot ``o``."""
@@ -526,17 +541,19 @@ class _Builder:
         (float, K-quant or legacy block), as :func:`.compiled.linear_many`."""
         ids = [self.matrix(w, xs, o, q8) for w, o in zip(ws, outs)]
         families = [self.family(wi) for wi in ids]
-        if len(ids) == 1 or len(ids) > 3 or len({ops for ops, _ in families}) > 1:
-            for wi, o, ((single, _), kind) in zip(ids, outs, families):
-                self.emit(PRODUCT, xs, wi, o) if single == PRODUCT else self.emit(single, xs, wi, o, kind, q8)
-            return
-        (_, joint), _ = families[0]
-        pairs = [v for wi, o in zip(ids, outs) for v in (wi, o)]
-        if joint == JOINT:
-            self.emit(JOINT, xs, len(ids), *pairs)
+        if len(ids) > 3 or len({family for family, _ in families}) > 1:
+            groups = [([wi], [o], [f]) for wi, o, f in zip(ids, outs, families)]
         else:
-            kinds = [kind for _, kind in families]
-            self.emit(joint, xs, len(ids), *pairs, *([0] * (6 - len(pairs))), *kinds, *([kinds[0]] * (3 - len(kinds))), q8)
+            groups = [(ids, outs, families)]
+        for ids, outs, families in groups:
+            pairs = [v for wi, o in zip(ids, outs) for v in (wi, o)]
+            family = families[0][0]
+            if family == JOINT:
+                self.emit(PRODUCT, xs, *pairs) if len(ids) == 1 else self.emit(JOINT, xs, len(ids), *pairs)
+            else:
+                kinds = [kind for _, kind in families]
+                self.emit(family, xs, len(ids), *pairs, *([0] * (6 - len(pairs))), *kinds,
+                          *([kinds[0]] * (3 - len(kinds))), q8)
 
 
 class _Unsupported(Exception):
@@ -795,9 +812,9 @@ def _operands(row: list[int]) -> list[int]:
         return [row[1], row[4]]
     if op == SKIP:
         return [row[1], row[2], row[5], row[6]]
-    if op in (PRODUCT, K_PRODUCT, L_PRODUCT):
+    if op == PRODUCT:
         return [row[1], row[3]]
-    if op in (JOINT, K_JOINT, L_JOINT):
+    if op in (JOINT, K_BLOCKS, L_BLOCKS):
         return [row[1], *row[4:4 + 2 * row[2]:2]]
     if op in (SILU,):
         return [row[1], row[2]]
