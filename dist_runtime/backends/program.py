@@ -58,7 +58,7 @@ from ..ir.ops import Add
 from . import ChainedNodeError
 from .compiled import attention as compiled_attention
 from .compiled import cpu, floats, kquants, legacy, spin
-from .compiled.registry import CHUNKS, SERIAL_BYTES, block_sums, joint_chunks, joint_part
+from .compiled.registry import SERIAL_BYTES, block_sums, joint_chunks, joint_part
 from .numba import BLAS_ROWS, _AttentionChain, _f32_at, _rms_rows, _rope_append_attend, _silu_mul_compiled, _skip_rms_rows
 
 F32 = np.dtype(np.float32)
