@@ -195,6 +195,13 @@ def test_placing_the_stages_and_loading_them_have_their_own_deadlines(model_path
         Pipeline(model_path, stages=2, max_context=64, options=options)
 
 
+@pytest.mark.parametrize("field", ["placement_timeout", "load_timeout"])
+@pytest.mark.parametrize("value", [0, -5, float("nan"), float("inf"), "60", True])
+def test_deployment_deadlines_must_be_positive_seconds(field, value):
+    with pytest.raises(ClusterError, match=f"StageOptions.{field} must be a positive number of seconds"):
+        StageOptions(**{field: value})
+
+
 def test_encoder_runs_split_with_batches_in_flight(tmp_path, capsys):
     """A stateless graph with three inputs (the tiny BERT fixture, sentence-transformers head) on
     3 stages: ``run_many`` keeps several batches in flight and returns what one process returns."""

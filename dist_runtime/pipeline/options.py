@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from ..errors import ClusterError
 
 WEIGHT_SOURCES = ("auto", "file", "store")
 
@@ -37,8 +40,14 @@ class StageOptions:
     extra_env: dict = field(default_factory=dict)
     placement_timeout: float = 120.0  # seconds for the actors to be placed (running on a node)
     # seconds for placed actors to load their weights and warm up: a node's first run compiles the
-    # kernels (~90 s on an idle core of the 2-core test machine, minutes on a busy one)
+    # kernels (~100 s on an idle core of the 2-core test machine, minutes on a busy one)
     load_timeout: float = 1800.0
+
+    def __post_init__(self) -> None:
+        for name in ("placement_timeout", "load_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ClusterError(f"StageOptions.{name} must be a positive number of seconds, got {value!r}")
 
 
 def add_deployment_options(p) -> None:
