@@ -86,7 +86,7 @@ def part_generation(out: Path, stages: int, sessions: int, new_tokens: int) -> b
     requests = [Request(f"s{i}", [int(t) for t in rng.integers(1, cfg.vocab, 4 + 3 * i)], new_tokens,
                         Sampling() if i == 0 else Sampling(temperature=0.8, top_k=40, seed=i))
                 for i in range(sessions)]
-    # The one-process reference first: on a fresh install it compiles the kernels (~90 s on 2
+    # The one-process reference first: on a fresh install it compiles the kernels (~100 s on 2
     # cores) and numba caches them, so the stages load them where both compiled them side by side.
     with _step(f"generate the same {sessions} sessions in one process (the reference; a first run compiles)"):
         with load_model(path) as model:

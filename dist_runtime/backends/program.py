@@ -164,23 +164,32 @@ def _float_rows(x, weights, i, out, m, n, k, lo, hi):
         floats._rows(_Q8_0, x, _matrix(_Q8_0, weights, i), out, m, n, k, lo, hi)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _slot(joint, at):
+    """Weight ``at`` of :func:`_joint_blocks`' tuple: its blocks, its output and its kind."""
+    if at == 0:
+        return joint[0], joint[1], joint[2]
+    if at == 1:
+        return joint[3], joint[4], joint[5]
+    return joint[6], joint[7], joint[8]
+
+
 @numba.njit(nogil=True, cache=True)
 def _k_joint_parts(x, joint, q8, first, last, c0, c1, c2):
     """Parts ``first..last`` of a K_BLOCKS (:func:`.compiled.kquants._k_threaded_joint` and its q8
     twin), ``x`` prepared once for them all (its block sums, or its Q8_K quantization)."""
-    w0, o0, kind0, w1, o1, kind1, w2, o2, kind2 = joint
-    n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
+    n0, n1, n2 = joint[0].shape[0], joint[3].shape[0], joint[6].shape[0]
     if q8:
         q, dx, sums32, sums16 = kquants._quantize_q8_k(x)
         for part in range(first, last):
             at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
-            w, out, kind = (w0, o0, kind0) if at == 0 else (w1, o1, kind1) if at == 1 else (w2, o2, kind2)
+            w, out, kind = _slot(joint, at)
             kquants._k_q8_rows(x, w, out, kind, cpu.AVX2, q, dx, sums16 if kind == 6 else sums32, lo, hi)
     else:
         xsum = block_sums(x, x.shape[1] // 32)
         for part in range(first, last):
             at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
-            w, out, kind = (w0, o0, kind0) if at == 0 else (w1, o1, kind1) if at == 1 else (w2, o2, kind2)
+            w, out, kind = _slot(joint, at)
             kquants._k_rows(x, w, out, kind, cpu.AVX2, xsum, lo, hi)
 
 
@@ -189,22 +198,18 @@ def _legacy_joint_parts(x, joint, q8, first, last, c0, c1, c2):
     """Parts ``first..last`` of an L_BLOCKS (:func:`.compiled.legacy._f32_joint`, ``_q8_joint``),
     ``x`` prepared once for them all (its block sums, or quantized, each weight's lane sums scaled
     by its centre)."""
-    w0, o0, fmt0, w1, o1, fmt1, w2, o2, fmt2 = joint
-    n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
+    n0, n1, n2 = joint[0].shape[0], joint[3].shape[0], joint[6].shape[0]
     if q8:
-        xp, xn, xd, xs = legacy._quantized(x, legacy.QK, 1)
-        xn0 = (xn * np.int32(legacy._XCENTRE[fmt0])).astype(np.int32)
-        xn1 = (xn * np.int32(legacy._XCENTRE[fmt1])).astype(np.int32)
-        xn2 = (xn * np.int32(legacy._XCENTRE[fmt2])).astype(np.int32)
+        xp, xn0, xn1, xn2, xd, xs = legacy._quantized_for(x, legacy.QK, joint[2], joint[5], joint[8])
         for part in range(first, last):
             at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
-            w, out, fmt, xnw = (w0, o0, fmt0, xn0) if at == 0 else (w1, o1, fmt1, xn1) if at == 1 else (w2, o2, fmt2, xn2)
-            legacy._q8_rows(xp, xnw, xd, xs, w, out, fmt, legacy.QK, lo, hi)
+            w, out, fmt = _slot(joint, at)
+            legacy._q8_rows(xp, xn0 if at == 0 else xn1 if at == 1 else xn2, xd, xs, w, out, fmt, legacy.QK, lo, hi)
     else:
         xsum = block_sums(x, x.shape[1] // legacy.QK)
         for part in range(first, last):
             at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
-            w, out, fmt = (w0, o0, fmt0) if at == 0 else (w1, o1, fmt1) if at == 1 else (w2, o2, fmt2)
+            w, out, fmt = _slot(joint, at)
             legacy._f32_rows(x, xsum, w, out, fmt, legacy.QK, lo, hi)
 
 
@@ -336,8 +341,7 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, st
     elif op == K_BLOCKS or op == L_BLOCKS:  # kquants' and legacy's drivers: the weights' parts in order
         x = _rows2d(arena, slots, c[1], m)
         joint = _joint_blocks(c, slots, weights, arena, m)
-        n0, n1, n2 = joint[0].shape[0], joint[3].shape[0], joint[6].shape[0]
-        c0, c1, c2 = joint_chunks(n0, n1, n2)
+        c0, c1, c2 = joint_chunks(joint[0].shape[0], joint[3].shape[0], joint[6].shape[0])
         first, last = task * (c0 + c1 + c2) // tasks, (task + 1) * (c0 + c1 + c2) // tasks
         if op == K_BLOCKS:
             _k_joint_parts(x, joint, c[12] != 0, first, last, c0, c1, c2)

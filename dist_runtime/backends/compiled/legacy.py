@@ -336,13 +336,21 @@ def _f32_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
             _f32_rows(x, xsum, w2, out2, fmt2, qk, lo, hi)
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
-def _q8_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
-    """As :func:`_f32_joint`, ``x`` quantized once (``xn`` then scaled by each weight's centre)."""
+@numba.njit(nogil=True, cache=True)
+def _quantized_for(x, qk, fmt0, fmt1, fmt2):
+    """``x`` quantized once for up to three weights of formats ``fmt0..2``: :func:`_quantized`'s
+    ``xp, xd, xs`` and each weight's ``xn`` (the lane sums scaled by its centre)."""
     xp, xn, xd, xs = _quantized(x, qk, 1)
     xn0 = (xn * np.int32(_XCENTRE[fmt0])).astype(np.int32)
     xn1 = (xn * np.int32(_XCENTRE[fmt1])).astype(np.int32)
     xn2 = (xn * np.int32(_XCENTRE[fmt2])).astype(np.int32)
+    return xp, xn0, xn1, xn2, xd, xs
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _q8_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
+    """As :func:`_f32_joint`, ``x`` quantized once (:func:`_quantized_for`)."""
+    xp, xn0, xn1, xn2, xd, xs = _quantized_for(x, qk, fmt0, fmt1, fmt2)
     n0, n1, n2 = w0.shape[0], w1.shape[0], w2.shape[0]
     c0, c1, c2 = joint_chunks(n0, n1, n2)
     for c in numba.prange(c0 + c1 + c2):
