@@ -148,8 +148,11 @@ def _rope_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf,
     _rope_rows(q, cos, sin, rope_head_dim, rope_dim, q_rot)
     _rope_rows(k, cos, sin, rope_head_dim, rope_dim, k_rot)
     stop = pos + k.shape[0]
-    k_buf[pos:stop] = k_rot
-    v_buf[pos:stop] = v
+    for t in range(k.shape[0]):  # by element: an array's slice assignment compiles numba's error message (~5 s)
+        for j in range(k.shape[1]):
+            k_buf[pos + t, j] = k_rot[t, j]
+        for j in range(v.shape[1]):
+            v_buf[pos + t, j] = v[t, j]
     if attend:
         compiled_attention.attention_serial(spec, q_rot, k_buf[:stop], v_buf[:stop], num_heads, kv_heads,
                                             head_dim, causal, window, out)

@@ -45,6 +45,8 @@ from typing import Sequence
 import numba
 import numpy as np
 from numba import prange, types
+from numba._dispatcher import compute_fingerprint
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from dist_runtime.kernels.attention import KvState
@@ -149,7 +151,7 @@ def _matrix(spec, weights, i):
     return numba.carray(_stored_at(spec, weights[i, 0]), weights[i, 1])
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _float_rows(x, weights, i, out, m, n, k, lo, hi):
     """:func:`.compiled.floats._rows` of float product weight ``i``, in its format (rows ``lo``
     to ``hi``: whole chunks, one of them a JOINT task's)."""
@@ -174,7 +176,7 @@ def _slot(joint, at):
     return joint[6], joint[7], joint[8]
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _k_joint_parts(x, joint, q8, first, last, c0, c1, c2):
     """Parts ``first..last`` of a K_BLOCKS (:func:`.compiled.kquants._k_threaded_joint` and its q8
     twin), ``x`` prepared once for them all (its block sums, or its Q8_K quantization)."""
@@ -193,7 +195,7 @@ def _k_joint_parts(x, joint, q8, first, last, c0, c1, c2):
             kquants._k_rows(x, w, out, kind, cpu.AVX2, xsum, lo, hi)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _legacy_joint_parts(x, joint, q8, first, last, c0, c1, c2):
     """Parts ``first..last`` of an L_BLOCKS (:func:`.compiled.legacy._f32_joint`, ``_q8_joint``),
     ``x`` prepared once for them all (its block sums, or quantized, each weight's lane sums scaled
@@ -213,7 +215,7 @@ def _legacy_joint_parts(x, joint, q8, first, last, c0, c1, c2):
             legacy._f32_rows(x, xsum, w, out, fmt, legacy.QK, lo, hi)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _rope_append(spec, c, slots, kv, cos, sin, arena, m, starts, positions, g, attend):
     """The attention chain's compiled call (:class:`~.numba._AttentionChain`) for segment ``g``
     (rows ``starts[g]:starts[g + 1]``, at ``positions[g]``) on its KV cache ``kv[c[4], g]``,
@@ -273,6 +275,13 @@ def _product_parts(work_bytes, threads):
     return 1 if work_bytes < SERIAL_BYTES or threads == 1 else threads
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _stage(stages, s, i, phase, tasks):
+    """Row ``s`` of the plan (:func:`_stages`), by element: assigning a row from a tuple or an
+    array compiles numba's shape-error message, ~5 s of a cold compile."""
+    stages[s, 0], stages[s, 1], stages[s, 2] = i, phase, tasks
+
+
 @numba.njit(nogil=True, cache=True)
 def _stages(code, slots, weights, m, starts, positions, threads):
     """The call's stages in order, each ``(instruction, phase, tasks)``, every task of one done
@@ -299,15 +308,16 @@ def _stages(code, slots, weights, m, starts, positions, threads):
                     c, starts, positions, g)[-1]
                 pieces[i, g + 1] = pieces[i, g] + count
             if pieces[i, -1]:
-                stages[s] = (i, 0, tasks)
-                stages[s + 1] = (i, 1, pieces[i, -1])
+                _stage(stages, s, i, 0, tasks)
+                _stage(stages, s + 1, i, 1, pieces[i, -1])
                 s += 2  # then phase 2, the merges: one task a segment
-        stages[s] = (i, 2 if op == ATTENTION and pieces[i, -1] else 0, tasks)
+        _stage(stages, s, i, 2 if op == ATTENTION and pieces[i, -1] else 0, tasks)
         s += 1
     return stages[:s], pieces
 
 
-@numba.njit(nogil=True, cache=True)
+# Inlined into _work, the one function that calls it: compiled once, in _work's code.
+@numba.njit(nogil=True, cache=True, inline="always")
 def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, attention_spec,
           pieces, sums, stats):
     """Task ``task`` of ``tasks`` of instruction ``c``'s stage ``phase`` (:func:`_stages`)."""
@@ -407,7 +417,8 @@ def _prepare(code, slots, weights, m, starts, positions, threads):
     their scratch and the counters, made before any thread starts."""
     planned, pieces = _stages(code, slots, weights, m, starts, positions, threads)
     stages = np.empty((planned.shape[0], 4), np.int64)  # (instruction, phase, tasks, first ticket)
-    stages[:, :3] = planned
+    for s in range(stages.shape[0]):
+        _stage(stages, s, planned[s, 0], planned[s, 1], planned[s, 2])
     stages[0, 3] = 0
     for s in range(1, stages.shape[0]):
         stages[s, 3] = stages[s - 1, 3] + stages[s - 1, 2]
@@ -418,20 +429,62 @@ def _prepare(code, slots, weights, m, starts, positions, threads):
     return stages, pieces, np.empty(most, np.float32), np.empty(2 * most, np.float32), np.zeros(16, np.int64)
 
 
+@intrinsic
+def _call(typingctx, address, args):
+    """Call the compiled function at ``address`` (numba's calling convention, returning None:
+    :func:`_work_address`) with the tuple ``args``, its arguments in order; an exception it
+    raises goes on up."""
+    def codegen(context, builder, sig, llargs):
+        fnty = context.call_conv.get_function_type(types.none, args.types)
+        fn = builder.inttoptr(llargs[0], fnty.as_pointer())
+        status, _ = context.call_conv.call_function(builder, fn, types.none, args.types,
+                                                    cgutils.unpack_tuple(builder, llargs[1]))
+        with cgutils.if_unlikely(builder, status.is_error):
+            context.call_conv.return_status_propagate(builder, status)
+        return context.get_dummy_value()
+    return types.none(address, args), codegen
+
+
 @numba.njit(nogil=True, cache=True, parallel=True)
+def _launch(address, args, threads):
+    """:func:`_work` (at ``address``) on ``threads`` threads of numba's pool, each with ``args``."""
+    if threads == 1:
+        _call(address, args)
+    else:
+        for _ in prange(threads):
+            _call(address, args)
+
+
+#: :func:`_work`'s compiled code for its arguments' types, by their numba fingerprints.
+_WORK: dict[bytes, int] = {}
+
+
+def _work_address(args: tuple) -> int:
+    """The address of :func:`_work` compiled for ``args``' types (compiled, or loaded from numba's
+    cache, on first use).  :func:`_launch` calls it through this address rather than by name: numba
+    links a called function's code into its caller's and optimises it again there, and the
+    parallel launch is four such callers deep (the loop, numba's gufunc and its two wrappers), so
+    the program's whole code was optimised and compiled six times over, ~7 s each here (session
+    23: a tiny model's first ``generate`` compiled for 87 s)."""
+    key = compute_fingerprint(args)
+    address = _WORK.get(key)
+    if address is None:
+        signature = numba.typeof(args).types
+        _work.compile(signature)
+        compiled = _work.overloads[signature]
+        address = _WORK[key] = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
+    return address
+
+
 def _execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, attention_spec):
     """Every instruction of ``code`` in order (see :class:`Program`), on ``threads`` threads that
     stay from the first task to the last (:func:`_work`), spinning between stages rather than
     going back to numba's pool: one launch a call, not one a product, and no sleeping thread to
     wake after each stretch of serial work (~2-15 us each: :mod:`.compiled.threads`)."""
     stages, pieces, sums, stats, counters = _prepare(code, slots, weights, m, starts, positions, threads)
-    if threads == 1:
-        _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
-              attention_spec, pieces, sums, stats)
-    else:
-        for _ in prange(threads):
-            _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
-                  attention_spec, pieces, sums, stats)
+    args = (stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, attention_spec,
+            pieces, sums, stats)
+    _launch(_work_address(args), args, threads)
 
 
 # -- building it --------------------------------------------------------------------------------------
