@@ -302,9 +302,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The commands that run a model, and so may compile the kernels on a cold numba cache.
+_COMPILING = {"demo", "embed", "generate", "pipeline", "serve"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handle_sigterm()
+    if args.command in _COMPILING:
+        from ..compiling import announce
+
+        announce()
     return run_command(args.func, args)
 
 

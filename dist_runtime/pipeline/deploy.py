@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..compiling import waiting
 from ..errors import ClusterError, DistRuntimeError, StageUnavailableError
 from .cluster import call_all
 from .stage import stage_actor_class, thread_env
@@ -91,7 +92,9 @@ def deploy(model_path: str | os.PathLike, stages: list[StageGraph], options: Sta
             actors.append(Actor.options(**opts).remote(stage, **kwargs))
         _placed(actors, options)
         try:
-            reports = _load_weights(Path(model_path), stages, actors, options, load_model)
+            with waiting(f"the {len(stages)} stage actors", "loading their weights and warming up; a node's "
+                         "first run compiles the kernels, ~1 min"):
+                reports = _load_weights(Path(model_path), stages, actors, options, load_model)
         except ray.exceptions.GetTimeoutError:
             # Placed, but loading includes the warm-up, which on a node whose numba cache is cold
             # compiles the kernels: ~90 s on an idle core here, more on a busy one.

@@ -142,6 +142,9 @@ class StageWorker:
         the first real request does not pay for compiling or loading kernels, or for first-touch
         page faults on the weights.  Returns what happened, for the stage's report; a failure
         here is reported, not raised (a real step with real inputs gives the real error)."""
+        from ..compiling import announce
+
+        announce(prefix=f"stage {self.stage.index}: ")  # a cold cache compiles here, ~1 min
         ex = self._executor
         t0 = time.perf_counter()
         try:
