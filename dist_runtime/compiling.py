@@ -21,6 +21,9 @@ from contextlib import contextmanager
 
 #: Seconds of compiling before anything is printed (a cache load or a small compile is quieter).
 DELAY = 2.0
+#: Seconds a wait on other processes (:func:`waiting`) lasts before it is announced: loading a
+#: stage's weights alone takes a few.
+WAIT = 5.0
 #: Seconds without a compile that end a stretch (numba compiles a call's functions one by one,
 #: with a little Python between them).
 IDLE = 0.5
@@ -43,7 +46,7 @@ def announce(prefix: str = "", stream=None) -> None:
 @contextmanager
 def waiting(what: str, why: str, stream=None):
     """Say on ``stream`` (default stderr) that the program is waiting for ``what`` (and ``why``)
-    if the block takes more than :data:`DELAY` seconds, then how long it took; silent unless :func:`announce`
+    if the block takes more than :data:`WAIT` seconds, then how long it took; silent unless :func:`announce`
     was called (a command, not a library user).  For waits on other processes that may be
     compiling: a pipeline's stage actors warming up, whose own notices stay in their logs."""
     if not _installed:
@@ -53,7 +56,7 @@ def waiting(what: str, why: str, stream=None):
     said, done, start = [], threading.Event(), time.monotonic()
 
     def say() -> None:
-        if not done.wait(DELAY):
+        if not done.wait(WAIT):
             said.append(True)
             _write(stream, f"waiting for {what} ({why}) ...\n")
     threading.Thread(target=say, name="wait-notice", daemon=True).start()

@@ -24,6 +24,7 @@ def quick(monkeypatch):
     """Seconds, not minutes: a stretch shows after 50 ms and ends 50 ms after its last compile."""
     monkeypatch.setattr(compiling, "DELAY", 0.05)
     monkeypatch.setattr(compiling, "IDLE", 0.05)
+    monkeypatch.setattr(compiling, "WAIT", 0.05)
 
 
 def finished(notice, timeout: float = 10.0) -> None:
