@@ -59,12 +59,12 @@ def test_a_short_compile_says_nothing(monkeypatch):
 def test_a_long_compile_in_a_log_is_one_line_when_it_starts_and_one_when_it_ends(quick):
     out = io.StringIO()
     notice = compiling._Notice("stage 1: ", out)
-    stretch(notice, 0.4)
+    stretch(notice, 1.0)
     finished(notice)
     lines = out.getvalue().splitlines()
     assert lines[0] == f"stage 1: {compiling.WHAT} ..."
     assert len(lines) == 2 and lines[1].startswith("stage 1: compiled the kernels in ")
-    stretch(notice, 0.4)  # a later stretch (another model, another shape) says so again
+    stretch(notice, 1.0)  # a later stretch (another model, another shape) says so again
     finished(notice)
     assert len(out.getvalue().splitlines()) == 4
 
@@ -73,9 +73,9 @@ def test_on_a_terminal_the_count_is_erased_before_the_program_goes_on(quick):
     out = Terminal()
     notice = compiling._Notice("", out)
     notice.started()
-    time.sleep(0.4)
+    time.sleep(1.0)
     shown = out.getvalue()
-    assert f"\r\x1b[K{compiling.WHAT}: 0 s" in shown and "\n" not in shown
+    assert re.search(rf"\r\x1b\[K{re.escape(compiling.WHAT)}: \d+ s", shown) and "\n" not in shown
     notice.ended()  # erased here, in the compiling thread, before it returns to the program
     assert out.getvalue().endswith("\r\x1b[K")
     finished(notice)
@@ -98,7 +98,9 @@ def test_numbas_compile_events_reach_the_notice(quick, monkeypatch):
     with event.install_listener("numba:compile", compiling.listener("", out)):
         with event.install_listener("numba:compile", _Slow(slow_typing)):
             assert fresh(1) == 2
-        time.sleep(0.3)
+        end = time.monotonic() + 10  # the watcher ends the stretch on its own time: a busy machine is slow
+        while "compiled" not in out.getvalue() and time.monotonic() < end:
+            time.sleep(0.05)
     assert out.getvalue().startswith(f"{compiling.WHAT} ...\n")
     assert re.fullmatch(rf"{re.escape(compiling.WHAT)} \.\.\.\ncompiled the kernels in \d+ s\n", out.getvalue())
 
@@ -136,6 +138,6 @@ def test_a_long_wait_on_other_processes_is_announced_by_a_command_only(quick, mo
     with compiling.waiting("the 2 stage actors", "warming up", out):
         pass  # quick: silent
     with compiling.waiting("the 2 stage actors", "warming up", out):
-        time.sleep(0.4)
+        time.sleep(1.0)
     assert re.fullmatch(r"waiting for the 2 stage actors \(warming up\) \.\.\.\nthe 2 stage actors: ready after \d+ s\n",
                         out.getvalue())
