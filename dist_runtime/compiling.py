@@ -53,19 +53,22 @@ def waiting(what: str, why: str, stream=None):
         yield
         return
     stream = stream or sys.stderr
-    said, done, start = [], threading.Event(), time.monotonic()
+    said, done, lock, start = [], threading.Event(), threading.Lock(), time.monotonic()
 
     def say() -> None:
         if not done.wait(WAIT):
-            said.append(True)
-            _write(stream, f"waiting for {what} ({why}) ...\n")
+            with lock:  # not once the wait is over: a "waiting" line with no end
+                if not done.is_set():
+                    said.append(True)
+                    _write(stream, f"waiting for {what} ({why}) ...\n")
     threading.Thread(target=say, name="wait-notice", daemon=True).start()
     try:
         yield
-    finally:
-        done.set()
-        if said:
-            _write(stream, f"{what}: ready after {time.monotonic() - start:.0f} s\n")
+    finally:  # a failed wait says nothing more: its error is what the user reads next
+        with lock:
+            done.set()
+    if said:
+        _write(stream, f"{what}: ready after {time.monotonic() - start:.0f} s\n")
 
 
 def listener(prefix: str, stream):

@@ -141,3 +141,8 @@ def test_a_long_wait_on_other_processes_is_announced_by_a_command_only(quick, mo
         time.sleep(1.0)
     assert re.fullmatch(r"waiting for the 2 stage actors \(warming up\) \.\.\.\nthe 2 stage actors: ready after \d+ s\n",
                         out.getvalue())
+    with pytest.raises(TimeoutError):  # a wait that fails is not "ready"
+        with compiling.waiting("the 3 stage actors", "warming up", out):
+            time.sleep(1.0)
+            raise TimeoutError
+    assert out.getvalue().endswith("waiting for the 3 stage actors (warming up) ...\n")
