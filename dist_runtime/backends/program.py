@@ -6,8 +6,9 @@ process, medians of 30): the other ~2.4 ms were Python -- the executor's loop, e
 checks and allocations, the attention chain's position and KV cache bookkeeping -- whose code
 and data come back cold after every product streams its weight through the caches (a line of
 the attention chain's Python ~2-8 us there, against ~0.3 warm).  The program runs the longest
-run of steps it knows as one call of :func:`_execute`, a loop over fixed instructions that calls
-the very compiled functions those steps call, in the same order: the same bits.
+run of steps it knows as one call of :func:`_execute` (its plan, then one launch of :func:`_work`),
+a loop over fixed instructions that calls the very compiled functions those steps call, in the
+same order: the same bits.
 
 Its threads stay for the whole call (:func:`_work`).  The instructions become stages of tasks
 (:func:`_stages`): a product's contiguous runs of weight-row chunks, one a thread (a thread's
