@@ -120,7 +120,14 @@ def token_ids(text: str) -> list[int]:
 def run_command(func, args: argparse.Namespace) -> int:
     """``func(args)``, with the project's errors turned into a message and exit status 1."""
     try:
-        return func(args)
+        try:
+            return func(args)
+        except Exception:
+            # A Ctrl-C lost in a callback from C can break what it interrupted with an error of
+            # its own (numba, compiling: "no compiled object yet"): the interrupt is the cause.
+            if _pending:
+                raise _pending[-1] from None
+            raise
     except DistRuntimeError as e:
         if getattr(args, "json", False):
             print(json.dumps({"valid": False, "error": type(e).__name__, "message": str(e)}, indent=2))

@@ -7,13 +7,13 @@ model's first ``generate`` sit silent for ~40 s on this 2-core machine before it
 (87 s before session 23).  :func:`announce` listens to numba's compile events and, once a stretch
 of compiling has gone on for :data:`DELAY` seconds, says so on stderr: on a terminal a count of
 seconds, rewritten in place and erased the moment compiling stops (before the program prints
-anything else); elsewhere (a log) one line when it starts and one when it ends.  A warm cache
+anything else); elsewhere (a log) one line when it starts and one when it ends (unless the
+process ends first, say interrupted mid-compile).  A warm cache
 loads in milliseconds and prints nothing.
 """
 
 from __future__ import annotations
 
-import atexit
 import sys
 import threading
 import time
@@ -102,7 +102,6 @@ class _Notice:
         self.watcher: threading.Thread | None = None
         self.on_screen = False  # a live count is showing
         self.opened = False  # a log line said compiling began, and none yet that it ended
-        atexit.register(self._close)
 
     def started(self) -> None:
         with self.lock:
@@ -126,7 +125,9 @@ class _Notice:
                 now = time.monotonic()
                 if self.depth == 0 and now - self.last >= IDLE:  # the stretch is over
                     self.watcher = None
-                    self._close_locked()
+                    if self.opened:  # (a process that ends first, interrupted say, says no more)
+                        self._write(f"{self.prefix}compiled the kernels in {self.last - self.since:.0f} s\n")
+                        self.opened = False
                     return
                 elapsed = now - self.since
                 if elapsed >= DELAY and self.depth > 0:
@@ -137,15 +138,6 @@ class _Notice:
                         self._write(f"{self.prefix}{WHAT} ...\n")
                         self.opened = True
             time.sleep(0.1 if elapsed < DELAY else 0.5)
-
-    def _close(self) -> None:
-        with self.lock:
-            self._close_locked()
-
-    def _close_locked(self) -> None:
-        if self.opened:
-            self._write(f"{self.prefix}compiled the kernels in {self.last - self.since:.0f} s\n")
-            self.opened = False
 
     def _write(self, text: str) -> None:
         _write(self.stream, text)

@@ -213,6 +213,29 @@ def test_an_interrupt_lost_in_a_callback_is_raised_again_at_the_next_token():
     commands.check_signals()  # nothing pending: no raise
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed raise itself
+def test_an_error_an_interrupt_caused_is_the_interrupt(capsys):
+    """A Ctrl-C during numba's compile is lost in its callback, and numba then fails with an error
+    of its own (seen: RuntimeError "no compiled object yet"): the command ends as interrupted, in
+    one line, not with that error's stack dump.  An error with no interrupt pending stays itself."""
+    import argparse
+    import ctypes
+
+    from dist_runtime import commands
+
+    def broken(args):
+        ctypes.CFUNCTYPE(None)(lambda: commands.raise_interrupted(2, None))()
+        raise RuntimeError("no compiled object yet")
+
+    assert commands.run_command(broken, argparse.Namespace(command="generate")) == commands.INTERRUPTED
+    assert capsys.readouterr().err == "\ndist-runtime generate: interrupted\n" and not commands._pending
+    def failing(args):
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        commands.run_command(failing, argparse.Namespace(command="generate"))
+
+
 def test_a_lost_interrupt_prints_no_stack_dump_but_other_unraisables_do(capsys):
     import ctypes
     import sys
