@@ -892,10 +892,6 @@ def build(steps: list, graph, specs: dict, constants: dict, backends: list, pass
         while j < len(steps):
             step = steps[j]
             owner = backends[step.index]
-            if getattr(owner, "activations", "f32") not in ("f32", "q8_0"):
-                if j - i > tried:
-                    why, tried = f"the {owner.name} backend's {owner.activations} activations", j - i
-                break
             try:
                 _step_code(b, step, graph.nodes[step.index], pass_on, _quantizes(owner))
             except _Unsupported as e:
