@@ -12,7 +12,8 @@ activations, ``numba-q8``), and on a Q4_K_M GGUF made from the F32 one by llama.
 ratios to llama.cpp on the same weights are printed (of the medians, round by round, and from short
 blocks of steps, ours and llama.cpp's alternating: :func:`paired_speed`; the machine's speed moved
 whole runs by up to 1.7x from one minute to the next in session 14), and the
-time of a step of 8 rows (the products' M = 8) over a 1-row step.  Also printed: the decode step
+time of a step of 8 rows (the products' M = 8) over a 1-row step, ours and llama.cpp's (F32 and Q8_0,
+the logits of every row computed, as 8 sessions sharing a step need).  Also printed: the decode step
 at context 1024 next to the step at context 32 (the KV cache must keep it flat), and the
 executor's per-token Python overhead (time per token minus the time spent inside kernels).  The
 two step ratios are medians of paired measurements, the two steps alternating (this machine is
@@ -232,19 +233,49 @@ def gguf_executor(path: Path, directory: Path, backends=None) -> GraphExecutor:
 def rows_ratio(ex: GraphExecutor, rows: int, context: int = 32, runs: int = 9) -> tuple[float, float, float]:
     """A step over ``rows`` new rows after ``context`` rows, against a step of one row (``rows`` = 8:
     the products' M = 8, what a batched step of 8 sessions asks of them): (median seconds of one
-    row, of ``rows``, median of the paired ratios).  The two alternate run by run, so that a burst
-    of load from elsewhere on this shared machine hits both."""
+    row, of ``rows``, median of the paired ratios: :func:`paired_steps`).  Every row's logits are
+    computed, as each session of a batched step needs its own."""
     def step(n: int) -> float:
         ex.reset()
         ex.run({"tokens": np.arange(context) % CFG.vocab})
         t = time.perf_counter()
         ex.run({"tokens": np.arange(n) % CFG.vocab})
         return time.perf_counter() - t
+    return paired_steps(step, rows, runs)
+
+
+def paired_steps(step, rows: int, runs: int = 9) -> tuple[float, float, float]:
+    """``step(n)`` (the seconds of a step of ``n`` new rows) at 1 and ``rows``, alternating run by
+    run, so that a burst of load from elsewhere on this shared machine hits both: (median seconds
+    of one row, of ``rows``, median of the paired ratios)."""
     one, many = [], []
     for _ in range(runs):
         one.append(step(1))
         many.append(step(rows))
     return statistics.median(one), statistics.median(many), statistics.median(b / a for a, b in zip(one, many))
+
+
+def llama_cpp_rows_ratio(path: Path, rows: int, context: int = 32) -> tuple[float, float, float] | None:
+    """:func:`rows_ratio` for llama.cpp on ``path``: a step of ``rows`` tokens after ``context``,
+    every row's logits computed (``logits_all``), as each of 8 sessions in a batched step needs its
+    own (by default llama.cpp computes the last row's alone); None without llama-cpp-python."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(path), n_ctx=256, n_threads=2, n_threads_batch=2, n_batch=64,
+                logits_all=True, verbose=False)
+
+    def step(n: int) -> float:
+        llm.reset()
+        llm.eval([int(t) for t in np.arange(context) % CFG.vocab])
+        t = time.perf_counter()
+        llm.eval([int(t) for t in np.arange(n) % CFG.vocab])
+        return time.perf_counter() - t
+    try:
+        return paired_steps(step, rows)
+    finally:
+        llm.close()
 
 
 def llama_cpp_decoder(path: Path) -> tuple[Stepper | None, np.ndarray | None]:
@@ -374,6 +405,12 @@ def main() -> None:
         one, eight, paired = rows_ratio(ours[name], 8)
         print(f"{name}: a step of 8 rows takes {paired:.2f}x the time of 1 row (median of paired runs; "
               f"medians {eight * 1e3:.2f} / {one * 1e3:.2f} ms)")
+    for name in ("f32", "q8_0"):
+        measured = llama_cpp_rows_ratio(files[name], 8) if name in files else None
+        if measured:
+            one, eight, paired = measured
+            print(f"llama.cpp {name.upper()}: a step of 8 rows (the logits of all 8) takes {paired:.2f}x the time "
+                  f"of 1 row (medians {eight * 1e3:.2f} / {one * 1e3:.2f} ms)")
 
     per_token, in_kernels = kernel_share(ours["ours f32 (fused)"], args.tokens)
     print(f"\nper-token Python overhead (fused f32): {(per_token - in_kernels) * 1e3:.2f} ms of "

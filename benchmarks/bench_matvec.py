@@ -6,7 +6,11 @@ child process of its own (``numpy_matvec_child.py``), which never loads numba: n
 threads in the same process as OpenBLAS's slowed numpy down (its M = 1 fell to 9 GB/s in an
 interleaved run), so the reference was not numpy's real speed. Then the compiled products
 (``dist_runtime.backends.compiled.linear``) on the weight stored as every type they read, with f32
-activations and (block types) Q8_0 activations. GB/s = the weight's stored bytes / the median time;
+activations and (block types) Q8_0 activations.  Where llama-cpp-python is installed, llama.cpp's
+own products on Q8_0, Q4_0 and Q4_K weights too, the best-known CPU kernels for them (ggml's CPU
+backend, with the weights repacked as llama.cpp loads them and the activations quantized as it
+does: compare them with the "q8 act." rows; ``ggml_matvec_child.py``), in a child process of
+their own with the same threads and the same flush, and a table of our q8 rows over them. GB/s = the weight's stored bytes / the median time;
 "vs numpy" = our GB/s / the reference's GB/s at the same ``M``. The runs are interleaved, round
 after round of every product (the reference's turn is a request to the child, which times its
 product alone and answers once OpenBLAS's threads stop spinning, while this process waits), so a
@@ -76,16 +80,17 @@ from test_compiled_linear import weight  # noqa: E402  (the tests' weights of ev
 
 from numpy_matvec_child import settle  # noqa: E402  (the child's own: it must load nothing but numpy)
 
-class NumpyReference:
-    """numpy's f32 ``x @ W.T`` in a child process that never loads numba (numpy_matvec_child.py):
-    ``reference(m)`` runs one product there and returns the seconds the child measured.
+class Child:
+    """A reference timed in a process of its own that never loads numba (``script``:
+    numpy_matvec_child.py, ggml_matvec_child.py): ``child(request)`` sends one request line (the
+    child runs its untimed products, then the measured one) and returns the seconds it measured.
 
     As in a decode step, every measured product follows others on other weights in its own
-    process, untimed (:func:`main`'s ``before``, the child's ``flushes``), so that the process's
+    process, untimed (:func:`main`'s ``before``, the children's flushes), so that the process's
     threads are awake: this process's sleep during the reference's turn (:func:`settle`), and the
     compiled F32 product at M = 1, always first after numpy's turn, read 15.4-25.1 GB/s in three
     runs while its M = 8 read 36-50 (with the untimed product first: 23.8-28.4).  Those untimed
-    products read ``--flush-mb`` of other weights, the same in both processes: by default more
+    products read ``--flush-mb`` of other weights, the same in every process: by default more
     than the 480 MiB of L3 this machine reports, so that every measured weight comes from memory
     as in a decode step of a large model.  With a 42 MB one (``--flush-mb 42``, the earlier
     protocol) the reference cycled 109 MB while the compiled products shared the cache with every
@@ -94,27 +99,53 @@ class NumpyReference:
     over eight -- the reference had the cache, not a faster kernel.
     """
 
-    def __init__(self, n: int, k: int, ms: list[int], flush_rows: int, as_one: bool):
-        child = Path(__file__).resolve().with_name("numpy_matvec_child.py")
-        self.proc = subprocess.Popen([sys.executable, str(child), str(n), str(k), ",".join(map(str, ms)), str(flush_rows),
-                                      "one" if as_one else "many"],
+    def __init__(self, script: str, args: list):
+        path = Path(__file__).resolve().with_name(script)
+        self.proc = subprocess.Popen([sys.executable, str(path), *map(str, args)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("ready "):
-            raise RuntimeError(f"the numpy reference process did not start ({line!r})")
+            self.proc.kill()
+            raise RuntimeError(f"the reference process {script} did not start ({line!r})")
         self.info = json.loads(line[len("ready "):])
         if self.info["numba_loaded"]:
-            raise RuntimeError("the numpy reference process loaded numba: its numbers would not be numpy's own")
+            self.close()
+            raise RuntimeError(f"the reference process {script} loaded numba: its numbers would not be its own")
 
-    def __call__(self, m: int) -> float:
-        settle()  # numba's workers idle before numpy runs, as the child waits for OpenBLAS's after
-        self.proc.stdin.write(f"{m}\n")
+    def __call__(self, request) -> float:
+        settle()  # numba's workers idle before the child runs, as the child waits for its own after
+        self.proc.stdin.write(f"{request}\n")
         self.proc.stdin.flush()
         return float(self.proc.stdout.readline())
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+
+
+#: The stored types llama.cpp's own products run in bench_matvec (ggml_matvec_child.py), by ggml's
+#: names: the types of Q8_0 / Q4_0 / Q4_K_M files, the targets' types.
+GGML_TYPES = {DType.Q8_0: "q8_0", DType.Q4_0: "q4_0", DType.Q4_K: "q4_K"}
+
+
+def llama_cpp_reference(args, ms: list, flush_bytes: int):
+    """llama.cpp's products in their child process, or None (and why) where llama-cpp-python is
+    not installed or ``--no-llama-cpp`` is given."""
+    if args.no_llama_cpp:
+        return None, "--no-llama-cpp"
+    try:
+        import llama_cpp  # noqa: F401  (only whether it is there: the child loads its libraries)
+    except ImportError:
+        return None, "llama-cpp-python not installed (see bench_decode.py's docstring)"
+    import numba
+
+    child = Child("ggml_matvec_child.py", [args.n, args.k, ",".join(map(str, ms)), flush_bytes,
+                                          args.threads or numba.get_num_threads(), ",".join(GGML_TYPES.values())])
+    bad = {kind: err for kind, err in child.info["errors"].items() if not err < 0.05}
+    if bad:
+        child.close()
+        raise RuntimeError(f"llama.cpp's products disagree with gguf's dequantization (relative error {bad})")
+    return child, None
 
 
 def flush_buffer(nbytes: int, seed: int = 7) -> np.ndarray:
@@ -175,6 +206,8 @@ def main() -> None:
                         help="read the flush as one F32 product over one weight of --flush-mb (session 9's "
                              "protocol) instead of products over weights of the measured shape, as a decode "
                              "step does")
+    parser.add_argument("--no-llama-cpp", action="store_true",
+                        help="leave out llama.cpp's own products (its rows need llama-cpp-python installed)")
     parser.add_argument("--numpy-here", action="store_true",
                         help="also time numpy in this process, beside numba's threads (what the reference was)")
     args = parser.parse_args()
@@ -195,8 +228,20 @@ def main() -> None:
         parser.error(f"--ms must be positive row counts, got {args.ms!r}")
     measured = ms + ([8] if 1 in ms and 8 not in ms else [])
     flush_rows = max(1, args.flush_mb * 2**20 // (4 * args.k))
-    numpy_ref = NumpyReference(args.n, args.k, measured, flush_rows, args.flush_as_one)
+    numpy_ref = Child("numpy_matvec_child.py", [args.n, args.k, ",".join(map(str, measured)), flush_rows,
+                                                "one" if args.flush_as_one else "many"])
     print(f"reference: numpy {numpy_ref.info['numpy']} in a child process without numba; BLAS: {numpy_ref.info['blas']}")
+    try:
+        ggml_ref, why_not = llama_cpp_reference(args, measured, args.flush_mb * 2**20)
+    except BaseException:
+        numpy_ref.close()
+        raise
+    if ggml_ref:
+        print(f"llama.cpp: llama-cpp-python {ggml_ref.info['llama_cpp']}'s ggml in a child process without numba, "
+              f"the same threads, weights as it loads them (repacked: {', '.join(ggml_ref.info['repacked']) or 'none'}), "
+              f"activations quantized as it does")
+    else:
+        print(f"llama.cpp: no rows ({why_not})")
     print(f"compiled products: {compiled.cpu.REASON}; {numba.get_num_threads()} thread(s), "
           f"layer {numba.threading_layer() if hasattr(numba, 'threading_layer') else '?'}")
     for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
@@ -225,6 +270,9 @@ def main() -> None:
     print(head)
     print("|" + "-" * 28 + "|" + "-" * 8 + "|" + "".join("-" * 17 + "|" for _ in ms))
     rows = [("numpy x @ W.T (f32)", args.n * args.k * 4, lambda x: numpy_ref(len(x)))]
+    for d, kind in GGML_TYPES.items() if ggml_ref else ():
+        if d in types:
+            rows.append((f"llama.cpp {d.name}", weights[d].nbytes, lambda x, kind=kind: ggml_ref(f"{kind} {len(x)}")))
     flushes = {}  # product name -> its untimed products, each a callable
     if args.numpy_here:
         w = weight(DType.F32, args.n, args.k)
@@ -250,12 +298,20 @@ def main() -> None:
                         args.runs, before)
     finally:
         numpy_ref.close()
+        if ggml_ref:
+            ggml_ref.close()
     for name, nbytes, _ in rows:
         cells = []
         for m in ms:
             gbs, reference = nbytes / times[(name, m)] / 1e9, rows[0][1] / times[(rows[0][0], m)] / 1e9
             cells.append(f"{gbs:6.2f} ({gbs / reference:4.2f}x)")
         print(f"| {name:<26} | {nbytes / 1e6:6.1f} |" + "".join(f" {c:>15} |" for c in cells))
+    if ggml_ref:
+        print("\nours with q8 activations / llama.cpp, GB/s at the same M (llama.cpp's numerics both)\n")
+        for d in GGML_TYPES:
+            if d in types:
+                ratios = (times[(f"llama.cpp {d.name}", m)] / times[(f"compiled {d.name} q8 act.", m)] for m in ms)
+                print(f"  {d.name:<6}" + "".join(f"  M={m}: {r:4.2f}x" for m, r in zip(ms, ratios)))
     if 1 in ms:
         print("\ntime at M = 8 / time at M = 1 (each weight block read once for all rows)\n")
         for name, _, _ in rows:

@@ -3,6 +3,7 @@ whole run at a tiny size, so that the script the README's figures come from keep
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -54,3 +55,18 @@ def test_a_tiny_run_prints_every_product_against_numpy():
     assert any("Q4_K q8 act." in r for r in rows) and any("compiled F32 " in r for r in rows)
     assert all(r.rstrip().endswith("x) |") for r in rows), rows
     assert "a product of the measured kind each" in run.stdout
+
+
+def test_the_llama_cpp_reference_checks_its_products_and_answers_seconds():
+    pytest.importorskip("llama_cpp")  # not a project dependency: CI has none
+    child = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "ggml_matvec_child.py"), "64", "256", "1,2",
+                              str(1 << 16), "1", "q8_0,q4_0,q4_K"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT / "benchmarks")
+    out, _ = child.communicate("q4_0 1\nq8_0 2\nq4_K 1\nf32 1\n\n", timeout=300)
+    assert child.returncode == 0
+    ready, *answers = out.splitlines()
+    info = json.loads(ready.removeprefix("ready "))
+    assert not info["numba_loaded"] and info["repacked"] == ["q4_0", "q4_K"]
+    assert set(info["errors"]) == {"q8_0", "q4_0", "q4_K"} and all(e < 0.05 for e in info["errors"].values())
+    seconds = [float(a) for a in answers]
+    assert all(0 < s < 1 for s in seconds[:3]) and np.isnan(seconds[3])  # a type it was not given
