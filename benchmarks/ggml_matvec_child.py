@@ -40,8 +40,7 @@ from numpy_matvec_child import settle
 #: are a multiple of 8.  A type missing from ggml's repack table would crash in ``tensor_set``.
 REPACKED = {"q4_0", "q4_K"}
 #: ggml's type ids and (elements, bytes) of a block.
-TYPES = {"f32": (0, 1, 4), "q4_0": (2, 32, 18), "q8_0": (8, 32, 34), "q4_K": (12, 256, 144),
-         "q6_K": (14, 256, 210)}
+TYPES = {"f32": (0, 1, 4), "q4_0": (2, 32, 18), "q8_0": (8, 32, 34), "q4_K": (12, 256, 144)}
 
 
 #: ggml's log levels worth showing (``enum ggml_log_level``).
@@ -75,9 +74,10 @@ class Ggml:
             fn = getattr(lib_, "ggml_" + name)
             fn.restype, fn.argtypes = res, args
             setattr(self, name, fn)
-        # ggml logs each weight it repacks: keep its warnings and errors only
-        self._log = C.CFUNCTYPE(None, C.c_int, C.c_char_p, C.c_void_p)(
-            lambda level, text, _: level in (WARN, ERROR) and sys.stderr.write(text.decode(errors="replace")))
+        def log(level, text, _):  # ggml logs each weight it repacks: keep its warnings and errors only
+            if level in (WARN, ERROR):
+                sys.stderr.write(text.decode(errors="replace"))
+        self._log = C.CFUNCTYPE(None, C.c_int, C.c_char_p, C.c_void_p)(log)
         base.ggml_log_set.argtypes = [C.c_void_p, C.c_void_p]
         base.ggml_log_set(C.cast(self._log, C.c_void_p), None)
         # C++, not in the C header: the buffer type llama.cpp loads weights into ("CPU_REPACK")
