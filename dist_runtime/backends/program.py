@@ -155,7 +155,7 @@ def _matrix(spec, weights, i):
 @numba.njit(nogil=True, cache=True, inline="always")
 def _float_rows(x, weights, i, out, m, n, k, lo, hi):
     """:func:`.compiled.floats._rows` of float product weight ``i``, in its format (rows ``lo``
-    to ``hi``: whole chunks, one of them a JOINT task's)."""
+    to ``hi``: whole chunks, a task's run of them in this weight)."""
     code = weights[i, 2]
     if code == F32_CODE:
         floats._rows(_F32, x, _matrix(_F32, weights, i), out, m, n, k, lo, hi)
@@ -339,16 +339,17 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, st
         n2 = slots[c[8], 1] if c[2] == 3 else 0
         t0, t1 = (n0 + floats.CHUNK - 1) // floats.CHUNK, (n1 + floats.CHUNK - 1) // floats.CHUNK
         chunks = t0 + t1 + (n2 + floats.CHUNK - 1) // floats.CHUNK
-        for chunk in range(task * chunks // tasks, (task + 1) * chunks // tasks):
-            if chunk < t0:
-                _float_rows(x, weights, c[3], _flat(arena, slots, c[4], m), m, n0, k, chunk * floats.CHUNK,
-                            min(n0, (chunk + 1) * floats.CHUNK))
-            elif chunk < t0 + t1:
-                _float_rows(x, weights, c[5], _flat(arena, slots, c[6], m), m, n1, k, (chunk - t0) * floats.CHUNK,
-                            min(n1, (chunk - t0 + 1) * floats.CHUNK))
-            else:
-                _float_rows(x, weights, c[7], _flat(arena, slots, c[8], m), m, n2, k, (chunk - t0 - t1) * floats.CHUNK,
-                            min(n2, (chunk - t0 - t1 + 1) * floats.CHUNK))
+        first, last = task * chunks // tasks, (task + 1) * chunks // tasks
+        # each weight's run of this task's chunks in one call, which hints a chunk's successor
+        if first < t0:
+            _float_rows(x, weights, c[3], _flat(arena, slots, c[4], m), m, n0, k, first * floats.CHUNK,
+                        min(n0, min(last, t0) * floats.CHUNK))
+        if first < t0 + t1 and last > t0:
+            _float_rows(x, weights, c[5], _flat(arena, slots, c[6], m), m, n1, k, (max(first, t0) - t0) * floats.CHUNK,
+                        min(n1, (min(last, t0 + t1) - t0) * floats.CHUNK))
+        if last > t0 + t1:
+            _float_rows(x, weights, c[7], _flat(arena, slots, c[8], m), m, n2, k,
+                        (max(first, t0 + t1) - t0 - t1) * floats.CHUNK, min(n2, (last - t0 - t1) * floats.CHUNK))
     elif op == K_BLOCKS or op == L_BLOCKS:  # kquants' and legacy's drivers: the weights' parts in order
         x = _rows2d(arena, slots, c[1], m)
         joint = _joint_blocks(c, slots, weights, arena, m)

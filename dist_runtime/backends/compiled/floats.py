@@ -13,7 +13,8 @@ the weight comes from memory once per call whatever ``M``, and each row of ``x``
 chunk.  Between spans the accumulators wait in a scratch array.  When ``x`` takes at most two tiles
 of rows (a step of 8 rows is one) the chunk walks all of ``K`` at once.  Each tile prefetches its
 weight rows ahead of its loads, into L1 and, further ahead, into L2 (:data:`.simd.PREFETCH_NEAR`,
-:data:`.simd.PREFETCH_FAR`), except a lone row of ``x`` on F32, which takes the far hint alone
+:data:`.simd.PREFETCH_FAR`), or, after a chunk's first pass over them, the next chunk's rows
+(:data:`_TILE_AHEAD`), except a lone row of ``x`` on F32, which takes the far hint alone
 and only on rows of 16 KB or more, else leaves it to the hardware (:data:`LONE_FAR_K`; measured in
 the notes on the prefetch below); where the CPU has 16 vector registers, a lone F32 row takes four
 weight rows at a time with no hint (:data:`LONE_COLS`).
@@ -126,7 +127,7 @@ def _shape(fmt: str) -> tuple[int, int, int]:
     return rows, cols, rows // 2 if rows >= 8 else 0
 
 
-def _tile(rows: int | str, cols: int | str, far_only: bool = False):
+def _tile(rows: int | str, cols: int | str, far_only: bool = False, ahead: bool = False):
     """The intrinsic ``tile(spec, x, w, out, acc, m0, n0, lo, n, k, k0, k1)`` for the products of
     rows ``m0 + r`` of ``x`` and ``n0 + c`` of ``W`` (``r < rows``, ``c < cols``, each a number or
     the format's own: ``"rows"`` / ``"half"`` / ``"cols"``, :func:`_shape`; arrays flat,
@@ -135,18 +136,20 @@ def _tile(rows: int | str, cols: int | str, far_only: bool = False):
     multiple of 8, the lanes are summed, the ``K mod 8`` last products added and ``out`` written.
     One intrinsic per shape: numba keys an intrinsic's code by its argument types, which a shape
     passed as an argument would not change.  ``far_only``: a lone F32 row of ``x`` that prefetches
-    its weight row far ahead (:data:`LONE_FAR_K`), not near."""
+    its weight row far ahead (:data:`LONE_FAR_K`), not near.  ``ahead``: instead of its own rows'
+    lines, each loop turn hints the same line of the rows :data:`CHUNK` further on (the next
+    chunk's) into L2 (:data:`_TILE_AHEAD`)."""
     @intrinsic
     def tile(typingctx, spec, x, w, out, acc, m0, n0, lo, n, k, k0, k1):
         fmt, path = SPECS.of(spec)
         full, wide, half = _shape(fmt)
         shape = {"rows": full, "half": max(half, 1)}.get(rows, rows), wide if cols == "cols" else cols
         return (types.void(spec, x, w, out, acc, *[types.intp] * 7),
-                functools.partial(_codegen, fmt, path, *shape, far_only))
+                functools.partial(_codegen, fmt, path, *shape, far_only, ahead))
     return tile
 
 
-def _codegen(fmt, path, rows, cols, far_only, context, builder, sig, args):
+def _codegen(fmt, path, rows, cols, far_only, ahead, context, builder, sig, args):
     """The IR of one tile (see :func:`_tile`)."""
     x, w, out, acc = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args[1:5], args[1:5]))
     m0, n0, lo, n, k, k0, k1 = args[5:12]
@@ -176,7 +179,9 @@ def _codegen(fmt, path, rows, cols, far_only, context, builder, sig, args):
     hinted = rows > 1 or fmt != "f32" or far_only  # a lone row of x on F32: see LONE_FAR_K
     with cgutils.for_range_slice(builder, k0, lined, step) as (i, _):
         turns = [turn(row, i) for row in wrows]
-        for ptr, _ in turns if hinted else ():  # a hint, never a fault past the end: this turn's line, ahead
+        for row in wrows if ahead else ():  # a hint, never a fault past the end: the next chunk's line
+            simd.prefetch(builder, turn(builder.add(row, i64(CHUNK)), i)[0], 0, 2)
+        for ptr, _ in turns if hinted and not ahead else ():  # this turn's line, ahead
             simd.prefetch_ahead(builder, ptr, 0, 64, near=not far_only)
         for u in range(unroll):  # the same pieces in the same order as one at a time
             piece(builder.add(i, i64(u * LANES)), [load_w(t, u * LANES, LANES) for t in turns])
@@ -239,6 +244,19 @@ def _weight_access(builder, fmt, path, w, k):
 _TILE, _HALF, _PAIR, _QUAD = _tile("rows", "cols"), _tile("half", "cols"), _tile(1, 2), _tile(1, 4)
 _COLUMN, _HALF_COLUMN, _ONE = _tile("rows", 1), _tile("half", 1), _tile(1, 1)
 _ONE_FAR = _tile(1, 1, far_only=True)
+#: A full tile of rows after a chunk's first pass over its weight rows (its rows then in cache):
+#: each loop turn hints the same line of the next chunk's rows into L2, so that the next chunk's
+#: first pass finds them there, in place of the hints on its own rows.  Where ``x`` takes two
+#: passes or more (M = 8 on 16 registers: two tiles of 4), the second pass had computed from cache
+#: with no weight streaming from memory beside it: a product from memory took its one-row time plus
+#: about half its in-cache time.  Session 24, the 125M model's 84 layer products from memory, two
+#: threads, 15 interleaved rounds in one process: M = 8 0.92-0.94x the time (three runs), M = 16
+#: 0.96-0.98x, M = 1 no different; its 8-row step in the compiled program (whose JOINT launches
+#: now pass each weight's run of a task's chunks in one call), three runs alternating with the
+#: code before: 20.9-23.5 -> 19.2-20.7 ms, 1.58-1.75x -> 1.44-1.51x its one-row step.  No better: the chunk after next (0.93-0.95x), both the next
+#: two (0.98-0.99x), the own rows' hints kept beside (0.92x), the first pass hinting the next
+#: chunk too (0.93-0.94x).  Q8_0 no different: its tiles wait on arithmetic.
+_TILE_AHEAD = _tile("rows", "cols", ahead=True)
 
 
 @intrinsic
@@ -259,11 +277,13 @@ def _tile_shape(typingctx, spec):
 
 
 @numba.njit(nogil=True, cache=True)
-def _chunk(spec, x, w, out, m, n, k, task):
+def _chunk(spec, x, w, out, m, n, k, task, ahead):
     """Weight rows ``task * CHUNK`` up to the next chunk, span by span (all of ``K`` at once when
     ``x`` takes at most two tiles of rows, which have little to reuse); within a span, the
     format's tile of rows of ``x`` at a time (then a half one, then one) against every weight row
-    of the chunk."""
+    of the chunk.  ``ahead``: the next chunk, in the same weight, is most likely the calling
+    thread's next (a thread takes a contiguous run of chunks, as numba's ``prange`` hands them
+    out): the passes after the first hint its lines (:data:`_TILE_AHEAD`)."""
     rows, cols, half = _tile_shape(spec)
     lo = task * CHUNK
     end = min(n, lo + CHUNK)
@@ -279,7 +299,10 @@ def _chunk(spec, x, w, out, m, n, k, task):
         while i + rows <= m:
             j = lo
             while j + cols <= end:
-                _TILE(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                if ahead and i > 0:
+                    _TILE_AHEAD(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
+                else:
+                    _TILE(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
                 j += cols
             while j < end:
                 _COLUMN(spec, x, w, out, acc, i, j, lo, n, k, k0, k1)
@@ -319,16 +342,18 @@ def _chunk(spec, x, w, out, m, n, k, task):
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _threaded(spec, x, w, out, m, n, k):
-    for task in prange((n + CHUNK - 1) // CHUNK):
-        _chunk(spec, x, w, out, m, n, k, task)
+    chunks = (n + CHUNK - 1) // CHUNK
+    for task in prange(chunks):
+        _chunk(spec, x, w, out, m, n, k, task, task + 1 < chunks)
 
 
 @numba.njit(nogil=True, cache=True)
 def _rows(spec, x, w, out, m, n, k, lo, hi):
     """The chunks holding weight rows ``lo`` up to ``hi``, on the calling thread (``lo`` a multiple
     of :data:`CHUNK`, or ``hi`` = ``n``: a chunk is never split)."""
-    for task in range(lo // CHUNK, (hi + CHUNK - 1) // CHUNK):
-        _chunk(spec, x, w, out, m, n, k, task)
+    last = (hi + CHUNK - 1) // CHUNK
+    for task in range(lo // CHUNK, last):
+        _chunk(spec, x, w, out, m, n, k, task, task + 1 < last)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
@@ -338,11 +363,11 @@ def _threaded_joint(spec, x, m, k, w0, out0, n0, w1, out1, n1, w2, out2, n2):
     t0, t1, t2 = (n0 + CHUNK - 1) // CHUNK, (n1 + CHUNK - 1) // CHUNK, (n2 + CHUNK - 1) // CHUNK
     for task in prange(t0 + t1 + t2):
         if task < t0:
-            _chunk(spec, x, w0, out0, m, n0, k, task)
+            _chunk(spec, x, w0, out0, m, n0, k, task, task + 1 < t0)
         elif task < t0 + t1:
-            _chunk(spec, x, w1, out1, m, n1, k, task - t0)
+            _chunk(spec, x, w1, out1, m, n1, k, task - t0, task + 1 < t0 + t1)
         else:
-            _chunk(spec, x, w2, out2, m, n2, k, task - t0 - t1)
+            _chunk(spec, x, w2, out2, m, n2, k, task - t0 - t1, task + 1 < t0 + t1 + t2)
 
 
 _DRIVERS = Drivers(_rows, _threaded)
