@@ -251,6 +251,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     types = [d for d in (DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0,
                          DType.Q4_K, DType.Q5_K, DType.Q6_K) if d in compiled.KERNELS]
+    if any(args.k % d.block_size for d in types):
+        print(f"left out: {', '.join(d.name for d in types if args.k % d.block_size)} "
+              f"(their blocks do not divide K = {args.k})")
+        types = [d for d in types if not args.k % d.block_size]
     weights = {d: weight(d, args.n, args.k) for d in types}  # K-quants: random codes, sane scales
     same = args.flush_kind == "same" and not args.flush_as_one
     if args.flush_as_one:

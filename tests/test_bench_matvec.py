@@ -70,3 +70,14 @@ def test_the_llama_cpp_reference_checks_its_products_and_answers_seconds():
     assert set(info["errors"]) == {"q8_0", "q4_0", "q4_K"} and all(e < 0.05 for e in info["errors"].values())
     seconds = [float(a) for a in answers]
     assert all(0 < s < 1 for s in seconds[:3]) and np.isnan(seconds[3])  # a type it was not given
+
+
+def test_a_k_that_some_blocks_do_not_divide_leaves_those_types_out():
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_matvec.py"), "--n", "16", "--k", "96",
+                          "--ms", "1", "--runs", "1", "--flush-mb", "1", "--no-llama-cpp"],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "left out: Q4_K, Q5_K, Q6_K (their blocks do not divide K = 96)" in run.stdout
+    assert "| compiled Q8_0 " in run.stdout and "| compiled Q4_K" not in run.stdout
+    assert "llama.cpp: no rows (--no-llama-cpp)" in run.stdout
