@@ -182,3 +182,45 @@ def test_a_choice_passes_its_value_as_an_array_type():
     with pytest.raises(ValueError, match=f"at most {simd.CHOICES}"):
         simd.Choice(range(simd.CHOICES + 1))
     assert {floats.SPECS.of(typeof(floats.SPECS(v))) for v in floats.SPECS.values} == set(floats.SPECS.values)
+
+
+def _against_a_guard_page(data: np.ndarray) -> tuple[np.ndarray, object]:
+    """A copy of ``data`` (bytes) ending where an unreadable page begins: a read past its end faults."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    pages = -(-data.nbytes // page) + 1
+    region = mmap.mmap(-1, (pages + 1) * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.mprotect(base + pages * page, page, 0) != 0:  # PROT_NONE
+        pytest.skip(f"mprotect failed (errno {ctypes.get_errno()})")
+    buf = np.frombuffer(region, np.uint8, count=data.nbytes, offset=pages * page - data.nbytes)
+    buf[:] = data.reshape(-1).view(np.uint8)
+    return buf, region
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through libc")
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_the_next_chunks_hints_never_read_past_the_weight(fmt):
+    """The tiles after a chunk's first pass hint the next chunk's rows (floats._TILE_AHEAD), which
+    for the last full chunk lie partly past the weight: hints only, never a load (a Q8_0 block's
+    scale among them), or this would fault on the page after the weight."""
+    rng = np.random.default_rng(5)
+    n, k, m = 2 * floats.CHUNK + 6, 256, 8  # a partial last chunk: the hints of the one before run past n
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    q = quantize(w, DType.Q8_0) if fmt == "q8_0" else None
+    stored = q.data if q is not None else w
+    guarded, region = _against_a_guard_page(np.ascontiguousarray(stored))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    out = np.empty((m, n), np.float32)
+    args = (floats.SPECS((fmt, cpu.PATH)), x.reshape(-1), guarded if fmt == "q8_0" else guarded.view(np.float32),
+            out.reshape(-1), m, n, k)
+    floats._rows(*args, 0, n)
+    reference = x @ (dequantize(q) if q is not None else w).T
+    np.testing.assert_allclose(out, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
+    floats._threaded(*args)
+    np.testing.assert_allclose(out, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
+    assert not region.closed  # held to here: the guard page stays in place while the kernels run

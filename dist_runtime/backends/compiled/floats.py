@@ -158,7 +158,7 @@ def _codegen(fmt, path, rows, cols, far_only, ahead, context, builder, sig, args
     def at(ptr, row, col, stride=k):
         return builder.gep(ptr, [builder.add(builder.mul(row, stride), col)])
 
-    turn, load_w = _weight_access(builder, fmt, path, w, k)
+    turn, load_w, where = _weight_access(builder, fmt, path, w, k)
     xrows = [builder.add(m0, i64(r)) for r in range(rows)]
     wrows = [builder.add(n0, i64(c)) for c in range(cols)]
     vec = simd.vector(simd.F32, LANES).as_pointer()
@@ -180,7 +180,7 @@ def _codegen(fmt, path, rows, cols, far_only, ahead, context, builder, sig, args
     with cgutils.for_range_slice(builder, k0, lined, step) as (i, _):
         turns = [turn(row, i) for row in wrows]
         for row in wrows if ahead else ():  # a hint, never a fault past the end: the next chunk's line
-            simd.prefetch(builder, turn(builder.add(row, i64(CHUNK)), i)[0], 0, 2)
+            simd.prefetch(builder, where(builder.add(row, i64(CHUNK)), i), 0, 2)
         for ptr, _ in turns if hinted and not ahead else ():  # this turn's line, ahead
             simd.prefetch_ahead(builder, ptr, 0, 64, near=not far_only)
         for u in range(unroll):  # the same pieces in the same order as one at a time
@@ -209,33 +209,40 @@ def _codegen(fmt, path, rows, cols, far_only, ahead, context, builder, sig, args
 
 
 def _weight_access(builder, fmt, path, w, k):
-    """``(turn(row, i), load(turned, offset, lanes))`` for the weight ``w`` (flat, its element
-    pointer): ``turn`` what a loop turn over elements ``i ..`` of weight row ``row`` needs (a
-    pointer to element ``i`` first, the one to prefetch ahead of), ``load`` elements ``i + offset
-    ..`` (``offset`` a constant within the turn's Q8_0 block) as ``<lanes x float>``.  A Q8_0
+    """``(turn(row, i), load(turned, offset, lanes), where(row, i))`` for the weight ``w`` (flat,
+    its element pointer): ``turn`` what a loop turn over elements ``i ..`` of weight row ``row``
+    needs (a pointer to element ``i`` first, the one to prefetch ahead of), ``load`` elements
+    ``i + offset ..`` (``offset`` a constant within the turn's Q8_0 block) as ``<lanes x float>``,
+    ``where`` the pointer alone, no load (a hint's address, which may lie past the weight).  A Q8_0
     element is its code times its block's ``d``, exactly (a 7-bit code times an 11-bit f16
     significand fits f32's 24 bits): the products then run as on F32 weights; its turn reads
     ``d`` once for the block's four pieces (``K`` a multiple of 32: the ``K mod 8`` tail never
     runs)."""
     i64 = ir.IntType(64)
     if fmt != "q8_0":
-        def turn(row, i):
-            return builder.gep(w, [builder.add(builder.mul(row, k), i)]), None
-        return turn, lambda turned, offset, lanes: simd.load(builder, builder.gep(turned[0], [i64(offset)]), fmt, lanes, path)
+        def where(row, i):
+            return builder.gep(w, [builder.add(builder.mul(row, k), i)])
+        return (lambda row, i: (where(row, i), None),
+                lambda turned, offset, lanes: simd.load(builder, builder.gep(turned[0], [i64(offset)]), fmt, lanes, path),
+                where)
 
     row_bytes = builder.mul(builder.lshr(k, i64(5)), i64(Q8_BYTES))
 
-    def turn(row, i):  # i >= 0: shifts, not signed division
-        block = builder.gep(w, [builder.add(builder.mul(row, row_bytes), builder.mul(builder.lshr(i, i64(5)), i64(Q8_BYTES)))])
-        d = simd.load(builder, block, "f16", 1, path)
-        return builder.gep(block, [builder.add(i64(2), builder.and_(i, i64(Q8_BLOCK - 1)))]), d
+    def block_of(row, i):  # i >= 0: shifts, not signed division
+        return builder.gep(w, [builder.add(builder.mul(row, row_bytes), builder.mul(builder.lshr(i, i64(5)), i64(Q8_BYTES)))])
+
+    def where(row, i):
+        return builder.gep(block_of(row, i), [builder.add(i64(2), builder.and_(i, i64(Q8_BLOCK - 1)))])
+
+    def turn(row, i):
+        return where(row, i), simd.load(builder, block_of(row, i), "f16", 1, path)
 
     def load(turned, offset, lanes):
         codes, d = turned
         vec = builder.load(builder.bitcast(builder.gep(codes, [i64(offset)]), simd.vector(ir.IntType(8), lanes).as_pointer()), align=1)
         floats = builder.sitofp(builder.sext(vec, simd.vector(simd.I32, lanes)), simd.vector(simd.F32, lanes))
         return builder.fmul(floats, builder.shuffle_vector(d, d, ir.Constant(simd.vector(simd.I32, lanes), [0] * lanes)))
-    return turn, load
+    return turn, load, where
 
 
 #: A full tile, a half tile, and one weight row (the last of a chunk) for each of them, in the
