@@ -10,7 +10,8 @@ activations and (block types) Q8_0 activations.  Where llama-cpp-python is insta
 own products on Q8_0, Q4_0 and Q4_K weights too, the best-known CPU kernels for them (ggml's CPU
 backend, with the weights repacked as llama.cpp loads them and the activations quantized as it
 does: compare them with the "q8 act." rows; ``ggml_matvec_child.py``), in a child process of
-their own with the same threads and the same flush, and a table of our q8 rows over them. GB/s = the weight's stored bytes / the median time;
+their own with the same threads and the same flush, and a table of our q8 rows over them.
+GB/s = the weight's stored bytes / the median time;
 "vs numpy" = our GB/s / the reference's GB/s at the same ``M``. The runs are interleaved, round
 after round of every product (the reference's turn is a request to the child, which times its
 product alone and answers once OpenBLAS's threads stop spinning, while this process waits), so a
@@ -78,7 +79,7 @@ from dist_runtime.tensor import QuantizedArray
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_compiled_linear import weight  # noqa: E402  (the tests' weights of every type, K-quants too)
 
-from numpy_matvec_child import settle  # noqa: E402  (the child's own: it must load nothing but numpy)
+from numpy_matvec_child import flush_buffer, settle  # noqa: E402  (the child's own: it loads numpy alone)
 
 class Child:
     """A reference timed in a process of its own that never loads numba (``script``:
@@ -133,6 +134,8 @@ def llama_cpp_reference(args, ms: list, flush_bytes: int):
     not installed or ``--no-llama-cpp`` is given."""
     if args.no_llama_cpp:
         return None, "--no-llama-cpp"
+    if args.flush_kind != "same" or args.flush_as_one:
+        return None, "its flush is of its own kind: with the default --flush-kind same only"
     try:
         import llama_cpp  # noqa: F401  (only whether it is there: the child loads its libraries)
     except ImportError:
@@ -146,14 +149,6 @@ def llama_cpp_reference(args, ms: list, flush_bytes: int):
         child.close()
         raise RuntimeError(f"llama.cpp's products disagree with gguf's dequantization (relative error {bad})")
     return child, None
-
-
-def flush_buffer(nbytes: int, seed: int = 7) -> np.ndarray:
-    """``nbytes`` random bytes in 0x30..0x4F: read as f16, bf16 or f32 (the byte of highest order
-    sets the exponent) every value is a normal float, so no flush product meets NaN, inf or
-    subnormal arithmetic; random so that no two pages are alike (a host merging equal pages would
-    put the flush in cache)."""
-    return np.random.default_rng(seed).integers(0x30, 0x50, nbytes, dtype=np.uint8)
 
 
 def flush_weights(dtype: DType, n: int, k: int, buffer: np.ndarray) -> list:

@@ -10,8 +10,8 @@ activations are quantized as llama.cpp's are (Q8_0, Q8_K): these rows compare wi
 products' "q8 act." rows.  It loads numpy, gguf and ggml, never numba (its OpenMP threads beside
 numba's would slow both; see numpy_matvec_child.py).
 
-The weight bytes are random in 0x30..0x4F, as bench_matvec.py's flush weights are: every block
-scale a normal f16, the codes arbitrary.  At start each type's product at the first ``m`` is
+The weight bytes are random in 0x30..0x4F (``flush_buffer``, as bench_matvec.py's flush weights):
+every block scale a normal f16, the codes arbitrary.  At start each type's product at the first ``m`` is
 checked against ``gguf``'s dequantization (a wrong binding would time a wrong product).
 
 Protocol, one line each way: arguments ``n k m1,m2,... flush_bytes threads type1,type2,...``
@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from numpy_matvec_child import settle
+from numpy_matvec_child import flush_buffer, settle
 
 #: Types llama.cpp 0.3.36 repacks on an AVX2 CPU when it loads a model (it logs "repack tensor ...
 #: with q4_0_8x8", "... q4_K_8x8"; Q8_0's repacked kernels are ARM's alone) where a weight's rows
@@ -135,11 +135,6 @@ class Products:
         return out
 
 
-def random_bytes(nbytes: int, seed: int) -> np.ndarray:
-    """As bench_matvec.flush_buffer: bytes in 0x30..0x4F, every f16 scale normal."""
-    return np.random.default_rng(seed).integers(0x30, 0x50, nbytes, dtype=np.uint8)
-
-
 def check(product: Products, kind: str, data: np.ndarray, x: np.ndarray, n: int, k: int) -> float:
     """The relative error of ggml's product against gguf's dequantization of the same bytes."""
     from gguf.quants import GGMLQuantizationType, dequantize
@@ -166,11 +161,11 @@ def main() -> None:
         if k % block:
             continue
         size = n * (k // block) * block_bytes
-        data = random_bytes(size, 0)
+        data = flush_buffer(size, 0)
         weight = Weights(g, kind, [data], n, k)
         measured[kind] = {m: Products(weight, backend, m) for m in ms}
         errors[kind] = check(measured[kind][ms[0]], kind, data, xs[ms[0]], n, k)
-        others = random_bytes(max(flush_bytes // size, 1) * size, 7)
+        others = flush_buffer(max(flush_bytes // size, 1) * size, 7)
         flush = Weights(g, kind, np.split(others, len(others) // size), n, k)
         del others  # ggml holds its own copy
         flushes[kind] = Products(flush, backend, min(ms))

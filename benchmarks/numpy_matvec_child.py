@@ -38,6 +38,15 @@ def settle(limit: float = 1.0) -> None:
             return
 
 
+def flush_buffer(nbytes: int, seed: int = 7) -> np.ndarray:
+    """``nbytes`` random bytes in 0x30..0x4F: read as f16, bf16 or f32 (the byte of highest order
+    sets the exponent) every value is a normal float, so no flush product meets NaN, inf or
+    subnormal arithmetic; random so that no two pages are alike (a host merging equal pages would
+    put the flush in cache).  bench_matvec.py's flush weights and ggml_matvec_child.py's weights
+    are made of it: it lives here, where nothing but numpy is loaded, so that both can import it."""
+    return np.random.default_rng(seed).integers(0x30, 0x50, nbytes, dtype=np.uint8)
+
+
 def blas() -> str:
     try:
         from threadpoolctl import threadpool_info

@@ -339,17 +339,14 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, st
         n2 = slots[c[8], 1] if c[2] == 3 else 0
         t0, t1 = (n0 + floats.CHUNK - 1) // floats.CHUNK, (n1 + floats.CHUNK - 1) // floats.CHUNK
         chunks = t0 + t1 + (n2 + floats.CHUNK - 1) // floats.CHUNK
+        bounds = (0, t0, t0 + t1, chunks)
         first, last = task * chunks // tasks, (task + 1) * chunks // tasks
-        # each weight's run of this task's chunks in one call, which hints a chunk's successor
-        if first < t0:
-            _float_rows(x, weights, c[3], _flat(arena, slots, c[4], m), m, n0, k, first * floats.CHUNK,
-                        min(n0, min(last, t0) * floats.CHUNK))
-        if first < t0 + t1 and last > t0:
-            _float_rows(x, weights, c[5], _flat(arena, slots, c[6], m), m, n1, k, (max(first, t0) - t0) * floats.CHUNK,
-                        min(n1, (min(last, t0 + t1) - t0) * floats.CHUNK))
-        if last > t0 + t1:
-            _float_rows(x, weights, c[7], _flat(arena, slots, c[8], m), m, n2, k,
-                        (max(first, t0 + t1) - t0 - t1) * floats.CHUNK, min(n2, (last - t0 - t1) * floats.CHUNK))
+        for at in range(c[2]):  # each weight's run of this task's chunks in one call: it hints a chunk's successor
+            lo, hi = max(first, bounds[at]), min(last, bounds[at + 1])
+            if lo < hi:
+                n = slots[c[4 + 2 * at], 1]
+                _float_rows(x, weights, c[3 + 2 * at], _flat(arena, slots, c[4 + 2 * at], m), m, n, k,
+                            (lo - bounds[at]) * floats.CHUNK, min(n, (hi - bounds[at]) * floats.CHUNK))
     elif op == K_BLOCKS or op == L_BLOCKS:  # kquants' and legacy's drivers: the weights' parts in order
         x = _rows2d(arena, slots, c[1], m)
         joint = _joint_blocks(c, slots, weights, arena, m)

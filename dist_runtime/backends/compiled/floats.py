@@ -260,9 +260,10 @@ _ONE_FAR = _tile(1, 1, far_only=True)
 #: threads, 15 interleaved rounds in one process: M = 8 0.92-0.94x the time (three runs), M = 16
 #: 0.96-0.98x, M = 1 no different; its 8-row step in the compiled program (whose JOINT launches
 #: now pass each weight's run of a task's chunks in one call), three runs alternating with the
-#: code before: 20.9-23.5 -> 19.2-20.7 ms, 1.58-1.75x -> 1.44-1.51x its one-row step.  No better: the chunk after next (0.93-0.95x), both the next
-#: two (0.98-0.99x), the own rows' hints kept beside (0.92x), the first pass hinting the next
-#: chunk too (0.93-0.94x).  Q8_0 no different: its tiles wait on arithmetic.
+#: code before: 20.9-23.5 -> 19.2-20.7 ms, 1.58-1.75x -> 1.44-1.51x its one-row step.  No better:
+#: the chunk after next (0.93-0.95x), both the next two (0.98-0.99x), the own rows' hints kept
+#: beside (0.92x), the first pass hinting the next chunk too (0.93-0.94x).  Q8_0 no different: its
+#: tiles wait on arithmetic.
 _TILE_AHEAD = _tile("rows", "cols", ahead=True)
 
 
