@@ -148,6 +148,9 @@ def check(product: Products, kind: str, data: np.ndarray, x: np.ndarray, n: int,
 
 
 def main() -> None:
+    if len(sys.argv) != 7:
+        sys.exit("usage: ggml_matvec_child.py n k m1,m2,... flush_bytes threads type1,type2,... "
+                 "(bench_matvec.py starts it; see its docstring)")
     n, k, ms = int(sys.argv[1]), int(sys.argv[2]), [int(v) for v in sys.argv[3].split(",")]
     flush_bytes, threads, kinds = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6].split(",")
     g = Ggml()

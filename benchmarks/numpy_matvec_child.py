@@ -59,6 +59,9 @@ def blas() -> str:
 
 
 def main() -> None:
+    if not 4 <= len(sys.argv) <= 6:
+        sys.exit("usage: numpy_matvec_child.py n k m1,m2,... [flush_rows [one|many]] (bench_matvec.py starts it; "
+                 "see its docstring)")
     n, k, ms = int(sys.argv[1]), int(sys.argv[2]), [int(v) for v in sys.argv[3].split(",")]
     flush_rows = int(sys.argv[4]) if len(sys.argv) > 4 else 2560
     as_one = len(sys.argv) > 5 and sys.argv[5] == "one"
