@@ -10,9 +10,8 @@ the CPU library alone, to show what the compiled ops are worth, on Q8_0 weights 
 activations, ``numba-q8``), and on a Q4_K_M GGUF made from the F32 one by llama.cpp's own quantizer
 (``llama_model_quantize``) and converted by our importer, next to llama.cpp on the same file.  The
 ratios to llama.cpp on the same weights are printed (of the medians, round by round, and from short
-blocks of steps, ours and llama.cpp's alternating: :func:`paired_speed`; the machine's speed moved
-whole runs by up to 1.7x from one minute to the next in session 14), and the
-time of a step of 8 rows (the products' M = 8) over a 1-row step, ours and llama.cpp's (F32 and Q8_0,
+blocks of steps, ours and llama.cpp's alternating: :func:`paired_speed`; the machine's speed moves
+whole runs by up to 1.7x from one minute to the next), and the time of a step of 8 rows (the products' M = 8) over a 1-row step, ours and llama.cpp's (F32 and Q8_0,
 the logits of every row computed, as 8 sessions sharing a step need).  Also printed: the decode step
 at context 1024 next to the step at context 32 (the KV cache must keep it flat), and the
 executor's per-token Python overhead (time per token minus the time spent inside kernels).  The
@@ -27,8 +26,8 @@ torch/transformers and llama-cpp-python are not project dependencies: install th
 columns (``pip install torch==2.13.0 transformers``; llama-cpp-python builds llama.cpp from source,
 6-20 minutes here: ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 -DGGML_F16C=ON -DGGML_AVX512=OFF" pip install llama-cpp-python``.  Where the CPU has AVX-512 (some
-of these machines do), a build with it measured no faster here, and a native build's AMX path
-crashed decoding the Q8_0 file (0.3.36), so the README's figures use this AVX2 build.  llama.cpp
+of these machines do), a build with it is no faster here, and a native build's AMX path crashes
+decoding the Q8_0 file (llama-cpp-python 0.3.36), so the published figures use this AVX2 build.  llama.cpp
 reads the weights from GGUF files (F32 and Q8_0) written here with the ``gguf`` package exactly as
 llama.cpp's own converter writes them (the tests' writer, ``tests/test_gguf_import.py``); the
 first decode step's logits are compared with ours to show it runs the same model.
@@ -57,14 +56,12 @@ CFG = LlamaConfig(vocab=32000, hidden=768, layers=12, heads=12, kv_heads=4, ffn=
 PROMPT = np.arange(1, 17)
 
 
-def our_executor(weights, fuse: bool, backends=None, invariant: bool = False) -> GraphExecutor:
-    """The executor as a user gets it (``backends=None``: numba, then the CPU library);
-    ``invariant``: as generation runs it (batch-invariant: the compiled products for F32 too)."""
+def our_executor(weights, fuse: bool, backends=None) -> GraphExecutor:
+    """The executor as a user gets it (``backends=None``: numba, then the CPU library)."""
     g = llama_graph(CFG)
     specs = {n: TensorSpec(w.shape, w.dtype if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype))
              for n, w in weights.items()}
-    return GraphExecutor((Graph(g.nodes, g.inputs, g.outputs, specs), weights), backends, fuse=fuse,
-                         batch_invariant=invariant)
+    return GraphExecutor((Graph(g.nodes, g.inputs, g.outputs, specs), weights), backends, fuse=fuse)
 
 
 class Stepper:
@@ -96,11 +93,11 @@ def ours_stepper(ex: GraphExecutor) -> Stepper:
 
 
 #: :func:`paired_speed`'s blocks: steps an engine runs in a row, and the first ones of them left
-#: untimed.  llama.cpp's threads spin for ~10 ms after a step (its process used ~10 ms of CPU in
-#: the 10 ms after one, session 14): alternating single steps gave ours a core short for most of
-#: each of its steps (f32 0.79-0.85x round by round where whole runs measured 0.86-1.03x), and
-#: sleeping that out between steps would have sent llama.cpp's threads to sleep before each of
-#: its own, which in a generation they never do.
+#: untimed.  llama.cpp's threads spin for ~10 ms after a step (its process uses ~10 ms of CPU in
+#: the 10 ms after one): alternating single steps would leave ours a core short for most of each
+#: of its steps (f32 0.79-0.85x round by round where whole runs measure 0.86-1.03x), and sleeping
+#: that out between steps would send llama.cpp's threads to sleep before each of their own steps,
+#: which in a generation they never do.
 BLOCK, SETTLE = 6, 2
 
 
@@ -108,7 +105,7 @@ def paired_speed(ours: Stepper, theirs: Stepper, tokens: int, repeat: int) -> tu
     """Our speed relative to ``theirs`` from blocks of :data:`BLOCK` steps, the two engines'
     blocks alternating (each block's first :data:`SETTLE` steps untimed): (median over every pair
     of blocks of their median steps' ratio, each run's median).  A burst of load from elsewhere on
-    this shared machine, which moved whole runs by up to 1.7x here, then hits both sides of a pair
+    this shared machine, which moves whole runs by up to 1.7x here, then hits both sides of a pair
     alike."""
     runs = []
     for _ in range(repeat):
@@ -342,7 +339,6 @@ def main() -> None:
         rows.append((name, statistics.median(statistics.median(r) for r in per_run)))
 
     ours = {"ours f32 (fused)": our_executor(w, True),
-            "ours f32 (compiled, invariant)": our_executor(w, True, invariant=True),
             "ours f32 (unfused)": our_executor(w, False),
             "ours f32 (CPU library)": our_executor(w, True, ["cpu"]),
             "ours Q8_0 (fused)": our_executor(q8, True),
@@ -388,7 +384,7 @@ def main() -> None:
     for name, err in agreement.items():
         print(f"llama.cpp {name.upper()} vs ours f32, logits of the prompt's last position: max |diff| / max |logit| = {err:.1e}")
     timed = dict(rows)
-    for ours_name, theirs in (("ours f32 (fused)", "llama.cpp F32"), ("ours f32 (compiled, invariant)", "llama.cpp F32"),
+    for ours_name, theirs in (("ours f32 (fused)", "llama.cpp F32"),
                               ("ours Q8_0 (fused)", "llama.cpp Q8_0"),
                               ("ours Q8_0 (q8 activations)", "llama.cpp Q8_0"),
                               ("ours Q4_K_M (its GGUF)", "llama.cpp Q4_K_M"),
@@ -401,7 +397,7 @@ def main() -> None:
                   f"(round by round: {rounds})")
             paired, per_run = paired_speed(steppers[ours_name], steppers[theirs], args.tokens, args.repeat)
             print(f"  in alternating blocks of {BLOCK} steps: {paired:.2f}x (each run: {', '.join(f'{r:.2f}' for r in per_run)})")
-    for name in ("ours f32 (fused)", "ours f32 (compiled, invariant)", "ours Q8_0 (fused)", "ours Q8_0 (q8 activations)"):
+    for name in ("ours f32 (fused)", "ours Q8_0 (fused)", "ours Q8_0 (q8 activations)"):
         one, eight, paired = rows_ratio(ours[name], 8)
         print(f"{name}: a step of 8 rows takes {paired:.2f}x the time of 1 row (median of paired runs; "
               f"medians {eight * 1e3:.2f} / {one * 1e3:.2f} ms)")
@@ -416,7 +412,7 @@ def main() -> None:
     print(f"\nper-token Python overhead (fused f32): {(per_token - in_kernels) * 1e3:.2f} ms of "
           f"{per_token * 1e3:.2f} ms ({100 * (1 - in_kernels / per_token):.0f}%), "
           f"{len(ours['ours f32 (fused)'].graph.nodes)} nodes; program: {ours['ours f32 (fused)'].program}")
-    for name in ("ours f32 (fused)", "ours f32 (compiled, invariant)"):
+    for name in ("ours f32 (fused)",):
         c32, c1024, paired = context_ratio(ours[name])
         print(f"{name}: decode step at context 1024 / context 32: {paired:.2f}x (median of paired steps; "
               f"medians {c1024 * 1e3:.2f} / {c32 * 1e3:.2f} ms)")

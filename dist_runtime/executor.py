@@ -26,10 +26,10 @@ from dist_runtime.kernels.registry import KernelContext
 from .arena import pack
 from .backends import Backend, ChainedNodeError, chain_reads, make_backends, openblas, program
 from .backends.assign import Assignment, assign_backends
-from .batching import ROWS, SEGMENTED, NodeRows, PerSegment, RowPlan, Segment, offsets, plan_rows
+from .batched_pass import ROWS, SEGMENTED, NodeRows, PerSegment, RowPlan, Segment, offsets, plan_rows
 from .errors import DistRuntimeError, GraphValidationError, KernelError
 from .ir.graph import POS, Graph, TensorSpec
-from .ir.ops import KvCache
+from .ir.ops import FusedNormMatmul, FusedSwiGlu, KvCache, LoraApply, Matmul, Sdpa, SdpaWindow
 from .ir.validate import check_memory, estimate_memory, infer_shapes, validate_graph
 from .tensor import Array, QuantizedArray, dtype_of
 
@@ -41,6 +41,9 @@ _PLAIN = KernelContext()
 #: The ``kv_cache`` of the step that runs the compiled program: its context holds the session's
 #: KV states by key (:meth:`GraphExecutor._context`).
 _PROGRAM = KvCache(0)
+#: Ops whose kernels may mix a pass's rows in one call (BLAS blocks a product by rows): on a
+#: backend that is not batch-invariant they make the executor so.
+_ROW_MIXING = (Matmul, FusedNormMatmul, FusedSwiGlu, LoraApply, Sdpa, SdpaWindow)
 
 
 @dataclass
@@ -215,8 +218,9 @@ class GraphExecutor:
     ``(graph, weights)`` pair.  ``backends`` lists backend names or objects in priority order (the
     first is the default; the CPU library is always last).  ``max_memory`` bounds the memory
     estimate (inputs + weights + peak intermediates), checked before the first run.
-    ``batch_invariant`` makes every backend that can choose (``invariant``) compute each row as it
-    would alone, so that :meth:`run_batch` gives a session the same bits in any batch.
+    :attr:`batch_invariant` says whether every node that mixes a pass's rows in one call (the
+    matmul family, attention) runs on a backend that computes each row as it would alone, so that
+    :meth:`run_batch` gives a session the same bits in any batch (the numba backend, the default).
     ``huge_pages``: copy the matrix weights into one buffer of 2 MiB pages (True), leave them as
     loaded (False), or decide by the system and their size (None; :mod:`dist_runtime.arena`);
     ``placement`` says which was done and why.  ``compiled_program``: run the longest run of steps
@@ -227,7 +231,7 @@ class GraphExecutor:
 
     def __init__(self, model, backends: Sequence[str | Backend] | None = None,
                  max_memory: int | None = None, *, fuse: bool = True, seed: int = 0,
-                 batch_invariant: bool = False, huge_pages: bool | None = None,
+                 huge_pages: bool | None = None,
                  compiled_program: bool = True) -> None:
         if huge_pages not in (None, True, False):
             raise TypeError(f"huge_pages= takes True, False or None (decide), not {huge_pages!r}")
@@ -235,11 +239,6 @@ class GraphExecutor:
             raise TypeError(f"compiled_program= takes True or False, not {compiled_program!r}")
         graph, weights, declared_max, opened = _open(model)
         self.backends = make_backends(backends)
-        if batch_invariant:  # every kernel's row result independent of the other rows in the pass
-            for backend in self.backends:
-                if hasattr(backend, "invariant"):
-                    backend.invariant = True
-        self.batch_invariant = batch_invariant
         checked = validate_graph(graph)  # structure and declared shapes; fusion keeps both
         self.warnings, specs = checked.warnings, checked.specs
         if fuse:  # a fused node that no backend in use takes is not formed (or is expanded back)
@@ -251,6 +250,8 @@ class GraphExecutor:
         self.graph = graph
         self.max_memory = max_memory if max_memory is not None else declared_max
         self.assignments: list[Assignment] = assign_backends(graph, specs, self.backends)
+        self.batch_invariant = all(a.backend.batch_invariant for node, a in zip(graph.nodes, self.assignments)
+                                   if isinstance(node.op, _ROW_MIXING))
         self.rows: RowPlan = plan_rows(graph, specs)
         constants, widened = _prepared_weights(graph, weights)
         streamed = _streamed(graph)
@@ -376,7 +377,7 @@ class GraphExecutor:
         return {name: values[name] for name in self.graph.outputs}
 
     def run_batch(self, inputs: Mapping[str, np.ndarray], segments: Sequence[Segment]) -> dict[str, np.ndarray]:
-        """One pass over several sessions' rows (``dist_runtime.batching``): ``inputs`` hold every
+        """One pass over several sessions' rows (``dist_runtime.batched_pass``): ``inputs`` hold every
         segment's rows concatenated along axis 0, in segment order; so do the outputs.  Each
         session advances as by :meth:`run`; a segment's rows come out bitwise as they would alone
         when the backends are batch-invariant (``batch_invariant``).  One segment is :meth:`run`."""

@@ -131,16 +131,6 @@ def test_pack_cache_packs_a_weight_once_and_repacks_a_new_operand():
     assert len(calls) == 3  # per slot
 
 
-def test_numpy_blas_quant_matmul_takes_f16_and_block_weights():
-    x = mat(3, 64)
-    w = mat(8, 64)
-    b = NumpyBlasBackend()
-    np.testing.assert_allclose(b.quant_matmul(x, w.astype(np.float16)),
-                               x @ w.astype(np.float16).astype(np.float32).T, rtol=1e-5, atol=1e-6)
-    q = quantize(w, DType.Q8_0)
-    np.testing.assert_allclose(b.quant_matmul(x, q), CpuBackend().quant_matmul(x, q), rtol=1e-6, atol=1e-6)
-
-
 def test_backends_meet_the_protocol_and_register_by_name():
     assert isinstance(NumpyBlasBackend(), Backend) and isinstance(CpuBackend(), Backend)
     assert "numpy-blas" in available_backends()

@@ -87,7 +87,7 @@ def test_inspect_plan_lists_every_node_with_backend_and_reason(tmp_path, capsys)
     assert code == 0 and {("Sdpa", "numba", "default"),
                           ("KvCache", "cpu", "default numba does not support it; fallback to cpu")} <= reasons
     # generation runs batch-invariant: an F32 product is the compiled one, not BLAS's
-    assert any(p["op"] == "Matmul" and p["reason"].startswith("default; compiled F32 product") for p in plan)
+    assert any(p["op"] == "Matmul" and p["reason"].startswith("default; compiled product: F32 on ") for p in plan)
     rows = {p["op"]: p["rows"] for p in plan}
     assert (rows["Matmul"], rows["Rope"], rows["KvCache"], rows["Sdpa"]) == (
         "independent", "positional", "per-session", "per-session")
@@ -105,6 +105,7 @@ def test_inspect_plan_lists_every_node_with_backend_and_reason(tmp_path, capsys)
 def test_inspect_plan_says_which_compiled_product_runs_a_quantized_weight_and_why(tmp_path, capsys):
     """The CPU path (vector or portable) is chosen at import; the plan names it and its reason."""
     pytest.importorskip("numba")
+    from dist_runtime.backends import compiled
     from dist_runtime.backends.compiled import cpu, threads
     from dist_runtime.dtypes import DType
     from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
@@ -117,5 +118,7 @@ def test_inspect_plan_says_which_compiled_product_runs_a_quantized_weight_and_wh
     code, out, _ = run(capsys, "inspect", str(tmp_path / "q8.model"), "--plan", "--no-fuse", "--json")
     reasons = {p["reason"] for p in json.loads(out)["plan"] if p["op"] == "Matmul"}
     assert code == 0
-    assert f"default; compiled Q8_0 product ({cpu.REASON}; {threads.REASON}), f32 activations" in reasons
-    assert f"default; compiled F32 product ({cpu.REASON}; {threads.REASON}), f32 activations" in reasons  # lm_head, batch-invariant
+    machine = f"({cpu.REASON}; {threads.REASON})"
+    for dtype in (DType.Q8_0, DType.F32):  # the projections; the lm_head
+        route = compiled.route(dtype, "f32")
+        assert f"default; compiled product: {dtype.name} on {route.tile}, f32 activations {machine}" in reasons

@@ -147,12 +147,14 @@ def test_the_registered_kernels_take_the_cpus_path():
     assert np.array_equal(linear(x, w), product(x, w, "f16", cpu.PATH))
 
 
+@pytest.mark.slow  # two child processes
 def test_the_chosen_layer_holds_when_numba_was_imported_first():
     """numba reads NUMBA_THREADING_LAYER once, at its own import: the package must still choose its
     layer (TBB when installed, else workqueue) when another module imported numba before it, and
     the threaded driver must run; a layer the user names wins."""
     code = ("import numba, numpy as np\n"
-            "from dist_runtime.backends.compiled import cpu, floats, threads\n"
+            "from dist_runtime.backends.compiled import cpu, floats, init, threads\n"
+            "init()\n"
             "x, w, out = np.ones(64, np.float32), np.ones(6400, np.float32), np.empty(100, np.float32)\n"
             "floats._threaded(floats.SPECS(('f32', cpu.PATH)), x, w, out, 1, 100, 64)\n"
             "print(numba.threading_layer(), threads.LAYER, out[0])\n")

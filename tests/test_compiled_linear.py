@@ -12,7 +12,7 @@ import pytest
 numba = pytest.importorskip("numba")
 
 from dist_runtime.backends import compiled  # noqa: E402
-from dist_runtime.backends.compiled import KERNELS, linear, set_threads  # noqa: E402
+from dist_runtime.backends.compiled import PRODUCTS, linear, set_threads  # noqa: E402
 from dist_runtime.dtypes import DType  # noqa: E402
 from dist_runtime.kernels.quant import dequantize, quantize  # noqa: E402
 from dist_runtime.tensor import QuantizedArray  # noqa: E402
@@ -48,13 +48,13 @@ def reference(x: np.ndarray, w) -> np.ndarray:
 
 
 def test_every_required_type_has_a_kernel():
-    assert sorted(REQUIRED) == sorted(d for d in KERNELS if d in REQUIRED)
+    assert sorted(REQUIRED) == sorted(d for d in PRODUCTS if d in REQUIRED)
 
 
 @pytest.mark.parametrize("dtype", REQUIRED, ids=lambda d: d.name)
 @pytest.mark.parametrize("m, n, k", [(1, 1, 256), (1, 67, 512), (3, 40, 768), (17, 33, 256)])
 def test_matches_dequantize_then_matmul(dtype, m, n, k):
-    if dtype not in KERNELS:
+    if dtype not in PRODUCTS:
         pytest.skip(f"no kernel for {dtype.name} yet")
     w = weight(dtype, n, k)
     x = np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)
@@ -69,7 +69,7 @@ def test_matches_dequantize_then_matmul(dtype, m, n, k):
 def test_rows_are_batch_invariant(dtype, activations):
     """Row m alone and among M - 1 others (M from 1 to 256), on 1 and 2 threads: bitwise equal,
     with f32 activations and (block types) quantized ones."""
-    if dtype not in KERNELS:
+    if dtype not in PRODUCTS:
         pytest.skip(f"no kernel for {dtype.name} yet")
     rng = np.random.default_rng(2)
     w = weight(dtype, 96, 512, seed=3)
@@ -87,7 +87,7 @@ def test_rows_are_batch_invariant(dtype, activations):
 
 @pytest.mark.parametrize("dtype", REQUIRED, ids=lambda d: d.name)
 def test_edges_empty_rows_nan_inf_non_contiguous_read_only(dtype):
-    if dtype not in KERNELS:
+    if dtype not in PRODUCTS:
         pytest.skip(f"no kernel for {dtype.name} yet")
     w = weight(dtype, 8, 256)
     assert linear(np.zeros((0, 256), np.float32), w).shape == (0, 8)

@@ -14,6 +14,7 @@ from dist_runtime.executor import GraphExecutor
 from dist_runtime.ir import Graph, Node, Relu, TensorSpec
 from dist_runtime.tensor import QuantizedArray
 from dist_runtime.kernels.quant import quantize
+from dist_runtime.backends import compiled
 from dist_runtime.backends.compiled import cpu as compiled_cpu, threads
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48)
@@ -205,14 +206,10 @@ def test_plan_names_backend_and_reason():
         by_op.setdefault(p["op"], set()).add((p["backend"], p["reason"]))
     for op in ("RmsNorm", "Rope", "Sdpa"):  # by default, numba first (when installed)
         assert by_op[op] == {("numba", "default")}, op
-    (matmul,) = by_op["Matmul"]  # a product also says how it runs: the compiled path and its numerics
-    assert matmul == ("numba", f"default; F32 product compiled below 128 rows, on BLAS from 128 (one session per "
-                               f"pass: no batch invariance needed; {threads.REASON})")
-    from dist_runtime.backends.numba import NumbaBackend
-
-    plan = executor(backends=[NumbaBackend(invariant=True)]).plan()
-    assert {p["reason"] for p in plan if p["op"] == "Matmul"} == {
-        f"default; compiled F32 product ({compiled_cpu.REASON}; {threads.REASON}), f32 activations"}
+    (matmul,) = by_op["Matmul"]  # a product also says how it runs: its route in the product table
+    route = compiled.route(DType.F32, "f32")
+    assert matmul == ("numba", f"default; compiled product: F32 on {route.tile}, f32 activations "
+                               f"({compiled_cpu.REASON}; {threads.REASON})")
     for op in ("TokenEmbed", "KvCache", "Sample"):
         assert by_op[op] == {("cpu", "default numba does not support it; fallback to cpu")}, op
     plan = executor(backends=["cpu"]).plan()

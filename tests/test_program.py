@@ -10,7 +10,8 @@ import numba
 import numpy as np
 import pytest
 
-import dist_runtime.backends.program as program_module
+import dist_runtime.backends.program.instructions as instructions
+import dist_runtime.backends.program.vm as vm
 from dist_runtime.dtypes import DType
 from dist_runtime.errors import DistRuntimeError
 from dist_runtime.executor import GraphExecutor
@@ -25,14 +26,14 @@ WINDOW = DecoderConfig(vocab=64, hidden=64, layers=2, heads=4, kv_heads=1, head_
                        windows=(0, 5))  # partial rotation, a sliding window on one layer
 
 
-def executors(cfg: DecoderConfig, invariant: bool = True, weights=None, backends=None):
+def executors(cfg: DecoderConfig, weights=None, backends=None):
     """(with the program, without it) on the same weights."""
     weights = random_weights(cfg, 3) if weights is None else weights
     g = decoder_graph(cfg)
     specs = {n: TensorSpec(w.shape, w.dtype if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype))
              for n, w in weights.items()}
     graph = Graph(g.nodes, g.inputs, g.outputs, specs)
-    return tuple(GraphExecutor((graph, weights), backends, batch_invariant=invariant, compiled_program=p)
+    return tuple(GraphExecutor((graph, weights), backends, compiled_program=p)
                  for p in (True, False))
 
 
@@ -44,12 +45,12 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 def calls(monkeypatch):
     """How many times the compiled program ran."""
     count = [0]
-    real = program_module._execute
+    real = vm.execute
 
     def counted(*args):
         count[0] += 1
         return real(*args)
-    monkeypatch.setattr(program_module, "_execute", counted)
+    monkeypatch.setattr(vm, "execute", counted)
     return count
 
 
@@ -121,8 +122,8 @@ def test_the_program_on_k_quant_weights(calls):
     ex, steps = executors(KQ, weights=weights)
     assert ex.program.startswith(f"{len(ex._steps) - 1} steps from node ")
     code = ex._program_steps[1].fn.code
-    blocks = code[code[:, 0] == program_module.K_BLOCKS]
-    assert program_module.PRODUCT in code[:, 0] and {1, 2, 3} <= set(blocks[:, 2])  # F32 lm_head; o_proj, gate/up, q/k/v
+    blocks = code[code[:, 0] == instructions.K_BLOCKS]
+    assert instructions.PRODUCT in code[:, 0] and {1, 2, 3} <= set(blocks[:, 2])  # F32 lm_head; o_proj, gate/up, q/k/v
     for tokens, pos in RUNS:
         ids = np.asarray(tokens, np.int32)
         assert same_bits(*(e.run({"tokens": ids}, pos=pos)["logits"] for e in (ex, steps)))
@@ -155,13 +156,13 @@ def test_a_thread_alone_does_every_task_planned_for_several(monkeypatch):
     most = []
 
     def alone(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, attention_spec):
-        stages, pieces, sums, stats, counters = program_module._prepare(code, slots, weights, m, starts, positions, 4)
-        program_module._work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
+        stages, pieces, sums, stats, counters = vm._prepare(code, slots, weights, m, starts, positions, 4)
+        vm._work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
                              attention_spec, pieces, sums, stats)
-        assert counters[program_module._DONE] == counters[program_module._CLAIMED] - 1 == stages[-1, 2] + stages[-1, 3]
-        products = [tasks for i, _, tasks, _ in stages if code[i, 0] != program_module.ATTENTION]
+        assert counters[vm._DONE] == counters[vm._CLAIMED] - 1 == stages[-1, 2] + stages[-1, 3]
+        products = [tasks for i, _, tasks, _ in stages if code[i, 0] != instructions.ATTENTION]
         most.append((max(products), int(pieces.max())))
-    monkeypatch.setattr(program_module, "_execute", alone)
+    monkeypatch.setattr(vm, "execute", alone)
     ex, steps = executors(HEAD64)
     for tokens in ((np.arange(300) % 64), [5], [6]):
         got, want = (e.run({"tokens": np.asarray(tokens, np.int32)})["logits"] for e in (ex, steps))
@@ -187,29 +188,12 @@ def test_spin_counters_count_every_thread_s_increments():
     assert np.array_equal(np.sort(seen), np.arange(20000))
 
 
-def test_products_for_blas_stay_steps(calls):
-    """Where the products go to BLAS (a pass of BLAS_ROWS rows, not batch-invariant), in one
-    session or several, the steps run, as without the program."""
-    from dist_runtime.backends.numba import BLAS_ROWS
-    from dist_runtime.batching import Segment
-
-    ex, steps = executors(HEAD64, invariant=False)
-    ids = (np.arange(BLAS_ROWS) % 64).astype(np.int32)
-    assert same_bits(*(e.run({"tokens": ids})["logits"] for e in (ex, steps)))
-    assert calls[0] == 0
-    assert same_bits(*(e.run({"tokens": np.array([3], np.int32)})["logits"] for e in (ex, steps)))
-    assert calls[0] == 1
-    segments = [Segment("a", BLAS_ROWS - 1), Segment("b", 1)]
-    assert same_bits(*(e.run_batch({"tokens": ids}, segments)["logits"] for e in (ex, steps)))
-    assert calls[0] == 1
-
-
 @pytest.mark.parametrize("cfg", [HEAD64, WINDOW], ids=["head64", "window"])
 def test_a_batched_pass_gives_the_steps_bits(cfg, calls):
     """Several sessions' rows in one pass: one call of the program, each segment attending over
     its own session's cache (the threads taking segments); the same bits as the steps, and as
     each session alone."""
-    from dist_runtime.batching import Segment
+    from dist_runtime.batched_pass import Segment
 
     ex, steps = executors(cfg)
     alone, _ = executors(cfg)
@@ -260,9 +244,9 @@ def test_the_program_on_legacy_blocks_and_quantized_activations(backends, calls)
     assert ex.program.startswith(f"{len(ex._steps) - 1} steps from node ")
     assert ("Q8-quantized activations" in ex.program) == (backends is not None)
     code = ex._program_steps[1].fn.code
-    launches = {(op, count) for op, count in code[:, :3:2] if op in (program_module.K_BLOCKS, program_module.L_BLOCKS)}
-    assert {(program_module.K_BLOCKS, 3), (program_module.K_BLOCKS, 1), (program_module.L_BLOCKS, 2),
-            (program_module.L_BLOCKS, 1)} <= launches  # q/k/v, o_proj, gate/up, down_proj
+    launches = {(op, count) for op, count in code[:, :3:2] if op in (instructions.K_BLOCKS, instructions.L_BLOCKS)}
+    assert {(instructions.K_BLOCKS, 3), (instructions.K_BLOCKS, 1), (instructions.L_BLOCKS, 2),
+            (instructions.L_BLOCKS, 1)} <= launches  # q/k/v, o_proj, gate/up, down_proj
     for tokens, pos in RUNS[:5]:
         ids = np.asarray(tokens, np.int32)
         assert same_bits(*(e.run({"tokens": ids}, pos=pos)["logits"] for e in (ex, steps)))

@@ -17,7 +17,6 @@ import importlib
 import importlib.util
 from typing import Callable, ClassVar, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
-import numpy as np
 
 from ..dtypes import DType
 from ..errors import GraphValidationError
@@ -49,6 +48,9 @@ class Backend(Protocol):
 
     name: str
     hint: BackendHint  # the value a node's backend_hint uses to ask for this backend
+    #: Whether each row of a node's result is bitwise what the row gives alone, whatever other rows
+    #: share the call: what batching sessions into one pass needs (:attr:`GraphExecutor.batch_invariant`).
+    batch_invariant: bool
 
     def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool: ...
 
@@ -56,7 +58,9 @@ class Backend(Protocol):
 
     def execute(self, node: Node, inputs: Sequence[Array], ctx: object) -> tuple: ...
 
-    def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray: ...
+
+class PerSegment(tuple):
+    """A value of a batched pass that is one array per segment (positions, KV histories)."""
 
 
 class ChainedNodeError(Exception):
@@ -171,6 +175,23 @@ def make_backend(name: str) -> Backend:
             raise GraphValidationError(f"backend {name!r} is not available: {e}") from None
         factory = _REGISTRY[name]
     return factory()
+
+
+def set_threads(n: int) -> None:
+    """Threads the compiled kernels of this process use (a stage's CPU share)."""
+    from .compiled import set_threads as compiled_threads
+
+    compiled_threads(n)
+
+
+def threads_in_use() -> str:
+    """The compiled kernels' threads here: how many, on which layer, and why."""
+    import numba
+
+    from . import compiled
+
+    compiled.init()
+    return f"{numba.get_num_threads()} on {compiled.threads.LAYER}: {compiled.threads.REASON}"
 
 
 def make_backends(spec: Sequence[str | Backend] | None) -> list[Backend]:

@@ -27,7 +27,6 @@ from ..dtypes import DType
 from ..ir.graph import Node, TensorSpec
 from ..ir.hints import BackendHint
 from ..ir.ops import FusedNormMatmul, FusedSwiGlu, LoraApply, Matmul, OpPayload
-from ..tensor import Array, QuantizedArray
 from . import BoundKernel, OpEntry, TableBackend, register_backend
 
 F32 = np.dtype(np.float32)
@@ -123,14 +122,6 @@ class MatmulFamilyBackend(TableBackend):
     def bind(self, node: Node) -> BoundKernel:
         return self.entry(node).bind(node.op, PackCache(self.pack))
 
-    def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray:
-        """``x @ w^T``: F32/F16 weights in :meth:`float_matmul`, others in the CPU library."""
-        if isinstance(w, QuantizedArray) or w.dtype not in (np.float16, np.float32):
-            from dist_runtime.kernels.quant import quant_matmul
-
-            return quant_matmul(x, w)
-        return self.float_matmul(x, w)
-
 
 def _matmul(op: Matmul, packed: PackCache) -> BoundKernel:
     def run(inputs, ctx):
@@ -172,6 +163,7 @@ class NumpyBlasBackend(MatmulFamilyBackend):
     """The matmul family on numpy/BLAS in F32, F16 weights widened once (see the module docstring)."""
 
     name = "numpy-blas"
+    batch_invariant = False  # BLAS blocks a product by its rows
     ops = family_table({Matmul: _matmul, FusedNormMatmul: _norm_matmul, FusedSwiGlu: _swiglu, LoraApply: _lora})
 
     pack = staticmethod(_f32)
@@ -179,8 +171,6 @@ class NumpyBlasBackend(MatmulFamilyBackend):
     def __init__(self, hint: BackendHint = BackendHint.CPU) -> None:
         self.hint = BackendHint(hint)
 
-    def float_matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return (_f32(x) @ _f32(w).T).astype(x.dtype, copy=False)
 
 
 register_backend("numpy-blas", NumpyBlasBackend)

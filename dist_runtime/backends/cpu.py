@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
 from ..ir.graph import Node, TensorSpec
 from ..ir.hints import BackendHint
 from ..ir.ops import OpPayload
@@ -19,6 +17,7 @@ class CpuBackend:
 
     name = "cpu"
     hint = BackendHint.CPU
+    batch_invariant = False  # its products and attention are numpy's BLAS calls
 
     def __init__(self) -> None:
         from dist_runtime import kernels  # registers every family module
@@ -34,11 +33,6 @@ class CpuBackend:
 
     def execute(self, node: Node, inputs: Sequence[Array], ctx: object) -> tuple:
         return self.bind(node)(inputs, ctx)
-
-    def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray:
-        from dist_runtime.kernels.quant import quant_matmul
-
-        return quant_matmul(x, w)
 
 
 register_backend("cpu", CpuBackend)

@@ -1,4 +1,4 @@
-"""``numba``: the small ops of a decode step and the matmul family compiled (F32 prefills on BLAS).
+"""``numba``: the small ops of a decode step and the matmul family, compiled and batch-invariant.
 
 A decode step of a Llama-family model is mostly matrix-vector products, which BLAS runs at memory
 bandwidth; between them come ~10 small ops per layer, on which numpy spends its dispatch and
@@ -15,11 +15,8 @@ the data each (2-22 us a call):
   windowed, each key and value row read once, whole, for all the query heads (one pass over the
   keys, one over the values), on the vector cores of :mod:`.compiled.attention` for the usual
   head sizes -- faster than the CPU library's BLAS products at every size measured, from a decode
-  step to a 2048-row prefill (``benchmarks/bench_attention.py``).  For other head sizes numba's
-  loops take only small products (``small_attention``: a decode step over up to 8192 keys, or
-  ``Tq * Tk <= 1024``), larger ones going to the CPU library -- except when the backend is
-  ``invariant``: then every attention runs here, since a row's result must not depend on how
-  many query rows share the call (a prompt fed in chunks, sessions batched) and BLAS's does;
+  step to a 2048-row prefill (``benchmarks/bench_attention.py``); other head sizes in numba's
+  loops;
 - a layer's Rope of q, Rope of k, KvCache and Sdpa as one compiled call (the executor's chains,
   :meth:`NumbaBackend.bind_chain`), the four nodes' bits;
 
@@ -30,6 +27,11 @@ batch-invariant; FusedSwiGlu's ``silu(gate) * up`` and FusedNormMatmul's norm co
 ``NumbaBackend(activations="q8_0")`` (the backend name ``numba-q8``) quantizes the activations per
 block as llama.cpp does.  ``inspect --plan`` says per product which path runs it and why.
 
+Every kernel here is batch-invariant (:attr:`NumbaBackend.batch_invariant`): a row's result is the
+same bits whatever other rows share the call (a prompt fed in chunks, sessions batched), which
+BLAS's blocked products are not.  That is how generation runs; the ``numpy-blas`` backend, asked
+for by name, runs the matmul family on BLAS instead.
+
 Its activations are F32 and its weights any type the compiled products read; every other dtype
 and op it declines at plan time, and :func:`dist_runtime.backends.assign.assign_backends` sends
 those nodes to the CPU library.  A node
@@ -39,29 +41,24 @@ error.  Each op it takes is one entry of :attr:`NumbaBackend.ops`.
 Results agree with the CPU library within float rounding (``tests/test_backends_numba.py``).
 
 The small ops use no threads.  The products use numba's TBB threads when installed, else its
-``workqueue`` pool (:mod:`.compiled.threads`; OpenMP's spinning workers, beside OpenBLAS's on the
-same 2 cores, made the next matrix-vector product 60x slower), as many threads as the stage's CPU share (``NUMBA_NUM_THREADS``, set per stage actor).  numba compiles each kernel on
-first use and caches the machine code beside this file (8 s for all of them in a new checkout,
-0.6 s to load them in a later process).  With numba installed, ``GraphExecutor(model)`` uses this
+``workqueue`` pool (:mod:`.compiled.threads`), as many threads as the stage's CPU share
+(``NUMBA_NUM_THREADS``, set per stage actor).  numba compiles each kernel on first use and caches
+the machine code beside its source.  With numba installed, ``GraphExecutor(model)`` uses this
 backend by default (:func:`dist_runtime.backends.default_backends`), and a node hinted ``numba``
 (``BackendHint.NUMBA``) asks for it.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
-import numba
+import numba  # noqa: F401 -- this backend's dependency: where it is missing, the error names it
 import numpy as np
-from numba import types
-from numba.extending import intrinsic
 
 from dist_runtime.kernels.attention import KvState
 from dist_runtime.kernels.positions import cos_sin_rows, position
 from dist_runtime.kernels.quant import token_embed
 
-from ..batching import PerSegment
 from ..dtypes import DType
 from ..errors import DistRuntimeError
 from ..ir.graph import Node, TensorSpec
@@ -69,133 +66,15 @@ from ..ir.hints import BackendHint
 from ..ir.ops import (FusedNormMatmul, FusedSkipNorm, FusedSwiGlu, KvCache, LoraApply, Matmul, OpPayload, RmsNorm,
                       Rope, Sdpa, SdpaWindow, TokenEmbed)
 from ..tensor import Array, QuantizedArray
-from . import BoundKernel, OpEntry, TableBackend, chain_reads, compiled, openblas, register_backend, run_chain
+from . import BoundKernel, OpEntry, PerSegment, TableBackend, chain_reads, compiled, register_backend, run_chain
 from .compiled import attention as compiled_attention
 from .compiled import gather
+from .compiled.rows import rms_rows, rope_append_attend, rope_rows, segments_append_attend, silu_mul, skip_rms_rows
+from .step_kinds import NormProducts, Products, Rms, SkipRms, SwiGlu
 from .blas import WEIGHT_SLOTS, matmul_family_supports
 from .cpu import CpuBackend
 
 F32 = np.dtype(np.float32)
-
-#: For a head size without vector cores, attention runs in numba's loops while query rows x keys
-#: <= SMALL_ATTENTION, or for one query row (a decode step) over at most DECODE_KEYS keys; beyond,
-#: the CPU library's BLAS products, on every core, won (a decode step in the loops, on one thread,
-#: measured 1.2-1.9x faster than the CPU library on two at 2048-8192 keys).
-SMALL_ATTENTION = 1024
-DECODE_KEYS = 8192
-
-#: From this many rows an F32 product goes to BLAS when invariance is not asked for.  The 125M
-#: model's prefill with BLAS / compiled (TBB threads), one session: 16 rows 54.9 / 38.3 ms, 128
-#: rows 182.8 / 179.2, 512 rows 687.6 / 885.6; its decode step 18.3 / 16.9 ms.
-BLAS_ROWS = 128
-
-
-def small_attention(query_rows: int, keys: int, head_dim: int) -> bool:
-    """Whether an attention of this size runs compiled (else in the CPU library): always on the
-    vector cores, within the limits above in numba's loops."""
-    return (head_dim in compiled_attention.HEAD_DIMS or query_rows * keys <= SMALL_ATTENTION
-            or (query_rows == 1 and keys <= DECODE_KEYS))
-
-
-# Reassociation lets the reductions vectorise; no "nnan"/"ninf", so NaN and inf propagate as in
-# numpy.  The numpy error model makes x / 0 an inf, not a ZeroDivisionError.
-_jit = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy",
-                  fastmath={"reassoc", "contract", "nsz", "arcp"})
-
-
-@_jit
-def _rms_rows(x, weight, eps, out):
-    """``out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * weight`` for each row ``i`` of a 2-D ``x``."""
-    n = x.shape[1]
-    for i in range(x.shape[0]):
-        ss = 0.0  # f64: the sum of squares of a wide row loses nothing
-        for j in range(n):
-            ss += np.float64(x[i, j]) * x[i, j]
-        inv = np.float32(1.0 / math.sqrt(ss / max(n, 1) + eps))
-        for j in range(n):
-            out[i, j] = x[i, j] * inv * weight[j]
-
-
-@_jit
-def _skip_rms_rows(x, residual, weight, eps, total, out):
-    """``total = x + residual`` and ``out = RmsNorm(total)``."""
-    for i in range(x.shape[0]):
-        for j in range(x.shape[1]):
-            total[i, j] = x[i, j] + residual[i, j]
-    _rms_rows(total, weight, eps, out)
-
-
-@_jit
-def _rope_rows(x, cos, sin, head_dim, rope_dim, out):
-    """Rotate-half rotary embedding of row ``t`` by ``cos[t]``, ``sin[t]`` (``[T, rope_dim/2]``)."""
-    half = rope_dim // 2
-    for t in range(x.shape[0]):
-        for base in range(0, x.shape[1], head_dim):
-            for i in range(half):
-                x1, x2 = x[t, base + i], x[t, base + half + i]
-                out[t, base + i] = x1 * cos[t, i] - x2 * sin[t, i]
-                out[t, base + half + i] = x2 * cos[t, i] + x1 * sin[t, i]
-            for i in range(base + rope_dim, base + head_dim):
-                out[t, i] = x[t, i]
-
-
-@_jit
-def _rope_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos,
-                        num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
-    """A layer's attention chain in one call: ``q`` and ``k`` rotated (:func:`_rope_rows`), the
-    rotated keys and ``v`` stored as rows ``pos..`` of the KV cache's buffers, and (``attend``)
-    the rotated queries attending over every row held (:func:`compiled_attention.attention_serial`)."""
-    _rope_rows(q, cos, sin, rope_head_dim, rope_dim, q_rot)
-    _rope_rows(k, cos, sin, rope_head_dim, rope_dim, k_rot)
-    stop = pos + k.shape[0]
-    for t in range(k.shape[0]):  # by element: an array's slice assignment compiles numba's error message (~5 s)
-        for j in range(k.shape[1]):
-            k_buf[pos + t, j] = k_rot[t, j]
-        for j in range(v.shape[1]):
-            v_buf[pos + t, j] = v[t, j]
-    if attend:
-        compiled_attention.attention_serial(spec, q_rot, k_buf[:stop], v_buf[:stop], num_heads, kv_heads,
-                                            head_dim, causal, window, out)
-
-
-@intrinsic
-def _f32_at(typingctx, address):
-    """The f32 pointer at ``address`` (an integer: a buffer's address, taken in Python)."""
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-    return types.CPointer(types.float32)(types.int64), codegen
-
-
-@_jit
-def _segment_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, rows, pos,
-                           num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out, s):
-    """:func:`_rope_append_attend` for segment ``s`` of a batched pass: rows ``starts[s]:starts[s +
-    1]`` of ``q``, ``k``, ``v`` (and of ``cos``, ``sin``: its positions'), its KV cache the buffers
-    at addresses ``buffers[s]`` (K, V) of ``rows[s]`` rows."""
-    lo, hi, width = starts[s], starts[s + 1], k.shape[1]
-    k_buf = numba.carray(_f32_at(buffers[s, 0]), (rows[s], width))
-    v_buf = numba.carray(_f32_at(buffers[s, 1]), (rows[s], width))
-    _rope_append_attend(spec, q[lo:hi], k[lo:hi], v[lo:hi], cos[lo:hi], sin[lo:hi], rope_head_dim, rope_dim,
-                        k_buf, v_buf, pos[s], num_heads, kv_heads, head_dim, causal, window, attend[s],
-                        q_rot[lo:hi], k_rot[lo:hi], out[lo:hi])
-
-
-@numba.njit(nogil=True, cache=True, parallel=True)
-def _segments_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, rows, pos,
-                            num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
-    """:func:`_segment_append_attend` for every segment, the threads taking segments (each its
-    own rows and cache: the same bits on any thread)."""
-    for s in numba.prange(starts.shape[0] - 1):
-        _segment_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, rows, pos,
-                               num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out, s)
-
-
-@_jit
-def _silu_mul_compiled(gate, up):
-    """``gate = silu(gate) * up``, in place (both fresh, contiguous 1-D products)."""
-    for i in range(gate.shape[0]):
-        g = gate[i]
-        gate[i] = g / (np.float32(1.0) + np.exp(-g)) * up[i]
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
@@ -206,7 +85,7 @@ def _rows(x: np.ndarray) -> np.ndarray:
 def _rms_compiled(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RmsNorm of F32 ``x`` over its last dim, any rank."""
     out = np.empty(x.shape, F32)
-    _rms_rows(_rows(x), weight, eps, out.reshape(-1, x.shape[-1]))
+    rms_rows(_rows(x), weight, eps, out.reshape(-1, x.shape[-1]))
     return out
 
 
@@ -224,7 +103,7 @@ def _bind_rms_norm(backend: NumbaBackend, node: Node) -> BoundKernel:
         if not (_is_f32(x, weight) and weight.shape == x.shape[-1:]):
             return reference(inputs, ctx)
         return (_rms_compiled(x, weight, op.eps),)
-    run.program_kind = ("rms", op.eps)
+    run.computes = Rms(op.eps)
     return run
 
 
@@ -238,10 +117,10 @@ def _bind_skip_norm(backend: NumbaBackend, node: Node) -> BoundKernel:
             return reference(inputs, ctx)
         total, out = np.empty(x.shape, F32), np.empty(x.shape, F32)
         width = x.shape[-1]
-        _skip_rms_rows(_rows(x), _rows(residual), weight, op.eps,
+        skip_rms_rows(_rows(x), _rows(residual), weight, op.eps,
                        total.reshape(-1, width), out.reshape(-1, width))
         return total, out
-    run.program_kind = ("skip", op.eps)
+    run.computes = SkipRms(op.eps)
     return run
 
 
@@ -258,9 +137,9 @@ def _bind_swiglu(backend: NumbaBackend, node: Node) -> BoundKernel:
         if not (_takes_weight(x, w_gate) and _takes_weight(x, w_up) and w_gate.shape == w_up.shape):
             return reference(inputs, ctx)
         gate, up = backend.linear_many(x, [w_gate, w_up])
-        _silu_mul_compiled(gate.reshape(-1), up.reshape(-1))
+        silu_mul(gate.reshape(-1), up.reshape(-1))
         return (gate,)
-    run.program_kind = ("swiglu",)
+    run.computes = SwiGlu()
     return run
 
 
@@ -272,7 +151,7 @@ def _bind_norm_matmul(backend: NumbaBackend, node: Node) -> BoundKernel:
         if not (_takes_weight(x, w) and _is_f32(norm_weight) and norm_weight.shape == x.shape[-1:]):
             return reference(inputs, ctx)
         return (backend.linear(_rms_compiled(x, norm_weight, op.eps), w),)
-    run.program_kind = ("norm_matmul", op.eps)
+    run.computes = NormProducts(op.eps)
     return run
 
 
@@ -285,7 +164,7 @@ def _bind_matmul(backend: NumbaBackend, node: Node) -> BoundKernel:
             return reference(inputs, ctx)
         return (backend.linear(a, b),)
     if op.transpose_b:
-        run.program_kind = ("matmul",)
+        run.computes = Products()
     return run
 
 
@@ -316,7 +195,7 @@ def _bind_rope(backend: NumbaBackend, node: Node) -> BoundKernel:
             return reference(inputs, ctx)
         cos, sin = cos_sin_rows(position("Rope", pos), x.shape[0], op.rope_dim, float(op.base))
         out = np.empty(x.shape, F32)
-        _rope_rows(_rows(x), cos, sin, op.head_dim, op.rope_dim, out)
+        rope_rows(_rows(x), cos, sin, op.head_dim, op.rope_dim, out)
         return (out,)
     return run
 
@@ -330,7 +209,6 @@ def _bind_attention(backend: NumbaBackend, node: Node) -> BoundKernel:
     def run(inputs, ctx):
         q, k, v = inputs
         if not (_is_f32(q, k, v) and q.ndim == k.ndim == v.ndim == 2
-                and (backend.invariant or small_attention(q.shape[0], k.shape[0], op.head_dim))
                 and k.shape[0] == v.shape[0]
                 and (q.shape[1], k.shape[1]) == widths and v.shape[1] == widths[1]
                 and not (op.causal and q.shape[0] > k.shape[0])):
@@ -370,9 +248,9 @@ def _attention_chain(nodes: Sequence[Node]) -> tuple[Node, Node, Node, Node] | N
     return rope_q, rope_k, kv, sdpa
 
 
-class _AttentionChain:
+class AttentionChain:
     """A layer's Rope of q, Rope of k, KvCache and Sdpa as one compiled call
-    (:func:`_rope_append_attend`; :meth:`NumbaBackend.bind_chain`), where the four nodes took ~75 us
+    (:func:`.compiled.rows.rope_append_attend`; :meth:`NumbaBackend.bind_chain`), where the four nodes took ~75 us
     a layer of a decode step, their code and data cold after the layer's weights streamed through
     the caches.  The same bits as the four nodes alone and the same KV cache; off the fast path
     (another dtype, a head size without vector cores, a write the cache refuses) the four kernels
@@ -445,14 +323,14 @@ class _AttentionChain:
             return run_chain(self.nodes, self.kernels, inputs, ctx)
         q_rot, k_rot, out = np.empty(q.shape, F32), np.empty(k.shape, F32), np.empty(q.shape, F32)
         a, r = self.attn, self.rope
-        _rope_append_attend(self.spec, q, k, v, cos, sin, r.head_dim, r.rope_dim, k_buf, v_buf, at_row, a.num_heads,
+        rope_append_attend(self.spec, q, k, v, cos, sin, r.head_dim, r.rope_dim, k_buf, v_buf, at_row, a.num_heads,
                             a.kv_heads, a.head_dim, bool(a.causal), self.window, attend, q_rot, k_rot, out)
         k_all, v_all = self._finish(ctx, at_row, k, v, attend, q_rot, out)
         return self._outputs(q_rot, k_rot, k_all, v_all, out)
 
     def over_segments(self, inputs, cuts, ctxs) -> tuple | None:
         """A batched pass's segments in one compiled call, its threads taking segments
-        (:func:`_segments_append_attend`, each segment's cache by address: a compiled call takes
+        (:func:`.compiled.rows.segments_append_attend`, each segment's cache by address: a compiled call takes
         no list of arrays): the pass's values, or None (the executor then calls this chain segment
         by segment) off the fast path or where a cache would refuse a write.  8 / 16 sessions'
         f32 decode step: 0.96 / 0.93x the time of segment by segment."""
@@ -466,7 +344,7 @@ class _AttentionChain:
         cos, sin, k_bufs, _, at_rows, attend = zip(*made)
         q_rot, k_rot, out = np.empty(q.shape, F32), np.empty(k.shape, F32), np.empty(q.shape, F32)
         a, r = self.attn, self.rope
-        _segments_append_attend(self.spec, q, k, v, np.concatenate(cos), np.concatenate(sin), r.head_dim, r.rope_dim,
+        segments_append_attend(self.spec, q, k, v, np.concatenate(cos), np.concatenate(sin), r.head_dim, r.rope_dim,
                                 np.array([cut.start for cut in cuts] + [q.shape[0]], np.int64),
                                 np.array([ctx.state.addresses() for ctx in ctxs], np.int64),
                                 np.array([b.shape[0] for b in k_bufs], np.int64), np.array(at_rows, np.int64),
@@ -521,69 +399,51 @@ class NumbaBackend(TableBackend):
         LoraApply: OpEntry(matmul_family_supports, _bind_lora),
     }
 
-    def __init__(self, hint: BackendHint = BackendHint.NUMBA, *, activations: str = "f32",
-                 invariant: bool = False) -> None:
+    #: Every kernel computes a row as it would alone (see the module docstring).
+    batch_invariant = True
+
+    def __init__(self, hint: BackendHint = BackendHint.NUMBA, *, activations: str = "f32") -> None:
         if activations not in compiled.ACTIVATIONS:
             raise ValueError(f"activations must be one of {compiled.ACTIVATIONS}, got {activations!r}")
         self.hint = BackendHint(hint)
         self.activations = activations
-        # invariant: every row computed as it would be alone (passes mixing sessions' rows, a
-        # prompt fed in chunks): the compiled products and attention always.  Otherwise an F32
-        # product of BLAS_ROWS rows or more (one session's long prefill) goes to BLAS.
-        self.invariant = invariant
         self.name = "numba" if activations == "f32" else "numba-q8"
+        self.machine = compiled.init()  # the CPU path and threading layer, for inspect --plan
         self._cpu = CpuBackend()
-        self._blas_used = False  # since the last pass: its OpenBLAS workers to send to sleep
 
     def supports(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> bool:
-        """F32 everywhere, except the weights of the matmul family (any type a compiled product
-        reads: F32, F16, BF16, GGML blocks) and TokenEmbed's integer ids and block table."""
+        """F32 everywhere, except the weights of the matmul family (any type of the product table:
+        F32, F16, BF16, GGML blocks) and TokenEmbed's integer ids and block table."""
         entry = self.ops.get(type(op))
         if entry is None or not entry.supports(op, input_specs):
             return False
         if type(op) in _OWN_TYPES:  # its entry checked every input's type
             return True
         weights = WEIGHT_SLOTS.get(type(op), ())
-        return all(s.dtype in (compiled.KERNELS if i in weights else self.dtypes)
+        return all(s.dtype in (compiled.PRODUCTS if i in weights else self.dtypes)
                    for i, s in enumerate(input_specs))
 
     def detail(self, op: OpPayload, input_specs: Sequence[TensorSpec]) -> str | None:
-        """How a product runs (``inspect --plan``): the compiled path and its activations."""
+        """How a product runs (``inspect --plan``): each weight type's route in the product table
+        (:mod:`.compiled.products`) with this backend's activations."""
         if type(op) not in WEIGHT_SLOTS:
             return None
-        types = sorted({input_specs[i].dtype.name for i in WEIGHT_SLOTS[type(op)] if i < len(input_specs)})
-        if types == ["F32"] and not self.invariant:
-            return (f"F32 product compiled below {BLAS_ROWS} rows, on BLAS from {BLAS_ROWS} (one session per pass: "
-                    f"no batch invariance needed; {compiled.threads.REASON})")
-        return (f"compiled {'/'.join(types)} product ({compiled.cpu.REASON}; {compiled.threads.REASON}), "
-                f"{self.activations} activations")
+        types = sorted({input_specs[i].dtype for i in WEIGHT_SLOTS[type(op)] if i < len(input_specs)},
+                       key=lambda d: d.name)
+        routes = "; ".join(f"{d.name} on {compiled.route(d, self.activations).tile}, "
+                           f"{compiled.route(d, self.activations).activations} activations" for d in types)
+        return f"compiled product: {routes} ({self.machine})"
 
     def linear(self, x: np.ndarray, w: Array) -> np.ndarray:
-        """``x [..., K] @ W[N, K]^T`` in F32: the compiled product (batch-invariant), or BLAS for
-        an F32 weight and at least :data:`BLAS_ROWS` rows unless :attr:`invariant`."""
-        x2 = x.reshape(-1, x.shape[-1])
-        if not self.invariant and x2.shape[0] >= BLAS_ROWS and isinstance(w, np.ndarray) and w.dtype == F32:
-            y = x2 @ w.T
-            self._blas_used = True
-        else:
-            y = compiled.linear(x2, w, activations=self.activations)
+        """``x [..., K] @ W[N, K]^T`` in F32 on the weight type's route (batch-invariant)."""
+        y = compiled.linear(x.reshape(-1, x.shape[-1]), w, activations=self.activations)
         return y.reshape(*x.shape[:-1], w.shape[0])
 
     def linear_many(self, x: np.ndarray, ws: list[Array]) -> list[np.ndarray]:
         """``[self.linear(x, w) for w in ws]``, the compiled products in one launch
         (:func:`compiled.linear_many`)."""
-        x2 = x.reshape(-1, x.shape[-1])
-        if not self.invariant and x2.shape[0] >= BLAS_ROWS:
-            return [self.linear(x, w) for w in ws]
-        ys = compiled.linear_many(x2, ws, activations=self.activations)
+        ys = compiled.linear_many(x.reshape(-1, x.shape[-1]), ws, activations=self.activations)
         return [y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, ws)]
-
-    def after_pass(self) -> None:
-        """A pass is over: if it sent products to BLAS, its workers sleep now rather than spin
-        beside the next passes' compiled products (:mod:`.openblas`)."""
-        if self._blas_used:
-            self._blas_used = False
-            openblas.rest()
 
     def bind_siblings(self, nodes: Sequence[Node]) -> BoundKernel | None:
         """One kernel for Matmuls reading the same ``x`` (the executor's shared launches: a
@@ -599,25 +459,22 @@ class NumbaBackend(TableBackend):
             if all(_takes_weight(x, w) for w in ws):
                 return tuple(self.linear_many(x, list(ws)))
             return tuple(single([x, w], ctx)[0] for single, w in zip(singles, ws))
-        run.program_kind = ("siblings",)
+        run.computes = Products()
         return run
 
     def bind_chain(self, nodes: Sequence[Node], kernels: Sequence[BoundKernel],
                    backends: Sequence) -> tuple[int, BoundKernel] | None:
         """One kernel for a layer's Rope of q, Rope of k, KvCache and Sdpa (the executor's chains;
         :func:`_attention_chain`), the Ropes and the attention this backend's: an
-        :class:`_AttentionChain`."""
+        :class:`AttentionChain`."""
         found = _attention_chain(nodes)
         if found is None or not (backends[0] is backends[1] is backends[3] is self):
             return None
-        return 4, _AttentionChain(nodes[:4], kernels[:4], *found)
+        return 4, AttentionChain(nodes[:4], kernels[:4], *found)
 
     def reference(self, node: Node) -> BoundKernel:
         """The CPU library's kernel for ``node``: what runs off the fast path."""
         return self._cpu.bind(node)
-
-    def quant_matmul(self, x: np.ndarray, w: Array) -> np.ndarray:
-        return self._cpu.quant_matmul(x, w)
 
 
 register_backend("numba", NumbaBackend)

@@ -18,54 +18,54 @@ dequantize-then-matmul within 1e-5 of the output's scale.  ``activations="q8_0"`
 32-element block of ``x`` to int8 first, as llama.cpp's ``vec_dot_*_q8_0`` do (its numerics,
 integer dot products): faster, and what the GGUF tests compare with llama.cpp.
 
-Each element type's kernel lives in its family's module (``floats``, ``legacy``, ``kquants``) and
-registers itself in :data:`KERNELS` with :func:`kernel` (both in :mod:`.registry`).
+Each weight type's route -- its family (``floats``, ``legacy``, ``kquants``), rows kernel, joint
+kernel and tile -- is a row of the product table, :data:`.products.PRODUCTS`.
+
+Importing this package changes no process state.  :func:`init` does, once, before compiled code
+first runs: it clears cached code whose sources changed (:mod:`.freshness`), chooses numba's
+threading layer (:mod:`.threads`) and, on the portable path, a cache of its own (:mod:`.cpu`).
+:func:`linear`, :func:`linear_many` and the numba backend call it; so may any caller, any number of
+times.
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from .freshness import SOURCES, STAMP, refresh
+from ...dtypes import DType
+from ...tensor import Array, QuantizedArray
+from . import cpu, freshness, threads
+from .products import ACTIVATIONS, PRODUCTS, route  # noqa: F401  (the package's table)
 
-# Before any module below loads its cached code: a change to a file whose code others compile in
-# (registry.py, simd*.py) clears theirs too (.freshness).
-refresh(SOURCES, STAMP)
+_ready = False
 
-# Before numba compiles anything parallel: the layer of .threads (TBB when installed, else
-# numba's own workqueue; never OpenMP's spinning pool).
-from .threads import LAYER  # noqa: E402
 
-os.environ.setdefault("NUMBA_THREADING_LAYER", LAYER)
-
-import numba  # noqa: E402
-
-# numba reads the variable when first imported, which another module (backends/numba.py, a
-# script) may have done without it: then set the layer itself, which counts until the first
-# parallel launch.
-if numba.config.THREADING_LAYER == "default":
-    numba.config.THREADING_LAYER = LAYER
-
-from ...dtypes import DType  # noqa: E402
-from ...tensor import Array, QuantizedArray  # noqa: E402
-from .registry import JOINT, KERNELS, kernel  # noqa: E402,F401  (the family modules register there)
-
-#: The activation modes of :func:`linear`.
-ACTIVATIONS = ("f32", "q8_0")
+def init() -> str:
+    """Ready this process for compiled code (idempotent): stale cached code cleared, the threading
+    layer chosen and set before numba's first parallel launch, the portable path's cache apart.
+    Returns what was chosen and why (``inspect --plan`` shows it)."""
+    global _ready
+    if not _ready:
+        freshness.refresh(freshness.SOURCES, freshness.STAMP)
+        threads.init()
+        cpu.init()
+        _ready = True
+    return f"{cpu.REASON}; {threads.REASON}"
 
 
 def set_threads(n: int) -> None:
     """Threads the kernels split ``N`` over (the stage's CPU share; at most the cores numba saw)."""
+    import numba
+
+    init()
     numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
 
 
 def supports(w: Array) -> bool:
-    """Whether :func:`linear` takes this weight (2-D, a registered type)."""
+    """Whether :func:`linear` takes this weight (2-D, a type of the product table)."""
     dtype = w.dtype if isinstance(w, QuantizedArray) else _float_dtype(w)
     data = w.data if isinstance(w, QuantizedArray) else w
-    return dtype in KERNELS and len(w.shape) == 2 and data.flags.c_contiguous
+    return dtype in PRODUCTS and len(w.shape) == 2 and data.flags.c_contiguous
 
 
 def _float_dtype(w: np.ndarray) -> DType | None:
@@ -75,7 +75,7 @@ def _float_dtype(w: np.ndarray) -> DType | None:
         return None
 
 
-def _stored(w: Array) -> tuple[DType | None, np.ndarray]:
+def stored(w: Array) -> tuple[DType | None, np.ndarray]:
     """The weight's element type and the array its kernel reads (F16/BF16 as u16)."""
     if isinstance(w, QuantizedArray):
         return w.dtype, w.data
@@ -93,34 +93,33 @@ def _activations(x: np.ndarray, k: int, activations: str) -> np.ndarray:
 
 def linear(x: np.ndarray, w: Array, *, activations: str = "f32") -> np.ndarray:
     """``x [M, K] @ W[N, K]^T`` as f32 ``[M, N]`` (see the module docstring)."""
+    init()
     n, k = w.shape
     x = _activations(x, k, activations)
-    dtype, data = _stored(w)
+    dtype, data = stored(w)
+    kernel = route(dtype, activations).rows
     out = np.empty((x.shape[0], n), np.float32)
     if x.shape[0] and n:
-        KERNELS[dtype](x, data, out, activations == "q8_0")
+        kernel(x, data, out)
     return out
 
 
 def linear_many(x: np.ndarray, ws: list[Array], *, activations: str = "f32") -> list[np.ndarray]:
     """``[linear(x, w) for w in ws]``, the same bits, in one threaded launch where the weights'
-    types share one joint kernel (:data:`registry.JOINT`: the float types each, the legacy block
-    types together, the K-quants together): the threads then never
-    wait between the products (a 125M model's gate and up products, 2 threads, from memory: 539
-    against 607 us as two launches)."""
+    routes share one joint kernel (each float format its own, the legacy block types together,
+    the K-quants together): the threads then never wait between the products (a 125M model's
+    gate and up products, 2 threads, from memory: 539 against 607 us as two launches)."""
     if not ws:
         return []
+    init()
     k = ws[0].shape[1]
     if any(w.shape[1] != k for w in ws):
         raise ValueError(f"linear_many: the weights' columns differ ({[list(w.shape) for w in ws]})")
     x = _activations(x, k, activations)
-    stored = [_stored(w) for w in ws]
-    joint = JOINT.get(stored[0][0])
-    if joint is None or any(JOINT.get(d) is not joint for d, _ in stored) or not x.shape[0]:
+    kept = [stored(w) for w in ws]
+    routes = [route(d, activations) for d, _ in kept]
+    if any(r.joint is not routes[0].joint for r in routes) or not x.shape[0]:
         return [linear(x, w, activations=activations) for w in ws]
     outs = [np.empty((x.shape[0], w.shape[0]), np.float32) for w in ws]
-    joint(x, [data for _, data in stored], outs, activations == "q8_0", [d for d, _ in stored])
+    routes[0].joint(x, [data for _, data in kept], outs, [r.code for r in routes])
     return outs
-
-
-from . import floats, kquants, legacy  # noqa: E402,F401  (each registers its kernels)

@@ -14,9 +14,9 @@ head uses them:
   score is the same bits wherever it falls;
 - :func:`weighted`: each head's ``head_dim`` sums, the value rows added in order.
 
-numba's loops over a head's 64 elements (still used for other sizes: :func:`_attend_row`) paid a
-loop's setup and a reduction per key and head and reloaded the accumulators for every value row:
-one query row of 12 heads over 1024 keys took 149-176 us in cache against 86-110 here.
+numba's loops over a head's 64 elements (the other sizes': :func:`_attend_row`) pay a loop's
+setup and a reduction per key and head and reload the accumulators for every value row: one query
+row of 12 heads over 1024 keys takes 149-176 us in cache against 86-110 here.
 
 A query row's keys are cut into pieces of :data:`SPLIT_KEYS`; each piece is attended alone (its
 own softmax) and the pieces are merged by the sums of their exps (:func:`_merge`, as split-K
@@ -275,14 +275,14 @@ def _prefetch_row(typingctx, a, row):
 
 
 #: Key (and value) rows ahead of the one in use that the decode attention prefetches: its passes
-#: walk rows of a few hundred bytes to a few KB, which the hardware prefetcher alone left waiting
-#: on memory once the cache held no longer all the layers' K and V.
+#: walk rows of a few hundred bytes to a few KB, which the hardware prefetcher alone leaves waiting
+#: on memory once the cache no longer holds all the layers' K and V.
 AHEAD_ROWS = 4
 #: Rows ahead of a block that the vector cores prefetch, whole (a block ahead; 0, 16, 32 and 64
 #: measured no faster at 1024 keys, and 32-64 slower in cache).  Each head of a block prefetches
-#: its share of those rows (:func:`_prefetch_share`): the whole block's 128 hints at its start left
+#: its share of those rows (:func:`_prefetch_share`): the whole block's 128 hints at its start leave
 #: one query row over 1025 keys from memory (AMD EPYC, one process, interleaved) at 1.32-1.39x the
-#: time, each pass reading ~6 GB/s a thread where a product streams 20-28; 16 rows ahead was no
+#: time, each pass reading ~6 GB/s a thread where a product streams 20-28; 16 rows ahead is no
 #: different with the shares.
 AHEAD_K = 8
 #: Below this many K/V bytes read (times query rows), attention runs on the calling thread.
@@ -292,7 +292,7 @@ SERIAL_KV_BYTES = 1 << 18
 #: (:func:`_merge`), so that threads share one row's keys, each reading whole rows.  Fixed by the
 #: row's keys, never by the threads: its bits depend on its keys alone.  Equal pieces, a multiple
 #: of 4, so that 2 or 4 threads get equal work: cut every 256 keys, a 1025-key row's five pieces
-#: (one of a single key) kept one thread on three of them, 183-189 us a layer against 130.
+#: (one of a single key) keep one thread on three of them, 183-189 us a layer against 130.
 SPLIT_KEYS, PIECES = 256, 4
 
 
@@ -346,7 +346,7 @@ def _above(x, m):
 def _max(s, n, lanes):
     """The largest of ``s[:n]`` (a NaN among them is passed over: it makes its own exp NaN, and so
     the whole softmax).  Over 8 lanes, then across them: a max is exact in any order, and the lanes
-    vectorise where a running ``max()`` did not (12.5 -> 2.5 us for 12 heads x 1024 keys)."""
+    vectorise where a running ``max()`` does not (2.5 us against 12.5 for 12 heads x 1024 keys)."""
     whole = n // LANES * LANES
     lanes[:] = -np.inf
     for t in range(0, whole, LANES):
@@ -485,10 +485,10 @@ def _attention_serial(spec, q, k, v, num_heads, kv_heads, head_dim, causal, wind
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out):
-    """The pieces over the threads.  Pieces of keys, not parts of the kv heads (as until session 9):
-    two threads reading alternate halves of each row of K read 9-15 GB/s here, against 27-30 for
-    halves of the rows (each core's prefetcher fetched the other's lines too), and one row over
-    1024 keys took 146-151 us on two threads from memory, 157-185 on one; in pieces 90-97."""
+    """The pieces over the threads.  Pieces of keys, not parts of the kv heads: two threads
+    reading alternate halves of each row of K read 9-15 GB/s here, against 27-30 for halves of the
+    rows (each core's prefetcher fetches the other's lines too), and one row over 1024 keys split
+    by kv heads takes 146-151 us on two threads from memory, 157-185 on one; in pieces 90-97."""
     starts, sums, stats = _scratch(q.shape[0], k.shape[0], causal, window, num_heads, head_dim)
     for piece in prange(starts[-1]):
         _attend_piece(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, piece, sums, stats)

@@ -40,7 +40,7 @@ from numba.extending import intrinsic
 
 from ...dtypes import DType
 from . import cpu, simd
-from .registry import Drivers, joint_kernel, joint_slots, kernel, run, serial
+from .registry import FLOATS, Drivers, Route, joint_slots, run, serial
 
 #: Lanes of one multiply-add (8 f32 = one AVX2 register).
 LANES = 8
@@ -51,31 +51,30 @@ LANES = 8
 #: against 42.3 for 4 x 3 and 42.3 for 8 x 2, in one run on the busy machine).
 ROWS, COLS = (8, 3) if cpu.REGISTERS >= 32 else (4, 3)
 #: A format's tile, ``(rows, cols)``, where it is not ``(ROWS, COLS)``.  Q8_0 on 16 registers:
-#: 4 x 2.  Its 4 x 3 tile kept three broadcast scales ``d`` and three decoded pieces beside the 12
-#: accumulators, 19 registers, and LLVM spilled accumulators to the stack inside the loop; 4 x 2
+#: 4 x 2.  A 4 x 3 tile keeps three broadcast scales ``d`` and three decoded pieces beside the 12
+#: accumulators, 19 registers, and LLVM spills accumulators to the stack inside the loop; 4 x 2
 #: needs 13.  AMD EPYC (Zen 3, AVX2), the 125M model's products (chains of its Q8_0 weights from
 #: memory, two threads, medians of 15 interleaved rounds) against 8 x 1 (8 accumulators, each
 #: piece decoded once for 8 rows): 4 x 2 0.84x / 0.90x / 0.92x the time at M = 4 / 8 / 16, 4 x 3
-#: 1.10x / 1.14x / 1.18x, 5 x 2 1.66x / 1.28x / 0.91x.
+#: 1.10x / 1.14x / 1.18x.
 TILES = {"q8_0": (4, 2)} if cpu.REGISTERS < 32 else {}
 #: Weight rows a lone row of ``x`` (``M`` = 1, and the last ``M mod ROWS``) takes at a time, per
 #: stored format: F32 one, so that each thread reads its weight as one sequential stream; F16 and
-#: BF16 two, whose two chains of multiply-adds keep pace with half the bytes a piece.  Tiles of 6
-#: weight rows read 6 streams 3-8 KB apart, which this machine (AMD EPYC, 2 threads) fetched slower:
-#: in a C test of plain 8-lane chains, 2048 x 768 f32 weights from memory, 1 row at a time 25-35
-#: GB/s, 2 rows 16, 4-6 rows 18-20.  Here, in one process, from memory: F32 one row against 6, 2048
-#: x 768 0.79-0.87x the time, 4096 x 4096 0.90-0.97x, the 125M model's f32 decode step 0.89-0.91x;
-#: against 2 or 3 rows 0.93-0.95x at 2048 x 768, no different at 4096 x 4096.  F16 / BF16 two rows
-#: against one: 0.78-0.79x / 0.67-0.70x at 4096 x 4096, 0.78x / 0.95x at 2048 x 768 (one row is a
-#: single chain, 4 cycles a piece: 16 bytes of F16, half F32's).  (On an earlier Intel machine 6
-#: rows had been best.)  Q8_0 four: a piece's decoding (widen, convert, scale) and multiply-add
-#: sit on one chain, so one row at a time left a lone row compute-bound (in cache, 768 x 2048, two
-#: threads: four rows 0.81x the time of the per-block kernel it replaced; two rows no faster than it).
-#: Where the CPU has 16 vector registers, F32 takes four too: on the AMD EPYC of session 20 (Zen 3,
-#: AVX2; the measurements above were on a Zen 4 with AVX-512), two threads, chains of weights from
-#: memory, medians of 11 interleaved rounds, four rows against one: 4096 x 4096 0.84-0.86x the time
-#: (24-26 GB/s against 30-31), the 125M model's products 0.98-1.02x; two rows 0.86x / 1.08-1.10x,
-#: six 0.86x / 0.97x, four with both prefetch hints 0.86x / 1.06x.
+#: BF16 two, whose two chains of multiply-adds keep pace with half the bytes a piece.  Several
+#: weight rows read as many streams a few KB apart, which an AMD EPYC (Zen 4, AVX-512, 2 threads)
+#: fetches slower: in a C test of plain 8-lane chains, 2048 x 768 f32 weights from memory, 1 row
+#: at a time 25-35 GB/s, 2 rows 16, 4-6 rows 18-20.  Here, in one process, from memory: F32 one
+#: row against 2 or 3 takes 0.93-0.95x the time at 2048 x 768, no different at 4096 x 4096 (against
+#: 6, the 125M model's f32 decode step 0.89-0.91x).  F16 / BF16 two rows against one: 0.78-0.79x
+#: / 0.67-0.70x at 4096 x 4096, 0.78x / 0.95x at 2048 x 768 (one row is a single chain, 4 cycles a
+#: piece: 16 bytes of F16, half F32's).  Q8_0 four: a piece's decoding (widen, convert, scale) and
+#: multiply-add sit on one chain, so one row at a time leaves a lone row compute-bound (in cache,
+#: 768 x 2048, two threads: four rows 0.81x the time of the per-block formula, :mod:`.legacy`'s;
+#: two rows no faster than it).  Where the CPU has 16 vector registers, F32 takes four too, with
+#: no prefetch hint: on an AMD EPYC (Zen 3, AVX2), two threads, chains of weights from memory,
+#: medians of 11 interleaved rounds, four rows against one: 4096 x 4096 0.84-0.86x the time (24-26
+#: GB/s against 30-31), the 125M model's products 0.98-1.02x; two rows 0.86x / 1.08-1.10x; four
+#: with both prefetch hints 0.86x / 1.06x.
 LONE_COLS = {"f32": 1 if cpu.REGISTERS >= 32 else 4, "f16": 2, "bf16": 2, "q8_0": 4}
 #: Weight rows per thread task: a multiple of ``COLS`` and of :data:`LONE_COLS`.
 CHUNK = 12
@@ -84,30 +83,28 @@ CHUNK = 12
 #: tile's rows of ``x`` stay in L1 while every row of ``x`` passes.
 SPAN = 256
 #: A tile prefetches each of its weight rows (``llvm.prefetch``, once per 64-byte line)
-#: :data:`.simd.PREFETCH_NEAR` bytes ahead into L1 and :data:`.simd.PREFETCH_FAR` into L2.  The hardware prefetcher alone left the
-#: multiply-adds waiting on memory once ``M`` > 1.  The 125M model's products (2 threads, medians of
-#: 9-11 interleaved rounds, M = 1 / M = 8 in ms): none 16.74 / 25.68; near 512 B alone 16.94 /
-#: 22.06 (256 B and 768 B no better, L2 or non-temporal hints worse, NTA doubled M = 1); near and
-#: far 16 KB, once per line 15.62 / 17.29 (once per 8-element piece 16.42 / 17.85, which also cost
-#: an L1-resident M = 1 product 20%; once per line it costs 4-12%); far 8 KB 17.75 at M = 8, 24 KB
-#: and 64 KB as 16 KB; the far one into L1 18.52, far alone 18.51, against 18.11 for both.  A lone
-#: row of ``x`` on F32, one sequential stream (above), takes neither on rows under 16 KB
-#: (:data:`LONE_FAR_K`: on longer rows the far one alone), as llama.cpp's
-#: ``ggml_vec_dot_f32`` does: on the AMD EPYC the far one had cost its decode steps 6-8% (session
-#: 11), and without the near one too the 125M model's f32 decode step took 0.94-0.96x the time
-#: (session 13, one process, 14-20 rounds alternating which goes first; the products of a chain of
-#: weights back to back, no small ops between, 0.99x: what the hint cost was in the step's
-#: context); F16 and BF16, whose chains take longer a byte, keep both (without the far one, in pairs
-#: of rows: 1.4-1.9x the time).
+#: :data:`.simd.PREFETCH_NEAR` bytes ahead into L1 and :data:`.simd.PREFETCH_FAR` into L2: the
+#: hardware prefetcher alone leaves the multiply-adds waiting on memory once ``M`` > 1.  The 125M
+#: model's products (2 threads, medians of 9-11 interleaved rounds, M = 1 / M = 8 in ms): both
+#: hints once per line 15.62 / 17.29, against 16.74 / 25.68 with none, 16.94 / 22.06 with the near
+#: one alone, and 16.42 / 17.85 hinting once per 8-element piece (which costs an L1-resident M = 1
+#: product 20%, once per line 4-12%); in another run, far alone 18.51 at M = 8 against 18.11 for
+#: both.  A lone row of ``x`` on F32, one sequential stream (:data:`LONE_COLS`), takes neither on
+#: rows under 16 KB (:data:`LONE_FAR_K`: on longer rows the far one alone), as llama.cpp's
+#: ``ggml_vec_dot_f32`` does: without the near one the 125M model's f32 decode step takes
+#: 0.94-0.96x the time (one process, 14-20 rounds alternating which goes first; the products of a
+#: chain of weights back to back, no small ops between, 0.99x: the hint costs in the step's
+#: context).  F16 and BF16, whose chains take longer a byte, keep both (without the far one, in
+#: pairs of rows: 1.4-1.9x the time).
 
 
 #: A lone F32 row of ``x`` prefetches its weight rows :data:`.simd.PREFETCH_FAR` ahead (into L2,
 #: no near hint) where a weight row holds at least that many bytes (``K`` >= 4096), so that the
 #: hint lands in the row being read or the next; on shorter rows it leaves the prefetch to the
-#: hardware.  Session 17, chains of distinct weights from memory, two threads, far hint against
-#: none (time, two runs of 10 interleaved rounds): 4096 x 4096 0.96x / 0.96x, Llama-7B's MLP pair
-#: 11008 x 4096 and 4096 x 11008 0.90x / 0.94x, while the 125M model's 2048 x 768 and 768 x 2048
-#: took 1.10x / 1.08x (hints 16 KB ahead there land 5-20 rows on, past a chunk's end).
+#: hardware.  Chains of distinct weights from memory, two threads, far hint against none (time,
+#: two runs of 10 interleaved rounds): 4096 x 4096 0.96x / 0.96x, Llama-7B's MLP pair 11008 x 4096
+#: and 4096 x 11008 0.90x / 0.94x, while the 125M model's 2048 x 768 and 768 x 2048 take 1.10x /
+#: 1.08x (hints 16 KB ahead there land 5-20 rows on, past a chunk's end).
 LONE_FAR_K = simd.PREFETCH_FAR // 4
 
 
@@ -254,16 +251,15 @@ _ONE_FAR = _tile(1, 1, far_only=True)
 #: A full tile of rows after a chunk's first pass over its weight rows (its rows then in cache):
 #: each loop turn hints the same line of the next chunk's rows into L2, so that the next chunk's
 #: first pass finds them there, in place of the hints on its own rows.  Where ``x`` takes two
-#: passes or more (M = 8 on 16 registers: two tiles of 4), the second pass had computed from cache
-#: with no weight streaming from memory beside it: a product from memory took its one-row time plus
-#: about half its in-cache time.  Session 24, the 125M model's 84 layer products from memory, two
-#: threads, 15 interleaved rounds in one process: M = 8 0.92-0.94x the time (three runs), M = 16
-#: 0.96-0.98x, M = 1 no different; its 8-row step in the compiled program (whose JOINT launches
-#: now pass each weight's run of a task's chunks in one call), three runs alternating with the
-#: code before: 20.9-23.5 -> 19.2-20.7 ms, 1.58-1.75x -> 1.44-1.51x its one-row step.  No better:
-#: the chunk after next (0.93-0.95x), both the next two (0.98-0.99x), the own rows' hints kept
-#: beside (0.92x), the first pass hinting the next chunk too (0.93-0.94x).  Q8_0 no different: its
-#: tiles wait on arithmetic.
+#: passes or more (M = 8 on 16 registers: two tiles of 4), the later passes compute from cache with
+#: no weight streaming from memory beside them: without this hint a product from memory takes its
+#: one-row time plus about half its in-cache time.  The 125M model's 84 layer products from memory,
+#: two threads, 15 interleaved rounds in one process, against no hint ahead: M = 8 0.92-0.94x the
+#: time (three runs), M = 16 0.96-0.98x, M = 1 no different; its 8-row step in the compiled program
+#: (whose JOINT launches pass each weight's run of a task's chunks in one call), three alternating
+#: runs: 19.2-20.7 ms against 20.9-23.5, 1.44-1.51x its one-row step against 1.58-1.75x.  Hinting
+#: the chunk after next instead, or keeping the own rows' hints beside, does no better
+#: (0.92-0.95x).  Q8_0 gains nothing: its tiles wait on arithmetic.
 _TILE_AHEAD = _tile("rows", "cols", ahead=True)
 
 
@@ -381,25 +377,32 @@ def _threaded_joint(spec, x, m, k, w0, out0, n0, w1, out1, n1, w2, out2, n2):
 _DRIVERS = Drivers(_rows, _threaded)
 
 
-def _run(spec: np.ndarray, x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
+def _run(spec: np.ndarray, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
     m, n = out.shape
     run(_DRIVERS, w.nbytes * m, (spec, x.reshape(-1), w.reshape(-1), out.reshape(-1), m, n, x.shape[1]), n)
 
 
-def _run_joint(spec: np.ndarray, x: np.ndarray, ws: list, outs: list, q8: bool, dtypes: list) -> None:
+def _run_joint(spec: np.ndarray, x: np.ndarray, ws: list, outs: list, codes: list) -> None:
     m, k = x.shape
     if serial(sum(w.nbytes for w in ws) * m) or len(ws) > 3:
         for w, out in zip(ws, outs):
-            _run(spec, x, w, out, q8)
+            _run(spec, x, w, out)
         return
     flat = joint_slots([w.reshape(-1) for w in ws], [o.reshape(-1) for o in outs], [w.shape[0] for w in ws], 0)
     _threaded_joint(spec, x.reshape(-1), m, k, *flat)
 
 
-for _dtype, _fmt in ((DType.F32, "f32"), (DType.F16, "f16"), (DType.BF16, "bf16")):
-    kernel(_dtype)(functools.partial(_run, SPECS((_fmt, cpu.PATH))))
-    joint_kernel(_dtype)(functools.partial(_run_joint, SPECS((_fmt, cpu.PATH))))
+#: The formats of these tiles, in the order of their codes (a weight's code in the compiled
+#: program's weight table, ``program/vm.py``).  Q8_0 here is Q8_0 weights with f32 activations.
+FORMATS = ("f32", "f16", "bf16", "q8_0")
 
-#: Q8_0 weights with f32 activations (legacy.py routes them here; Q8_0 activations stay there).
-q8_0 = functools.partial(_run, SPECS(("q8_0", cpu.PATH)))
-q8_0_joint = functools.partial(_run_joint, SPECS(("q8_0", cpu.PATH)))
+
+def _route(fmt: str) -> Route:
+    spec = SPECS((fmt, cpu.PATH))
+    rows, cols, _ = _shape(fmt)
+    return Route(FLOATS, FORMATS.index(fmt), "f32", functools.partial(_run, spec), functools.partial(_run_joint, spec),
+                 f"{fmt.upper()} tiles of {rows} x {cols} rows on the {cpu.PATH} path")
+
+
+#: Each format's route (the product table's rows for the float types, and Q8_0's with f32 activations).
+ROUTES = {fmt: _route(fmt) for fmt in FORMATS}

@@ -3,9 +3,8 @@
 numba keys a cached function by its own file's contents, not by the files whose code it inlines
 or calls: ``kquants.py``'s drivers hold ``registry.joint_chunks`` and the IR that ``simd_k.py``
 emits, compiled in.  After a change to those files alone (an edit, a ``git pull``, a checkout of
-another branch), the callers' cached code would still be the old kernels, with no error (seen in
-session 16: a change to ``registry.py`` alone left ``kquants.py``'s cached drivers as they were).
-So, once per process, before anything is compiled or loaded, :func:`refresh` compares a digest of
+another branch), the callers' cached code would still be the old kernels, with no error.  So,
+once per process (:func:`.init`), before anything is compiled or loaded, :func:`refresh` compares a digest of
 every source whose code is cached, or compiled into cached code, with the digest stored beside the
 cache; when they differ it deletes those sources' cached code, so that numba compiles it anew,
 and stores the new digest.
@@ -53,8 +52,8 @@ def refresh(sources: list[Path], stamp: Path) -> bool:
     return True
 
 
-#: The sources of the cached compiled code: this package's modules and the numba backend, whose
-#: attention chain compiles the package's attention in.
+#: The sources of the cached compiled code: this package's modules, and the compiled program's,
+#: which compile the package's kernels in.
 PACKAGE = Path(__file__).resolve().parent
-SOURCES = sorted(PACKAGE.glob("*.py")) + [PACKAGE.parent / "numba.py", PACKAGE.parent / "program.py"]
+SOURCES = sorted(PACKAGE.glob("*.py")) + sorted((PACKAGE.parent / "program").glob("*.py"))
 STAMP = PACKAGE / "__pycache__" / "sources.sha256"

@@ -20,12 +20,14 @@ term).
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 
 from ...dtypes import DType
 from . import cpu
-from .registry import CHUNKS, Drivers, block_sums, joint_chunks, joint_kernel, joint_part, joint_slots, kernel, run, serial
+from .registry import KQUANTS, CHUNKS, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
 from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2, q6_k_q8
 
 QK_K = 256
@@ -389,7 +391,7 @@ _F32, _Q8 = Drivers(_k_serial, _k_threaded), Drivers(_k_q8_serial, _k_q8_threade
 #: A K-quant weight byte costs the threading threshold (registry.SERIAL_BYTES) this many F32 bytes:
 #: these kernels are compute-bound (one thread in cache: Q4_K 6.5 GB/s with f32 activations, 10.9
 #: with Q8_K, against 24.5 for F32), so a 768 x 768 Q4_K product (0.33 MB) pays for two threads:
-#: in a Q4_K_M decode step 88 -> 52 us (Q8_K activations) and 110 -> 65 (f32).
+#: in a Q4_K_M decode step 52 us against 88 on one thread (Q8_K activations), 65 against 110 (f32).
 COST = 4
 
 
@@ -402,23 +404,23 @@ def linear_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, kind: int, vec: bool
 _KINDS = {DType.Q4_K: 4, DType.Q5_K: 5, DType.Q6_K: 6}
 
 
-@joint_kernel(*_KINDS)
-def _joint(x: np.ndarray, ws: list, outs: list, q8: bool, dtypes: list) -> None:
-    """Two or three K-quant products with one ``x`` in one launch (registry.JOINT); alone when small."""
+def _joint(q8: bool, x: np.ndarray, ws: list, outs: list, kinds: list) -> None:
+    """Two or three K-quant products with one ``x`` in one launch; alone when small."""
     if serial(sum(w.nbytes for w in ws) * x.shape[0] * COST) or len(ws) > 3:
-        for w, out, d in zip(ws, outs, dtypes):
-            linear_k(x, w, out, _KINDS[d], cpu.AVX2, q8)
+        for w, out, kind in zip(ws, outs, kinds):
+            linear_k(x, w, out, kind, cpu.AVX2, q8)
         return
     driver = _k_q8_threaded_joint if q8 else _k_threaded_joint
-    driver(x, cpu.AVX2, *joint_slots(ws, outs, [_KINDS[d] for d in dtypes], 4))
+    driver(x, cpu.AVX2, *joint_slots(ws, outs, kinds, 4))
 
 
-def _register(dtype: DType, kind: int) -> None:
-    @kernel(dtype)
-    def product(x: np.ndarray, w: np.ndarray, out: np.ndarray, q8: bool) -> None:
-        """A K-quant kernel (see the module docstring)."""
-        linear_k(x, w, out, kind, cpu.AVX2, q8)
+_JOINTS = {q8: functools.partial(_joint, q8) for q8 in (False, True)}
 
 
-for _dtype, _kind in _KINDS.items():
-    _register(_dtype, _kind)
+def route(dtype: DType, q8: bool) -> Route:
+    """The product table's route of a K-quant with f32 or (``q8``) Q8_K activations."""
+    kind = _KINDS[dtype]
+    path = "vector" if cpu.AVX2 else "portable"
+    return Route(KQUANTS, kind, "q8_0" if q8 else "f32",
+                 lambda x, w, out: linear_k(x, w, out, kind, cpu.AVX2, q8), _JOINTS[q8],
+                 f"{dtype.name} super-blocks, {'integer dots of Q8_K activations' if q8 else 'f32 lanes'} ({path} path)")

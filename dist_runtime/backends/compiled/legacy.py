@@ -31,6 +31,7 @@ Activations (``q8``):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -38,9 +39,8 @@ import numpy as np
 
 from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
-from . import cpu, floats
-from .registry import (CHUNKS, KERNELS, Drivers, block_sums, joint_chunks, joint_kernel, joint_part, joint_slots, kernel,
-                       run, serial)
+from . import cpu
+from .registry import LEGACY, CHUNKS, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
 from .simd_int8 import FORMATS, GROUP, GROUP_BYTES, LANES, centre, unsigned_centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
@@ -366,31 +366,26 @@ def _q8_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
 _CODES = {dtype: code for code, dtype in FORMATS.items()}
 
 
-@joint_kernel(*_CODES)
-def _joint(x: np.ndarray, ws: list, outs: list, q8: bool, dtypes: list) -> None:
-    """Two or three legacy-block products with one ``x`` in one launch (registry.JOINT); alone when small."""
-    if not q8 and DType.Q8_0 in dtypes:  # its f32-activation products are floats.py's
-        if all(d == DType.Q8_0 for d in dtypes):
-            floats.q8_0_joint(x, ws, outs, q8, dtypes)
-            return
-        alone = True
-    else:
-        alone = serial(sum(w.nbytes for w in ws) * x.shape[0]) or len(ws) > 3
-    if alone:
-        for w, out, d in zip(ws, outs, dtypes):
-            KERNELS[d](x, w, out, q8)
+def _product(q8: bool, x: np.ndarray, w: np.ndarray, out: np.ndarray, code: int) -> None:
+    run(_Q8 if q8 else _F32, w.nbytes * x.shape[0], (x, w, out, code, QK), w.shape[0])
+
+
+def _joint(q8: bool, x: np.ndarray, ws: list, outs: list, codes: list) -> None:
+    """Two or three legacy-block products with one ``x`` in one launch; alone when small."""
+    if serial(sum(w.nbytes for w in ws) * x.shape[0]) or len(ws) > 3:
+        for w, out, code in zip(ws, outs, codes):
+            _product(q8, x, w, out, code)
         return
-    (_q8_joint if q8 else _f32_joint)(x, QK, *joint_slots(ws, outs, [_CODES[d] for d in dtypes], 0))
+    (_q8_joint if q8 else _f32_joint)(x, QK, *joint_slots(ws, outs, codes, 0))
 
 
-def _register(code: int, dtype: DType) -> None:
-    @kernel(dtype)
-    def product(x, w, out, q8):
-        if dtype == DType.Q8_0 and not q8:  # exact f32 elements: F32's tiles (floats.py)
-            floats.q8_0(x, w, out, q8)
-        else:
-            run(_Q8 if q8 else _F32, w.nbytes * x.shape[0], (x, w, out, code, QK), w.shape[0])
+_JOINTS = {q8: functools.partial(_joint, q8) for q8 in (False, True)}
 
 
-for _code, _dtype in FORMATS.items():
-    _register(_code, _dtype)
+def route(dtype: DType, q8: bool) -> Route:
+    """The product table's route of a legacy block type with f32 or (``q8``) Q8_0 activations."""
+    code = _CODES[dtype]
+    path = "vector" if cpu.AVX2 else "portable"
+    return Route(LEGACY, code, "q8_0" if q8 else "f32",
+                 lambda x, w, out: _product(q8, x, w, out, code), _JOINTS[q8],
+                 f"{dtype.name} blocks, {'integer dots of q8_0 activations' if q8 else 'f32 lanes'} ({path} path)")

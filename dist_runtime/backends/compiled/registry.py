@@ -1,5 +1,6 @@
-"""The kernel registry, apart from the package so that the family modules the package imports can
-register into it without importing the package back (tests/test_imports.py: no import cycle)."""
+"""What the product families share: the route record of the product table, and the helpers of
+their threaded drivers (the threshold for threads, the chunks of a joint launch).  Apart from the
+package so that the family modules import it without importing the package back."""
 
 from __future__ import annotations
 
@@ -8,46 +9,34 @@ from typing import Callable, NamedTuple
 import numba
 import numpy as np
 
-from ...dtypes import DType
-
-#: element type -> ``kernel(x, w, out, q8)``: ``x`` f32 [M, K] C-contiguous, ``w`` the stored
-#: weight as a 2-D array (f32/u16 [N, K] for floats, u8 [N, K / block * block_bytes] for blocks),
-#: ``out`` f32 [M, N] to fill, ``q8`` True for Q8_0-quantized activations (ignored by floats).
-KERNELS: dict[DType, Callable] = {}
+#: The families of product kernels: the module whose kernels run a route, and the compiled
+#: program's instruction that takes its weights (``program/instructions.py``).
+FLOATS, LEGACY, KQUANTS = "floats", "legacy", "kquants"
 
 
-#: element type -> ``joint(x, ws, outs, q8, dtypes)``: the products of one ``x`` with two or three
-#: weights (``ws``, ``outs``: lists of :data:`KERNELS`' ``w`` and ``out``; ``dtypes`` theirs) in one
-#: threaded launch, for weights whose types all map to this same function (a family's module:
-#: Q4_K_M's q, k and v are Q4_K, Q4_K and Q6_K); other groups run one :data:`KERNELS` call each.
-JOINT: dict[DType, Callable] = {}
+class Route(NamedTuple):
+    """How the products of one weight type run with one kind of activations: a row of the product
+    table (:data:`.products.PRODUCTS`), as ggml's type traits are for its types.
+
+    ``rows(x, w, out)`` fills ``out`` f32 ``[M, N]`` with ``x`` f32 ``[M, K]`` (C-contiguous) times
+    ``W^T``, ``w`` the stored weight as a 2-D array (f32 / u16 ``[N, K]`` for floats, u8 ``[N, K /
+    block * block_bytes]`` for blocks).  ``joint(x, ws, outs, codes)`` does two or three such
+    products with one ``x`` in one threaded launch, for weights whose routes share this same
+    ``joint`` (``codes``: theirs); each row's bits as alone."""
+
+    family: str  # FLOATS, LEGACY or KQUANTS
+    code: int  # the weight's format code in its family's kernels (and the program's weight table)
+    activations: str  # what the kernel multiplies the weight with: "f32" or "q8_0" (quantized per block)
+    rows: Callable
+    joint: Callable
+    tile: str  # how the kernel reads the weight, for ``inspect --plan``
 
 
-def _registrar(table: dict[DType, Callable], what: str):
-    def register_as(*dtypes: DType):
-        def register(fn):
-            for d in dtypes:
-                table[d] = fn
-            return fn
-        return register
-    register_as.__doc__ = f"Register the decorated function as the {what} of ``dtypes``."
-    return register_as
-
-
-kernel = _registrar(KERNELS, "kernel (:data:`KERNELS`)")
-joint_kernel = _registrar(JOINT, "joint kernel (:data:`JOINT`)")
-
-
-#: Below this many weight bytes times rows a product runs on the calling thread.  With TBB's
-#: threads (a launch ~2 us; threads.py) the 125M model's decode step, median of 3 rounds, F32 /
-#: Q8_0 at M = 1: 21.8 / 10.0 ms with 8 MB, 16.1 / 8.3 with 1 MB, 16.6 / 9.7 with 256 KB, 20.6 /
-#: 10.5 with 64 KB; at M = 8: 32.0 / 26.0, 30.5 / 23.0, 31.1 / 35.3, 52.7 / 39.6.  (numba's
-#: workqueue pool, ~50 us a launch, wanted 8 MB.)  Later, with the F32 8-row tiles and every
-#: kernel prefetching its rows (bench_decode --no-llama-cpp, two alternating rounds, ms a token,
-#: F32 / Q8_0 / Q8_0 with Q8_0 activations): 1 MB 17.66 / 8.65 / 6.51 and 17.41 / 7.94 / 5.51;
-#: 512 KB 16.61 / 7.63 / 5.93 and 16.93 / 7.24 / 5.18 (256 KB like 512 in a third round), M = 8
-#: alike: the 0.8 MB k and v products of the 125M model took 63 us on one thread, 44 on two.
-#: Same bits either way: threads never split a row's sum.
+#: Below this many weight bytes times rows a product runs on the calling thread: waking the pool
+#: (TBB, ~2 us a launch: threads.py) pays from about there.  With 512 KB the 125M model's decode
+#: step (bench_decode.py, F32 / Q8_0 / Q8_0 with Q8_0 activations) ran 16.6-16.9 / 7.2-7.6 / 5.2-5.9
+#: ms a token against 17.4-17.7 / 7.9-8.7 / 5.5-6.5 with 1 MB and 20.6 / 10.5 (F32 / Q8_0) with 64
+#: KB.  Same bits either way: threads never split a row's sum.
 SERIAL_BYTES = 1 << 19
 #: Chunks of weight rows a threaded product hands out (a multiple of any thread count here).
 CHUNKS = 64

@@ -17,13 +17,13 @@ format is emitted once, behind a switch outside the loops):
   64-byte loads, one more their scales; per group and row two ``vpdpbusd`` starting from
   ``- c * sum(x)`` (the centre of the unsigned codes), one conversion, two multiplies and one
   add.  Else two 256-bit steps of two blocks (:func:`_nibble_pair`; ``pmaddubsw`` + ``pmaddwd``
-  without VNNI), the same bits.  A row of ``W`` is one stream read in order.  Against the 256-bit
-  steps of two blocks that every AVX2 CPU took before (session 15), on the AMD EPYC (Zen 4) here,
-  one thread, in cache, M = 1: Q4_0 21 -> 43-48 G weights/s, Q8_0 21 -> 28-32; at M = 4-32 no
-  different (the rows' own work is the limit there).  Before (session 12), the blocks' integer
-  sums were folded horizontally and added into one serial f32 sum per (row, weight row), ggml's
-  generic C order: its one-``addss``-a-block latency made the lone-row path read 4 weight rows
-  side by side, which fetch slower here than one.
+  without VNNI), the same bits.  A row of ``W`` is one stream read in order.  On the AMD EPYC
+  (Zen 4) here, one thread, in cache, M = 1, the 512-bit step runs Q4_0 at 43-48 G weights/s
+  against 21 for the 256-bit steps, Q8_0 at 28-32 against 21; at M = 4-32 no different (the rows'
+  own work is the limit there).  The sums stay in lanes rather than in ggml's generic C order
+  (the blocks' integer sums folded horizontally into one serial f32 sum per (row, weight row)):
+  that order's one-``addss``-a-block latency would have the lone-row path read 4 weight rows side
+  by side, which fetch slower here than one.
 
 Every row of ``x`` goes through the same instructions whatever the tile and its place in it,
 so results are batch-invariant; nothing here carries fast-math flags, so LLVM may not reorder.
@@ -207,8 +207,8 @@ def f32_rows(rows: int):
                 with cgutils.for_range(builder, nb_) as blocks:
                     b = blocks.index
                     # Far ahead only, as the K-quants' f32-activation rows (simd_k.py): without the
-                    # near (L1) hint the 125M model's decode step took 0.88-1.00x the time on Q8_0
-                    # and 0.94-0.97x on Q4_0 (session 13, one process, 12-14 alternating rounds).
+                    # near (L1) hint the 125M model's decode step takes 0.88-1.00x the time on Q8_0
+                    # and 0.94-0.97x on Q4_0 (one process, 12-14 alternating rounds).
                     simd.prefetch_ahead(builder, row, builder.mul(b, _i(bb)), bb, near=False)
                     blk = builder.gep(row, [builder.mul(b, _i(bb))])
                     q = _centred(builder, blk, fmt)
@@ -470,8 +470,8 @@ def q8_rows(wide: bool):
             with cgutils.for_range(builder, direct) as gl:
                 start = builder.mul(gl.index, _i(span))
                 # The 256-bit path into L2 only: with the L1 hint as well, from memory on 2 threads,
-                # every format took 1.02-1.07x the time at M = 1 and 1.02-1.03x at M = 4 (Zen 3;
-                # none at all: 1.13-1.21x).  The 512-bit one, not measured again, keeps both.
+                # every format takes 1.02-1.07x the time at M = 1 and 1.02-1.03x at M = 4 (Zen 3;
+                # none at all: 1.13-1.21x).  The 512-bit path keeps both (not measured without).
                 simd.prefetch_ahead(builder, row, start, span, near=wide)
                 group(gl.index, builder.gep(row, [start]))
             with cgutils.for_range(builder, total, start=direct) as gl:

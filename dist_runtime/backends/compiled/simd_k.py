@@ -21,9 +21,9 @@ row of quantized activations, :data:`TILE` rows at a time (the codes decoded onc
 one at a time.  Per super-block each row's exact integer sums (llama.cpp's
 ``vec_dot_q*_K_q8_K``) stay in 8 lanes, as llama.cpp's AVX2 kernels keep them, and are scaled
 into 8 f32 lanes held in a register over the whole row: no horizontal sum and no return to the
-driver per super-block (1024 x 4096, one thread, in cache, against the per-super-block kernels
-before: M = 1 Q4_K 0.83-0.88x the time, Q5_K 0.90-0.99x, Q6_K 0.76-0.81x; M = 8 0.74-0.80x; from
-memory, 24 weights of 4096 x 4096 in a chain, two threads: Q4_K 15.6 -> 19.8 GB/s).
+driver per super-block (1024 x 4096, one thread, in cache, against kernels that do both: M = 1
+Q4_K 0.83-0.88x the time, Q5_K 0.90-0.99x, Q6_K 0.76-0.81x; M = 8 0.74-0.80x; from memory, 24
+weights of 4096 x 4096 in a chain, two threads: Q4_K 19.8 GB/s against 15.6).
 
 numba's on-disk cache keys :mod:`.kquants`'s drivers by their own file only: a change to this one
 clears their cached code when the package is next imported (:mod:`.freshness`).
@@ -247,7 +247,8 @@ def _widened(builder, q, signed: bool):
     """32 codes computed on bytes as four ``<8 x i32>``.  Decoding on bytes, 32 at a time, takes a
     quarter of the integer operations of i32 lanes 8 at a time where a code needs several (Q5_K's
     fifth bit, Q6_K's two high bits): the same codes, the same bits after (M = 1, 1024 x 4096, one
-    thread, in alternate runs: Q6_K 546-573 -> 505-511 us, Q5_K 485-558 -> 417-507)."""
+    thread, in alternate runs: Q6_K 505-511 us against 546-573 on i32 lanes, Q5_K 417-507 against
+    485-558)."""
     widen = builder.sext if signed else builder.zext
     return [widen(builder.shuffle_vector(q, q, ir.Constant(V8I, list(range(8 * v, 8 * v + 8)))), V8I)
             for v in range(4)]
@@ -278,15 +279,14 @@ def _row_kernel(emit_scales, emit, span, accumulators=1):
             blk.accumulators = accumulators
 
             # The first pass over the row (its scales) brings the row into the caches, every line
-            # of each super-block prefetched far ahead.  Until session 16 one line a super-block
-            # was (the rest left to the hardware, which the scales' stride of one line in 3-4
-            # misled): products from memory (chains of distinct weights, two threads, M = 1 / 8)
-            # now take Q4_K 2048 x 768 0.89 / 0.96x the time, Q6_K 768 x 2048 0.54 / 0.84x, Q6_K
-            # 32000 x 768 0.85 / 0.79x, and the Q4_K_M decode step 0.89-0.93x (4 A/Bs of 5; in
-            # cache 1.00-1.03x).  Far only: the Q4_K_M step took 0.89-0.91x the time it took with
-            # the near (L1) hint too (session 13; with the whole super-block 0.99-1.03x), and 0.93x
-            # with neither.  With Q8_K activations dropping the near hint measured 0.97-1.01x (and
-            # dropping both 1.15x): there it stays.
+            # of each super-block prefetched far ahead.  Against one line a super-block (the rest
+            # left to the hardware, which the scales' stride of one line in 3-4 misleads),
+            # products from memory (chains of distinct weights, two threads, M = 1 / 8) take Q4_K
+            # 2048 x 768 0.89 / 0.96x the time, Q6_K 768 x 2048 0.54 / 0.84x, Q6_K 32000 x 768
+            # 0.85 / 0.79x, and the Q4_K_M decode step 0.89-0.93x (4 A/Bs of 5; in cache
+            # 1.00-1.03x).  Far only: the near (L1) hint as well measures no faster on the Q4_K_M
+            # step (0.99-1.03x).  The Q8_K-activation kernels keep both: without the near hint
+            # they measure 0.97-1.01x, without either 1.15x.
             def scales(blk):
                 simd.prefetch_ahead(builder, blk.row, blk.block_at, span, near=False)
                 emit_scales(blk)
@@ -311,9 +311,9 @@ def _row_kernel(emit_scales, emit, span, accumulators=1):
 #: (flat, ``nsub`` per row): each 32-element sub-block's sum of ``x`` (both unused by Q6_K).
 q4_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, False), DType.Q4_K.block_bytes)
 q5_k_avx2 = _row_kernel(_Row.scales_q45_k, lambda blk: _emit_q45_k(blk, True), DType.Q5_K.block_bytes)
-#: Q6_K's 16 sub-blocks a super-block go into two sums a row, by parity (one chain of 16
-#: multiply-adds a super-block before): 0.92-0.94x the time at M = 1 and 8, K = 768 and 2048, one
-#: thread, in cache; Q4_K measured no faster with 2 or 4 (0.99-1.08x), so keeps one.
+#: Q6_K's 16 sub-blocks a super-block go into two sums a row, by parity: against one chain of 16
+#: multiply-adds a super-block, 0.92-0.94x the time at M = 1 and 8, K = 768 and 2048, one thread,
+#: in cache; Q4_K measures no faster with 2 or 4 (0.99-1.08x), so keeps one.
 q6_k_avx2 = _row_kernel(_Row.scales_q6_k, _emit_q6_k, DType.Q6_K.block_bytes, accumulators=2)
 
 
@@ -327,10 +327,9 @@ _X86_AVX2 = "avx2" in cpu.FEATURES
 #: 32-code pieces of a super-block per integer operation where a call computes one row of
 #: activations: two (512-bit ``zmm``) with AVX-512BW, else one; tiles of rows keep one.  The sums
 #: are exact integers either way: the same bits.  Measured on an AMD EPYC with AVX-512 (1024 x
-#: 4096, one thread, in cache, as a fraction of the per-super-block kernels' time before the row
-#: kernels): Q4_K M = 1 0.78-0.88x with two pieces, 0.93x with one; Q5_K 0.81-0.99x, 0.92x; at
-#: M = 8 one piece did 5-10% better, and Q6_K's tiles no different either way.  (On an earlier
-#: Intel machine, with the per-super-block kernels, two pieces had made Q4_K slower.)
+#: 4096, one thread, in cache, as a fraction of the time of kernels that return to the driver per
+#: super-block): Q4_K M = 1 0.78-0.88x with two pieces, 0.93x with one; Q5_K 0.81-0.99x, 0.92x; at
+#: M = 8 one piece does 5-10% better, and Q6_K's tiles no different either way.
 WIDE = 2 if {"avx512f", "avx512bw"} <= cpu.FEATURES else 1
 
 
@@ -416,7 +415,7 @@ def _dot_pieces(blk, rows, pieces, codes_of, scales, scale_lanes, width):
         group = pieces[first:first + width]
         codes = codes_of(group)
         lanes = [i for p in group for i in scale_lanes(p)]
-        if len(set(lanes)) == 1:  # a broadcast (as a shuffle LLVM made it a permute, 5-9% slower)
+        if len(set(lanes)) == 1:  # a broadcast (as a shuffle LLVM makes it a permute, 5-9% slower)
             scale = blk.splat(b.extract_element(scales, ir.Constant(I32, lanes[0])), len(lanes))
         else:
             scale = b.shuffle_vector(scales, ir.Constant(scales.type, ir.Undefined), ir.Constant(ir.VectorType(I32, len(lanes)), lanes))

@@ -1,20 +1,17 @@
-"""Which threading layer runs the compiled products' threads, chosen once at import, with the
-reason (``inspect --plan``).
+"""Which threading layer runs the compiled products' threads: chosen once by :func:`init`, with
+the reason (``inspect --plan``).
 
 TBB when its library is installed (the ``tbb`` wheel, a dependency on x86-64 Linux): a parallel
-launch costs ~1.6 us here against ~51 us for numba's own ``workqueue`` pool, which is what kept
-every product under 8 MB on one core (a 125M model's are all but the lm_head), and its idle
-workers sleep rather than spin for long, so two stage processes on one machine do not fight
-(OpenMP's layer, measured here, made two threads beside a busy core 2x slower than one).
-``NUMBA_THREADING_LAYER`` set by the user wins.
+launch costs ~1.6 us here against ~51 us for numba's own ``workqueue`` pool, which would keep every
+product under 8 MB on one core (a 125M model's are all but the lm_head), and its idle workers
+sleep rather than spin for long, so two stage processes on one machine do not fight (OpenMP's
+layer made two threads beside a busy core 2x slower than one).  ``NUMBA_THREADING_LAYER`` set by
+the user wins.
 
-That sleep has its price, measured here (session 14, an empty two-task launch after the calling
-thread ran alone for a while; medians of 300): 1.7 us after 5 us, ~3 us after 10-20 us, 12 us
-after 50 us, 15 us after 100 us and 43 us after 1 ms, the caller waiting for its worker to wake.
-A decode step's product after the attention of its layer (~60 us on the calling thread) pays it
-each time; waking the worker ahead of time costs the caller the same wait (an empty launch, 14
-us); running the smaller products on the calling thread instead (every product under 2.5 MB)
-measured 0.98-0.99x the step's time, within this machine's noise, so nothing was changed.
+That sleep has its price (an empty two-task launch after the calling thread ran alone for a while;
+medians of 300): 1.7 us after 5 us, ~3 us after 10-20 us, 12 us after 50 us, 15 us after 100 us
+and 43 us after 1 ms, the caller waiting for its worker to wake.  The compiled program
+(``program/vm.py``) keeps its threads for a whole pass and so pays it once a pass.
 """
 
 from __future__ import annotations
@@ -58,4 +55,22 @@ def _choose() -> tuple[str, str]:
     return "workqueue", f"numba's workqueue threads ({problem}; a launch costs ~50 us)"
 
 
-LAYER, REASON = _choose()
+#: The layer and why, once :func:`init` has run (``None`` / "not chosen yet" before).
+LAYER: str | None = None
+REASON = "threading layer not chosen yet"
+
+
+def init() -> None:
+    """Choose the layer, load TBB's library for it, and set it for numba and for the processes
+    this one starts (the stage actors inherit ``NUMBA_THREADING_LAYER``); idempotent."""
+    global LAYER, REASON
+    if LAYER is not None:
+        return
+    LAYER, REASON = _choose()
+    os.environ.setdefault("NUMBA_THREADING_LAYER", LAYER)
+    import numba
+
+    # numba reads the variable when first imported, which may have happened before: then its
+    # config is set too, which counts until the first parallel launch.
+    if numba.config.THREADING_LAYER == "default":
+        numba.config.THREADING_LAYER = LAYER
