@@ -33,9 +33,9 @@ import numpy as np
 from dist_runtime.dtypes import DType
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
 from dist_runtime.executor import GraphExecutor
-from dist_runtime.generation import Inbox, LocalEngine, Request
+from dist_runtime.engine import Inbox, LocalEngine, Request
 from dist_runtime.kernels.quant import quantize
-from dist_runtime.scheduling import DEFAULT_BATCH_TOKENS
+from dist_runtime.scheduling_defaults import DEFAULT_BATCH_TOKENS
 
 CFG = LlamaConfig(vocab=32000, hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048)
 
@@ -86,7 +86,7 @@ def decode_rate(stream) -> tuple[float, dict, list[float]]:
 def local(path: Path, sessions: int, args, engine_cache: dict) -> tuple[float, dict]:
     engine = engine_cache.get(path)
     if engine is None:
-        engine = engine_cache[path] = LocalEngine(GraphExecutor(path, batch_invariant=True),
+        engine = engine_cache[path] = LocalEngine(GraphExecutor(path),
                                                   max_batch_tokens=args.max_batch_tokens)
     reqs = requests(sessions, args.prompt, args.tokens)
     rate, tokens, _ = decode_rate(engine.stream(reqs))

@@ -3,9 +3,9 @@
 Per ``M`` (1 = one decode step; 4, 16, 64 = batched steps): numpy's ``x @ W.T`` on the f32 weight
 (the reference, measured in the same run: this machine is shared and noisy, compare the ratios) in a
 child process of its own (``numpy_matvec_child.py``), which never loads numba: numba's TBB worker
-threads in the same process as OpenBLAS's slowed numpy down (its M = 1 fell to 9 GB/s in an
-interleaved run), so the reference was not numpy's real speed. Then the compiled products
-(``dist_runtime.backends.compiled.linear``) on the weight stored as every type they read, with f32
+threads in the same process as OpenBLAS's slow numpy down (its M = 1 falls to 9 GB/s in an
+interleaved run; ``--numpy-here`` shows it), so the reference would not be numpy's real speed.
+Then the compiled products (``dist_runtime.backends.compiled.linear``) on the weight stored as every type they read, with f32
 activations and (block types) Q8_0 activations.  Where llama-cpp-python is installed, llama.cpp's
 own products on Q8_0, Q4_0 and Q4_K weights too, the best-known CPU kernels for them (ggml's CPU
 backend, with the weights repacked as llama.cpp loads them and the activations quantized as it
@@ -22,30 +22,24 @@ reports), so that its weight comes from memory, as in a decode step of a model l
 measured one's own kind, as in a decode step of a model stored in that type: numpy's f32 products in
 its child (16 weights of 64 MB), and the measured compiled product itself (same stored type, same
 activations) on other weights, which are views into one buffer of random bytes whose every 16- and
-32-bit reading is a normal float (:func:`flush_weights`). Until session 17 the compiled products all
-followed 1 GiB of compiled F32 products (``--flush-kind f32``): a product of another type then paid
-a fixed ~70-100 us on its first call (one thread or two; its second call on another cold weight did
-not), which no decode step pays -- a Q4_K product with Q8_K activations, 1024 x 4096, one thread,
-after 400 MB of products of each kind (medians of 8 rounds, first call / second call): after F32 245
-/ 143 us, after F16 192 / 151, after Q8_0 (f32 activations) 196 / 170, after Q4_0 (Q8_0 activations)
-174 / 155, after itself 174 / 160; two threads, 4096 x 4096, after 1 GiB of F32 products 486 us
-against 416 after its own kind. It is the product's own code and small data (the Python
-wrapper, the driver, quantizing ``x``) coming back from memory after a gigabyte of other weights
-streamed through the caches, where a flush of its own kind keeps them warm: after the F32 flush a
-4-row call of the same product took 38 us (~5 warm), and the measured call after it 152 us,
-against 184 without it (one thread; 154-155 on a second call either way); a tiny F32 product's
-Python path alone costs ~12 us cold against ~2.5 warm.  Not the CPU's clock (a C loop read
-3.4-3.6 GHz in the first 10 us after 50 ms of streaming), nor a warm-up of 512-bit instructions
-(full rate from the first 10 us). Until session 10 the flush was one product over one 1
-GiB weight (``--flush-as-one``): after it every compiled product read slower than after the same
-bytes as weight-sized products -- the Q4_0 product with Q8_0 activations 10.3-13.8 GB/s against
-16.6-18.0 in an isolated test, with its output preallocated and the pool's threads woken first alike
--- while numpy's reference hardly moved (22.6 against 23.8 GB/s in one session), so the ratios
-measured something a decode step, a chain of weight-sized products, never does: F32 0.90 against
-1.00x, Q8_0 (q8 act.) 0.74 against 0.97x, Q4_0 0.47 against 0.74x, Q4_K 0.44 against 0.54x, in two
-runs one after the other. Why one long product leaves the next slower here is not found. A decode
-step streams every weight once, so GB/s at ``M`` = 1 bounds decoding speed. The last table gives
-each type's time at ``M`` = 8 over its time at ``M`` = 1 (each weight block is read once for all
+32-bit reading is a normal float (:func:`flush_weights`).
+
+The untimed products are of the measured one's own kind because a product's own code and small data
+(the Python wrapper, the driver, quantizing ``x``) come back from memory after a gigabyte of other
+weights streamed through the caches, where a flush of its own kind keeps them warm: after 1 GiB of
+compiled F32 products (``--flush-kind f32``) a product of another type pays a fixed ~70-100 us on
+its first call, which no decode step pays (a Q4_K product with Q8_K activations, 1024 x 4096, one
+thread, after 400 MB of products of each kind, medians of 8 rounds, first call / second call: after
+F32 245 / 143 us, after itself 174 / 160).  And they are products over weights of the measured
+shape, not one product over one weight of ``--flush-mb`` (``--flush-as-one``): after that every
+compiled product reads slower than after the same bytes as weight-sized products (the Q4_0 product
+with Q8_0 activations 10.3-13.8 GB/s against 16.6-18.0) while numpy's reference hardly moves, so the
+ratios would measure something a decode step, a chain of weight-sized products, never does (F32
+0.90 against 1.00x, Q4_0 0.47 against 0.74x); why one long product leaves the next slower here is
+not known.
+
+A decode step streams every weight once, so GB/s at ``M`` = 1 bounds decoding speed. The last table
+gives each type's time at ``M`` = 8 over its time at ``M`` = 1 (each weight block is read once for all
 rows, so this stays well under 8 until the arithmetic, not the memory, is the limit).
 
 Run it as::
@@ -72,7 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dist_runtime.backends import compiled
+from dist_runtime.backends import compiled, set_threads
 from dist_runtime.dtypes import DType
 from dist_runtime.tensor import QuantizedArray
 
@@ -88,16 +82,16 @@ class Child:
 
     As in a decode step, every measured product follows others on other weights in its own
     process, untimed (:func:`main`'s ``before``, the children's flushes), so that the process's
-    threads are awake: this process's sleep during the reference's turn (:func:`settle`), and the
-    compiled F32 product at M = 1, always first after numpy's turn, read 15.4-25.1 GB/s in three
-    runs while its M = 8 read 36-50 (with the untimed product first: 23.8-28.4).  Those untimed
-    products read ``--flush-mb`` of other weights, the same in every process: by default more
-    than the 480 MiB of L3 this machine reports, so that every measured weight comes from memory
-    as in a decode step of a large model.  With a 42 MB one (``--flush-mb 42``, the earlier
-    protocol) the reference cycled 109 MB while the compiled products shared the cache with every
-    other weight of the round: numpy's F32 M = 1 read 56 GB/s over one 67 MB weight in a loop, 46
-    over two, 31 over eight (536 MB), where the compiled F32 product read 45 over two and 31.5
-    over eight -- the reference had the cache, not a faster kernel.
+    threads are awake: this process sleeps during the reference's turn (:func:`settle`), and
+    without an untimed product first the compiled F32 product at M = 1, always first after
+    numpy's turn, reads 15.4-25.1 GB/s where its M = 8 reads 36-50 (23.8-28.4 with it).  Those
+    untimed products read ``--flush-mb`` of other weights, the same in every process: by default
+    more than the 480 MiB of L3 this machine reports, so that every measured weight comes from
+    memory as in a decode step of a large model.  With a flush that fits in the cache
+    (``--flush-mb 42``) the reference cycles 109 MB while the compiled products share the cache
+    with every other weight of the round: numpy's F32 M = 1 reads 56 GB/s over one 67 MB weight in
+    a loop, 46 over two, 31 over eight (536 MB), where the compiled F32 product reads 45 over two
+    and 31.5 over eight -- the reference would have the cache, not a faster kernel.
     """
 
     def __init__(self, script: str, args: list):
@@ -191,27 +185,28 @@ def main() -> None:
     parser.add_argument("--flush-mb", type=int, default=1024,
                         help="MB of another weight read (untimed) before each measured product, in both "
                              "processes (default 1024: more than this VM's reported L3, so every weight "
-                             "comes from memory; 42 was the earlier protocol)")
+                             "comes from memory)")
     parser.add_argument("--flush-kind", choices=("same", "f32"), default="same",
                         help="the untimed products before each measured one: 'same' (default) the measured "
                              "product itself on other weights, as in a decode step of a model of that type; "
-                             "'f32' the compiled F32 product (the protocol until session 17, which cost the "
-                             "other types' products a fixed ~70-100 us each; see the docstring)")
+                             "'f32' the compiled F32 product, which costs the other types' products a fixed "
+                             "~70-100 us each (see the docstring)")
     parser.add_argument("--flush-as-one", action="store_true",
-                        help="read the flush as one F32 product over one weight of --flush-mb (session 9's "
-                             "protocol) instead of products over weights of the measured shape, as a decode "
-                             "step does")
+                        help="read the flush as one F32 product over one weight of --flush-mb instead of "
+                             "products over weights of the measured shape, as a decode step does (see the "
+                             "docstring)")
     parser.add_argument("--no-llama-cpp", action="store_true",
                         help="leave out llama.cpp's own products (its rows need llama-cpp-python installed)")
     parser.add_argument("--numpy-here", action="store_true",
-                        help="also time numpy in this process, beside numba's threads (what the reference was)")
+                        help="also time numpy in this process, beside numba's threads (which slow it: see the "
+                             "docstring)")
     args = parser.parse_args()
     for name in ("n", "k", "runs", "flush_mb"):
         if getattr(args, name) < (0 if name == "flush_mb" else 1):
             parser.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'flush_mb' else 'positive'}, "
                          f"got {getattr(args, name)}")
     if args.threads:
-        compiled.set_threads(args.threads)
+        set_threads(args.threads)
 
     import numba
 
@@ -245,7 +240,7 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     types = [d for d in (DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0,
-                         DType.Q4_K, DType.Q5_K, DType.Q6_K) if d in compiled.KERNELS]
+                         DType.Q4_K, DType.Q5_K, DType.Q6_K) if d in compiled.PRODUCTS]
     if any(args.k % d.block_size for d in types):
         print(f"left out: {', '.join(d.name for d in types if args.k % d.block_size)} "
               f"(their blocks do not divide K = {args.k})")

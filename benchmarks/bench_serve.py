@@ -4,8 +4,8 @@ The server runs in this process on 127.0.0.1 (an ephemeral port) over the ~125M-
 Llama (hidden 768, 12 layers, F32; written once to the temporary directory, as
 ``bench_batching.py`` does), one continuously batched ``LocalEngine``.  The clients run in a
 child process, as clients on other machines would not share the server's interpreter (in this
-process their SSE parsing took the GIL from the engine thread: 0.75-0.85x where the child gives
-the figures below); they still share this machine's two cores with it.  Printed:
+process their SSE parsing takes the GIL from the engine thread: 0.75-0.85x of the figures the
+child gives below); they still share this machine's two cores with it.  Printed:
 
 1. ``--clients`` (32) concurrent streaming clients (httpx, SSE), ``--requests`` (64) requests of
    ``--prompt`` (16) prompt ids and ``--tokens`` (32) greedy new tokens: aggregate tokens/s next to
@@ -141,16 +141,16 @@ def main() -> None:
 
     from bench_batching import CFG, model_files
 
+    from dist_runtime.engine import LocalEngine, Request, generate
     from dist_runtime.executor import GraphExecutor
-    from dist_runtime.generation import LocalEngine, Request, generate
-    from dist_runtime.pipeline.options import DEFAULT_BATCH_TOKENS
+    from dist_runtime.scheduling_defaults import DEFAULT_BATCH_TOKENS
     from dist_runtime.serve.metrics import Metrics
-    from dist_runtime.serve.served import ServedModel
+    from dist_runtime.serve.served_model import ServedModel
     from dist_runtime.serve.server import Server, local_backend
 
     path = model_files(args.dir)["F32"]
     asks = prompts(args.requests, args.prompt, CFG.vocab)
-    engine = LocalEngine(GraphExecutor(path, batch_invariant=True), max_batch_tokens=DEFAULT_BATCH_TOKENS)
+    engine = LocalEngine(GraphExecutor(path), max_batch_tokens=DEFAULT_BATCH_TOKENS)
     generate(engine, [Request("warm", asks[0], 2)])
     engine.max_sessions = args.clients  # as many at once as the server will see
 

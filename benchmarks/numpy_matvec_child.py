@@ -2,7 +2,7 @@
 
 Started by bench_matvec.py, never by hand.  It imports numpy (and threadpoolctl, when installed, to
 say which BLAS runs) and nothing of dist_runtime: no numba, no TBB, whose worker threads in the
-benchmark's own process made OpenBLAS's threads slower (numpy's M = 1 fell to 9 GB/s in an
+benchmark's own process make OpenBLAS's threads slower (numpy's M = 1 falls to 9 GB/s in an
 interleaved run).  The weight is built as the tests' ``weight(DType.F32, n, k)`` builds it (seeded
 standard normal, f32), the rows of ``x`` likewise.
 
@@ -28,7 +28,7 @@ import numpy as np
 def settle(limit: float = 1.0) -> None:
     """Wait until this process's threads are idle (its CPU time grows < 1 ms in 10 ms): worker
     threads spin a while after a parallel call, and those spinning would slow the next product
-    (measured: OpenBLAS's, spinning ~0.1 s after each product, made the compiled F32 product after
+    (measured: OpenBLAS's, spinning ~0.1 s after each product, make the compiled F32 product after
     numpy's turn read 16 GB/s instead of 24 at M = 1).  bench_matvec.py uses it too."""
     end = time.perf_counter() + limit
     while time.perf_counter() < end:

@@ -23,7 +23,7 @@ Reported at the end (a table, or ``--json``):
   life to its last sample (target < ``--rss-target`` MB, default 50);
 * exactness: the tokens of a sample of finished sessions -- every one that was rebuilt by a
   recovery, plus ``--check`` others chosen at random -- against the single-process reference
-  (``dist_runtime.generation.LocalEngine``), which must be identical.
+  (``dist_runtime.engine.LocalEngine``), which must be identical.
 
 The stages' telemetry records (one per step, kept until someone fetches them, at most 200k) are
 fetched every ``--drain-telemetry`` seconds (default 30), as a long-running server exporting
@@ -233,7 +233,7 @@ def soak(args) -> dict:
     # -- exactness against one process -------------------------------------------------------------
     from dist_runtime.executor import GraphExecutor
     from dist_runtime.model import load_model
-    from dist_runtime.generation import LocalEngine, generate
+    from dist_runtime.engine import LocalEngine, generate
 
     rebuilt = {e.session for e in co.recoveries}
     done = set(finished)

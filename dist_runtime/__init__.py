@@ -3,7 +3,7 @@
 The main entry points, imported lazily (``import dist_runtime`` stays cheap for the CLI):
 ``GraphExecutor`` (dist_runtime.executor), ``load_model`` / ``save_model`` (dist_runtime.model),
 ``Sampling`` (dist_runtime.sampling), ``Request`` / ``LocalEngine`` / ``generate``
-(dist_runtime.generation; the pipeline's engine is ``Pipeline(...).coordinator``).
+(dist_runtime.engine; the pipeline's engine is ``Pipeline(...).coordinator``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ _LAZY = {
     "load_model": ("dist_runtime.model", "load_model"),
     "save_model": ("dist_runtime.model", "save_model"),
     "Sampling": ("dist_runtime.sampling", "Sampling"),
-    "Request": ("dist_runtime.generation", "Request"),
-    "LocalEngine": ("dist_runtime.generation", "LocalEngine"),
-    "generate": ("dist_runtime.generation", "generate"),
+    "Request": ("dist_runtime.engine", "Request"),
+    "LocalEngine": ("dist_runtime.engine", "LocalEngine"),
+    "generate": ("dist_runtime.engine", "generate"),
 }
 
 __all__ = list(_LAZY)

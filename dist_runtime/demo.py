@@ -71,10 +71,10 @@ def part_embeddings(out: Path, stages: int) -> bool:
 
 
 def part_generation(out: Path, stages: int, sessions: int, new_tokens: int) -> bool:
+    from .engine import LocalEngine, Request, generate
     from .examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
     from .executor import GraphExecutor
     from .model import load_model, save_model
-    from .generation import LocalEngine, Request, generate
     from .pipeline import Pipeline, StageOptions
     from .sampling import Sampling
 
@@ -90,7 +90,7 @@ def part_generation(out: Path, stages: int, sessions: int, new_tokens: int) -> b
     # cores) and numba caches them, so the stages load them where both compiled them side by side.
     with _step(f"generate the same {sessions} sessions in one process (the reference; a first run compiles)"):
         with load_model(path) as model:
-            want = generate(LocalEngine(GraphExecutor(model, batch_invariant=True)), requests).tokens
+            want = generate(LocalEngine(GraphExecutor(model)), requests).tokens
     with _step(f"generate {new_tokens} tokens for {sessions} sessions at once on {stages} stages"):
         with Pipeline(path, stages=stages, max_context=256, options=StageOptions(cpus=0.5)) as pipe:
             first = generate(pipe.coordinator, requests)
@@ -116,11 +116,11 @@ def part_serving(out: Path) -> bool:
     except ImportError:
         raise DistRuntimeError("the serving step needs the openai client: pip install -e '.[dev,serve]'") from None
     from .embed import similarity_table
+    from .engine import LocalEngine, Request, generate
     from .executor import GraphExecutor
-    from .generation import LocalEngine, Request, generate
     from .sampling import Sampling
     from .serve.metrics import Metrics
-    from .serve.served import ServedModel
+    from .serve.served_model import ServedModel
     from .serve.server import Server, local_backend
 
     def serving(path: Path) -> Server:
@@ -149,7 +149,7 @@ def part_serving(out: Path) -> bool:
                 stream=True)
             text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     print(f"   prompt ids {prompt} -> {text} (a model without a tokenizer answers with ids)")
-    want = generate(LocalEngine(GraphExecutor(out / "random-llama.model", batch_invariant=True)),
+    want = generate(LocalEngine(GraphExecutor(out / "random-llama.model")),
                     [Request(0, prompt, 12, Sampling(temperature=0.8, top_p=0.95, seed=seed))]).tokens[0]
     ok = text == " ".join(map(str, want))
     print(f"   vs one process generating the same request: {'the same tokens' if ok else 'DIFFERENT tokens'}")

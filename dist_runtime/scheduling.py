@@ -1,6 +1,6 @@
 """Continuous batching: which sessions' rows go into the next pass.
 
-Every engine -- one process (:class:`~dist_runtime.generation.LocalEngine`) or the pipeline's
+Every engine -- one process (:class:`~dist_runtime.engine.LocalEngine`) or the pipeline's
 coordinator -- asks a :class:`Scheduler` for the next batch, runs it as one pass
 (``GraphExecutor.run_batch``), and hands the logits back; the scheduler samples, emits the tokens
 and decides the next batch.  A batch takes every ready session: one decode row per generating
@@ -25,7 +25,7 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 
 from .errors import DistRuntimeError
-from .pipeline.options import DEFAULT_BATCH_TOKENS, IDLE_PREFILL_TOKENS
+from .scheduling_defaults import DEFAULT_BATCH_TOKENS, IDLE_PREFILL_TOKENS
 from .requests import Request, TokenEvent
 from .sampling import token_logprobs
 

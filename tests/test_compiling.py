@@ -1,4 +1,4 @@
-"""The notice a user gets while numba compiles the kernels (dist_runtime/compiling.py)."""
+"""The notice a user gets while numba compiles the kernels (dist_runtime/compile_notice.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numba
 import pytest
 from numba.core import event
 
-from dist_runtime import compiling
+from dist_runtime import compile_notice as compiling
 
 
 class Terminal(io.StringIO):

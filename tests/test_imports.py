@@ -65,6 +65,39 @@ def test_the_import_graph_has_no_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join([*c, c[0]]) for c in cycles[:20])
 
 
+#: The layers, lowest first: a module imports only from its own layer and the layers below it.  A
+#: module belongs to the layer of the longest name in the table that is it or a package holding it;
+#: every module the table does not name is in the first layer.  The single-process engine runs a
+#: model in one process; the pipeline splits it into stages with that engine inside each; the
+#: server serves either; the commands drive all of them.
+LAYERS = [
+    ("foundation", ["dist_runtime"]),  # IR, .model files, kernels, importers, partitioner, helpers
+    ("backends", ["dist_runtime.backends"]),
+    ("engine", ["dist_runtime.batched_pass", "dist_runtime.fusion", "dist_runtime.executor", "dist_runtime.sampling",
+                "dist_runtime.requests", "dist_runtime.scheduling", "dist_runtime.scheduling_defaults",
+                "dist_runtime.engine"]),
+    ("pipeline", ["dist_runtime.pipeline", "dist_runtime.embed"]),
+    ("serve", ["dist_runtime.serve"]),
+    ("commands", ["dist_runtime.cli", "dist_runtime.demo"]),
+]
+
+
+def layer_of(module: str) -> int:
+    owners = [(len(name), rank) for rank, (_, names) in enumerate(LAYERS) for name in names
+              if module == name or module.startswith(name + ".")]
+    return max(owners)[1]
+
+
+def test_every_import_points_to_the_same_layer_or_below():
+    g = import_graph()
+    for _, names in LAYERS:  # a renamed module must not leave its layer's entry naming nothing
+        missing = [n for n in names if not any(m == n or m.startswith(n + ".") for m in g.nodes)]
+        assert not missing, f"LAYERS names modules that do not exist: {missing}"
+    upward = sorted((a, b) for a, b in g.edges if layer_of(b) > layer_of(a))
+    assert not upward, "imports against the layer order (importer -> imported):\n" + "\n".join(
+        f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})" for a, b in upward)
+
+
 def test_help_imports_neither_numpy_nor_ray():
     code = ("import sys; from dist_runtime.cli import build_parser; build_parser(); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'numpy', 'ray', 'numba', 'networkx', 'msgpack'}))")

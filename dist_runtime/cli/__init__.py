@@ -93,7 +93,7 @@ def _backend_plan(path: str, backends: list[str] | None, fuse: bool) -> tuple[li
     passes; where the matrix weights are held; what the compiled program takes (nothing is run)."""
     from ..executor import GraphExecutor
 
-    ex = GraphExecutor(path, backends=backends, fuse=fuse, batch_invariant=True)
+    ex = GraphExecutor(path, backends=backends, fuse=fuse)
     return ex.plan(), ex.batching(), ex.placement.reason, ex.program
 
 
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handle_sigterm()
     if args.command in _COMPILING:
-        from ..compiling import announce
+        from ..compile_notice import announce
 
         announce()
     return run_command(args.func, args)

@@ -1,7 +1,7 @@
 """``dist-runtime generate`` and ``dist-runtime pipeline``: one generation command.
 
-Both build the same :class:`~dist_runtime.generation.Request` list (session ``i`` samples with seed
-``seed + i``) and run it through :func:`~dist_runtime.generation.generate` on an engine: this
+Both build the same :class:`~dist_runtime.engine.Request` list (session ``i`` samples with seed
+``seed + i``) and run it through :func:`~dist_runtime.engine.generate` on an engine: this
 process (``LocalEngine``), or the model split into stages on Ray (the pipeline's coordinator) when
 ``--stages``, ``--budgets`` or ``--plan`` is given.  ``pipeline`` is the same command with the
 stages required and its historical flag names (``--prompt-ids``, ``--max-new-tokens``); both print
@@ -22,7 +22,8 @@ import sys
 
 from ..commands import USAGE, check_signals, positive_int, token_ids
 from ..errors import DistRuntimeError, SamplingError
-from ..pipeline.options import DEFAULT_BATCH_TOKENS, add_deployment_options, stage_options, wants_pipeline
+from ..pipeline.options import add_deployment_options, wants_pipeline
+from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
 
 
 def register(sub) -> None:
@@ -96,10 +97,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     job = _Job.open(args, sampling)
     if wants_pipeline(args):
         return _run_on_pipeline(args, job)
+    from ..engine import LocalEngine
     from ..executor import GraphExecutor
-    from ..generation import LocalEngine
 
-    engine = LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse, batch_invariant=True),
+    engine = LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse),
                          max_batch_tokens=args.max_batch_tokens)
     result = job.run(engine)
     return job.report(result, None)
@@ -115,7 +116,7 @@ class _Job:
 
     @classmethod
     def open(cls, args, sampling) -> _Job:
-        from ..generation import Request, check_requests, generative_io, stop_ids
+        from ..engine import Request, check_requests, generative_io, stop_ids
         from ..model import load_model
 
         with load_model(args.model, tensors=[]) as model:
@@ -136,7 +137,7 @@ class _Job:
         return cls(args, requests, tokenizer)
 
     def run(self, engine, **stream_options):
-        from ..generation import generate
+        from ..engine import generate
 
         if self.live and self.tokenizer is not None and not self.args.show_ids:
             from ..importers.tokenizer import StreamDecoder
@@ -219,6 +220,7 @@ def _summary(result) -> str:
 
 def _run_on_pipeline(args, job: _Job) -> int:
     from ..pipeline.cluster import describe
+    from ..pipeline.launch import open_pipeline
 
     pipe = open_pipeline(args, len(job.requests))
     try:
@@ -242,10 +244,10 @@ def _run_on_pipeline(args, job: _Job) -> int:
     finally:
         pipe.close()  # idempotent: a no-op after the close above
     if args.check:
+        from ..engine import LocalEngine, generate
         from ..executor import GraphExecutor
-        from ..generation import LocalEngine, generate
 
-        reference = generate(LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse, batch_invariant=True)), job.requests)
+        reference = generate(LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse)), job.requests)
         pipeline["check"] = reference.tokens == result.tokens
     return job.report(result, pipeline)
 
@@ -281,24 +283,6 @@ def _check_before_ray(args) -> None:
             if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
                 raise DistRuntimeError(f"{option} {path}: cannot write a file there "
                                        f"({'a directory' if os.path.isdir(path) else 'no writable folder ' + folder})")
-
-
-def open_pipeline(args, sessions: int):
-    """``Pipeline`` for the parsed deployment options (see ``pipeline.options``)."""
-    from pathlib import Path
-
-    from ..pipeline.launch import Pipeline
-
-    plan = None
-    if args.plan:
-        from ..partitioner.plan import Plan
-
-        plan = Plan.from_json(Path(args.plan).read_text(), where=f"--plan {args.plan}")
-    return Pipeline(args.model, plan=plan, stages=args.stages, budgets=args.budgets, speeds=args.speeds,
-                    reserve=args.reserve, max_context=args.max_context, sessions=sessions,
-                    channel=args.channel, options=stage_options(args), address=args.address,
-                    num_cpus=args.num_cpus, timeout=args.timeout, connect_timeout=args.connect_timeout,
-                    micro_batches=args.micro_batches, max_batch_tokens=args.max_batch_tokens)
 
 
 @contextlib.contextmanager

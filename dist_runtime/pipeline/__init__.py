@@ -10,7 +10,7 @@ Modules, by what they hold:
 * ``options``   -- ``StageOptions``: what a deployment asks for (CPUs, threads, nodes, weights source);
 * ``deploy``    -- placing the actors (CPUs, BLAS threads, nodes) and loading their weights;
 * ``coordinator`` -- sessions, positions, reset, prefill and decode with many sessions in flight
-  (the pipeline's engine for ``dist_runtime.generation``; sampling is ``dist_runtime.sampling``);
+  (the pipeline's engine for ``dist_runtime.engine``; sampling is ``dist_runtime.sampling``);
 * ``telemetry`` -- per stage and step timings, run figures, the stats table and the SVG timeline;
 * ``cluster``   -- an embedded local Ray, or an existing cluster;
 * ``launch``    -- ``Pipeline``: all of the above behind one object;
@@ -27,7 +27,7 @@ _LAZY = {
     "Pipeline": ("dist_runtime.pipeline.launch", "Pipeline"),
     "make_plan": ("dist_runtime.pipeline.launch", "make_plan"),
     "StageOptions": ("dist_runtime.pipeline.options", "StageOptions"),
-    "Request": ("dist_runtime.generation", "Request"),
+    "Request": ("dist_runtime.engine", "Request"),
     "Coordinator": ("dist_runtime.pipeline.coordinator", "Coordinator"),
     "Sampling": ("dist_runtime.sampling", "Sampling"),
     "cut_stages": ("dist_runtime.pipeline.subgraph", "cut_stages"),

@@ -103,9 +103,9 @@ def _keeping_sigterm():
 @contextlib.contextmanager
 def _worker_niceness():
     """Ray starts its workers -- the stage actors -- at nice 15, below the driver and Ray's own
-    servers, so that on a shared machine any of those preempts the stages' compute: 2 stages
-    decoded 8 sessions at 0.84-0.98x one process (bench_batching, 5 runs), 0.91-0.98x at nice 0
-    (3 stages 0.79-0.89 -> 0.89-0.94).  The embedded Ray's workers run at the driver's priority
+    servers, so that on a shared machine any of those preempts the stages' compute: at nice 15, 2
+    stages decode 8 sessions at 0.84-0.98x one process (bench_batching, 5 runs), at nice 0 at
+    0.91-0.98x (3 stages: 0.79-0.89x against 0.89-0.94x).  The embedded Ray's workers run at the driver's priority
     (``RAY_worker_niceness``, read by the raylet this starts; a value already set wins); a cluster's
     ``ray start`` sets it in cluster/*.yaml."""
     had = os.environ.get("RAY_worker_niceness")

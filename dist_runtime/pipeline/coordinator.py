@@ -37,7 +37,8 @@ import numpy as np
 from ..errors import DistRuntimeError, StageUnavailableError
 from ..requests import Inbox, Request, TokenEvent, check_requests
 from ..sampling import Sampling
-from ..scheduling import DEFAULT_BATCH_TOKENS, Scheduler, Work
+from ..scheduling import Scheduler, Work
+from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
 from ..transport import decode_message, encode_message
 from .channels import Channel
 from .cluster import call_all

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..compiling import waiting
+from ..compile_notice import waiting
 from ..errors import ClusterError, DistRuntimeError, StageUnavailableError
 from .cluster import call_all
 from .stage import stage_actor_class, thread_env

@@ -11,12 +11,12 @@ import os
 from pathlib import Path
 
 from ..errors import DistRuntimeError
+from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
 from .channels import DEFAULT_CHANNEL, make_channel
 from .cluster import CONNECT_TIMEOUT, connect
-from ..scheduling import DEFAULT_BATCH_TOKENS
 from .coordinator import Coordinator
 from .deploy import check_placeable, deploy, kill, resolve_cpus
-from .options import StageOptions
+from .options import StageOptions, stage_options
 from .subgraph import StageGraph, stages_for_plan
 
 
@@ -138,3 +138,18 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def open_pipeline(args, sessions: int) -> Pipeline:
+    """``Pipeline`` for the parsed deployment options (:func:`.options.add_deployment_options`),
+    planned for ``sessions`` sessions at once: what ``generate --stages`` and ``serve --stages`` run."""
+    plan = None
+    if args.plan:
+        from dist_runtime.partitioner.plan import Plan
+
+        plan = Plan.from_json(Path(args.plan).read_text(), where=f"--plan {args.plan}")
+    return Pipeline(args.model, plan=plan, stages=args.stages, budgets=args.budgets, speeds=args.speeds,
+                    reserve=args.reserve, max_context=args.max_context, sessions=sessions,
+                    channel=args.channel, options=stage_options(args), address=args.address,
+                    num_cpus=args.num_cpus, timeout=args.timeout, connect_timeout=args.connect_timeout,
+                    micro_batches=args.micro_batches, max_batch_tokens=args.max_batch_tokens)

@@ -14,16 +14,6 @@ WEIGHT_SOURCES = ("auto", "file", "store")
 #: (or an attack); the coordinator closes sessions it is done with.
 MAX_SESSIONS = 4096
 
-#: Rows per pass when the caller does not say (the scheduler's, dist_runtime/scheduling.py; here,
-#: where the command line reads it without importing numpy).  Measured (benchmarks/
-#: bench_batching.py, 125M Llama, F32, TBB threads): with 8 sessions decoding and 4 prompts of 512
-#: tokens arriving, the decoding sessions' p99 inter-token time was 1.61 decode steps at 16 rows a
-#: pass, 1.84 at 24, 2.54 at 32 when prompts filled the budget; now that prompts beside D decode
-#: rows fill the pass to a quarter of the budget or add D/2 rows (scheduling.py), 24 gives ~1.5.
-DEFAULT_BATCH_TOKENS = 24
-#: Prompt rows a pass may take while no session is generating (no one waits between tokens).
-IDLE_PREFILL_TOKENS = 512
-
 
 @dataclass
 class StageOptions:

@@ -23,7 +23,8 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from ..batching import Segment
+from ..backends import threads_in_use
+from ..batched_pass import Segment
 from ..errors import DistRuntimeError, TransportError
 from ..kernels.elementwise import argmax
 from ..transport import decode_message, encode_message
@@ -128,7 +129,7 @@ class StageWorker:
 
             # Batch-invariant: a session's rows give the same bits in any batch (continuous batching).
             self._executor = GraphExecutor((self.stage.graph, self._weights), self._backends,
-                                           fuse=self._fuse, seed=self._seed, batch_invariant=True)
+                                           fuse=self._fuse, seed=self._seed)
             # Hold the executor's copies (a huge-page buffer) rather than the file map's or the
             # object store's views, and give the file's pages of those back.
             held = self._executor.held_weights(self._weights)
@@ -142,7 +143,7 @@ class StageWorker:
         the first real request does not pay for compiling or loading kernels, or for first-touch
         page faults on the weights.  Returns what happened, for the stage's report; a failure
         here is reported, not raised (a real step with real inputs gives the real error)."""
-        from ..compiling import announce
+        from ..compile_notice import announce
 
         announce(prefix=f"stage {self.stage.index}: ")  # a cold cache compiles here, ~1 min
         ex = self._executor
@@ -256,7 +257,7 @@ class StageWorker:
             "resident_file_bytes": resident_file_bytes(path) if path is not None else None,
             "threads": self.threads, "thread_limit": self.thread_limit, "nice": os.nice(0),
             "blas_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
-            "compiled_threads": _compiled_threads(),
+            "compiled_threads": threads_in_use(),
             "sessions": len(self.sessions()), "steps": self.steps, "errors": self.errors,
             "warmup": self.warmup,
             # why this stage runs one session per pass, or None when sessions share passes
@@ -285,15 +286,6 @@ class StageWorker:
     def ping(self, payload=None):
         """A plain round trip (the benchmark's baseline)."""
         return payload
-
-
-def _compiled_threads() -> str:
-    """numba's threads for the compiled products here: how many, and which layer and why."""
-    import numba
-
-    from ..backends.compiled.threads import LAYER, REASON
-
-    return f"{numba.get_num_threads()} on {LAYER}: {REASON}"
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

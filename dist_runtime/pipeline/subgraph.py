@@ -25,6 +25,7 @@ import numpy as np
 
 from dist_runtime.partitioner.costs import crossing as tensors_crossing
 
+from ..engine import driver_outputs
 from ..errors import GraphValidationError
 from ..ir.graph import Graph, Node, TensorSpec
 from ..ir.ops import Sample
@@ -51,22 +52,6 @@ class StageGraph:
     @property
     def executor_outputs(self) -> tuple[str, ...]:
         return tuple(self.graph.outputs) if self.graph is not None else ()
-
-
-def driver_outputs(graph: Graph) -> tuple[list[str], str | None]:
-    """(outputs the pipeline returns, the logits name) once the graph's Sample nodes are dropped.
-
-    The outputs are the graph's outputs minus those of Sample nodes, plus the logits a Sample
-    node reads when they are not an output already.
-    """
-    sampled = {out for node in graph.nodes if isinstance(node.op, Sample) for out in node.outputs}
-    logits = next((node.inputs[0] for node in graph.nodes if isinstance(node.op, Sample)), None)
-    outputs = [o for o in graph.outputs if o not in sampled]
-    if logits is not None and logits not in outputs:
-        outputs.append(logits)
-    if logits is None and "logits" in outputs:
-        logits = "logits"
-    return outputs, logits
 
 
 def cut_stages(graph: Graph, bounds: list[tuple[int, int]], order: list[int] | None = None) -> list[StageGraph]:

@@ -1,6 +1,6 @@
 """The HTTP API: OpenAI's endpoints, shapes and error objects, on FastAPI.
 
-``create_app`` builds the app for one :class:`~dist_runtime.serve.served.ServedModel` and its
+``create_app`` builds the app for one :class:`~dist_runtime.serve.served_model.ServedModel` and its
 backend: an :class:`~dist_runtime.serve.bridge.EngineBridge` for a generative model (completions,
 chat), an :class:`~dist_runtime.serve.bridge.Encoder` for a sentence-transformers model
 (embeddings).  Every error is ``{"error": {"message", "type", "param", "code"}}``.
@@ -29,7 +29,7 @@ from .metrics import Metrics
 from .responses import (ChatCompletion, Completion, EmbeddingList, Health, HealthDown, ModelCard, ModelList,
                         answers)
 from .schema import ChatRequest, CompletionRequest, EmbeddingRequest, GenerationRequest
-from .served import ServedModel
+from .served_model import ServedModel
 from .text import StopText, TokenText, render_chat
 
 PAGE = Path(__file__).resolve().parent / "static" / "index.html"

@@ -7,7 +7,8 @@ import argparse
 import os
 
 from ..commands import port, positive_float, positive_int
-from ..pipeline.options import DEFAULT_BATCH_TOKENS, MAX_SESSIONS, add_deployment_options, wants_pipeline
+from ..pipeline.options import MAX_SESSIONS, add_deployment_options, wants_pipeline
+from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
 
 API_KEY_ENV = "DIST_RUNTIME_API_KEY"
 
@@ -43,9 +44,8 @@ def register(sub) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..cli.generate import open_pipeline
     from .metrics import Metrics
-    from .served import ServedModel
+    from .served_model import ServedModel
     from .server import Server, local_backend, pipeline_backend, pipeline_health
 
     metrics = Metrics()
@@ -53,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = ServedModel.open(args.model, context=args.max_context, tokenizer=args.tokenizer,
                              chat_template=args.chat_template, name=args.name)
     if wants_pipeline(args):
-        from ..pipeline.launch import context_limit
+        from ..pipeline.launch import context_limit, open_pipeline
 
         if args.max_context is None:  # the stages' KV caches are sized for what the Pipeline plans
             model.context = context_limit(model.metadata)

@@ -21,19 +21,19 @@ from ..errors import DistRuntimeError
 from .api import create_app
 from .bridge import EngineBridge, Encoder
 from .metrics import Metrics
-from .served import ServedModel
+from .served_model import ServedModel
 
 
 def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int, max_queue: int,
                   fuse: bool = True) -> EngineBridge | Encoder:
     """The model in this process: a continuously batched ``LocalEngine``, or an encoder."""
+    from ..engine import LocalEngine
     from ..executor import GraphExecutor
-    from ..generation import LocalEngine
 
     if model.kind == "embed":
         executor = GraphExecutor(model.path, fuse=fuse)
         return Encoder(lambda batches: [executor.run(b) for b in batches])
-    engine = LocalEngine(GraphExecutor(model.path, fuse=fuse, batch_invariant=True), max_batch_tokens=max_batch_tokens)
+    engine = LocalEngine(GraphExecutor(model.path, fuse=fuse), max_batch_tokens=max_batch_tokens)
     return EngineBridge(engine, metrics, max_queue=max_queue)
 
 

@@ -2,9 +2,9 @@
 
 The compiled kernels and the program (:mod:`.backends.compiled`, :mod:`.backends.program`) are
 compiled for this CPU on first use and cached by numba (beside the sources, or in
-``NUMBA_CACHE_DIR``).  A cold cache -- a fresh install, an upgrade, another CPU -- made a tiny
-model's first ``generate`` sit silent for ~40 s on this 2-core machine before its first token
-(87 s before session 23).  :func:`announce` listens to numba's compile events and, once a stretch
+``NUMBA_CACHE_DIR``).  On a cold cache -- a fresh install, an upgrade, another CPU -- a tiny
+model's first ``generate`` would sit silent for tens of seconds on this 2-core machine before its
+first token.  :func:`announce` listens to numba's compile events and, once a stretch
 of compiling has gone on for :data:`DELAY` seconds, says so on stderr: on a terminal a count of
 seconds, rewritten in place and erased the moment compiling stops (before the program prints
 anything else); elsewhere (a log) one line when it starts and one when it ends (unless the

@@ -30,7 +30,7 @@ class ServedModel:
              chat_template: str | Path | None = None, name: str | None = None) -> ServedModel:
         """Read ``path``'s metadata and graph; ``context`` caps the model's own context length (a
         pipeline's KV caches are sized for it)."""
-        from ..generation import generative_io, stop_ids
+        from ..engine import generative_io, stop_ids
         from ..importers.tokenizer import Tokenizer, find_tokenizer
         from ..model import load_model
 

@@ -17,20 +17,39 @@ from typing import Callable, Hashable, Iterable, Iterator, Mapping, Protocol, Se
 
 import numpy as np
 
+from .batched_pass import Segment
 from .errors import DistRuntimeError
+from .ir.graph import Graph
+from .ir.ops import Sample
 from .requests import Inbox, Request, TokenEvent, check_requests  # noqa: F401 -- the engines' vocabulary, here too
-from .scheduling import DEFAULT_BATCH_TOKENS, Scheduler, Work
+from .scheduling import Scheduler, Work
+from .scheduling_defaults import DEFAULT_BATCH_TOKENS
 
 
 class Engine(Protocol):
     def stream(self, requests: Iterable[Request]) -> Iterator[TokenEvent]: ...
 
 
-def generative_io(graph) -> tuple[str, str]:
+def driver_outputs(graph: Graph) -> tuple[list[str], str | None]:
+    """(outputs a pass returns to the driver, the logits name) once the graph's Sample nodes are
+    dropped: every engine samples on the driver, per session, with the session's own settings.
+
+    The outputs are the graph's outputs minus those of Sample nodes, plus the logits a Sample
+    node reads when they are not an output already.
+    """
+    sampled = {out for node in graph.nodes if isinstance(node.op, Sample) for out in node.outputs}
+    logits = next((node.inputs[0] for node in graph.nodes if isinstance(node.op, Sample)), None)
+    outputs = [o for o in graph.outputs if o not in sampled]
+    if logits is not None and logits not in outputs:
+        outputs.append(logits)
+    if logits is None and "logits" in outputs:
+        logits = "logits"
+    return outputs, logits
+
+
+def generative_io(graph: Graph) -> tuple[str, str]:
     """(token input, logits output) of a graph that can generate; a ``DistRuntimeError`` saying
     what to do instead for one that cannot (an encoder)."""
-    from .pipeline.subgraph import driver_outputs
-
     _, logits = driver_outputs(graph)
     names = graph.input_names
     if logits is None or len(names) != 1:
@@ -43,7 +62,7 @@ def generative_io(graph) -> tuple[str, str]:
 class LocalEngine:
     """Requests on one ``GraphExecutor`` in this process, continuously batched: each pass carries
     a row of every decoding session and chunks of new prompts (:mod:`dist_runtime.scheduling`).
-    The executor should be batch-invariant (``batch_invariant=True``) so that a session's tokens
+    The executor should be batch-invariant (``executor.batch_invariant``, the numba backend) so that a session's tokens
     do not depend on its company."""
 
     def __init__(self, executor, *, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
@@ -93,8 +112,6 @@ class LocalEngine:
 
     def _pass(self, batch: Sequence[Work]) -> list[np.ndarray]:
         """One pass over the batch's rows; the last logits row of each session."""
-        from .batching import Segment
-
         for work in batch:
             if work.reset:
                 self.executor.reset(work.session)

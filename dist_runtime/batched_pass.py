@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Sequence
 
+from .backends import PerSegment  # noqa: F401  (re-exported: a batched pass's per-segment values)
 from .ir.graph import POS, Graph, TensorSpec
 from .ir.ops import KvCache
 from .ir.payload import ALONG_DIM, INDEPENDENT, MIXED
@@ -41,10 +42,6 @@ class Segment:
     session: Hashable
     rows: int
     pos: int | None = None
-
-
-class PerSegment(tuple):
-    """A value of a batched pass that is one array per segment (positions, KV histories)."""
 
 
 @dataclass(frozen=True)
