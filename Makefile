@@ -4,10 +4,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: setup browser demo test docs clean help
+.PHONY: setup browser demo test check docs clean help
 help:
 	@echo "make demo   set up .venv and run the main job (real MiniLM on 3 pipeline stages, then 4 sessions generating on 2)"
 	@echo "make test   set up .venv (and, as root, Debian's chromium for the browser test) and run the whole test suite"
+	@echo "make check  set up .venv and run the fast tier: the unit tests, not those marked slow (Ray, servers, subprocesses)"
 	@echo "make docs   regenerate the generated tables in docs/ from the op table"
 
 $(STAMP): pyproject.toml Makefile
@@ -40,6 +41,11 @@ demo: setup
 
 test: setup browser
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q
+
+# The edit-test loop: every test not marked slow (pyproject.toml); under a minute on 2 cores once the
+# kernel cache is warm (a run after a kernel change first compiles it again, a few minutes).
+check: setup
+	$(BIN)/python -m pytest -n 2 --dist worksteal -q -m "not slow"
 
 docs: setup
 	$(BIN)/python -m dist_runtime.ir.docgen

@@ -142,6 +142,17 @@ def job_script(name: str):
     return module
 
 
+def default_signals() -> None:
+    """``preexec_fn`` of a child a test stops with Ctrl-C (SIGINT) or SIGTERM: both back to their
+    default disposition before the exec.  A child inherits ignored signals, and a suite started as
+    a background job of a script runs with SIGINT ignored: a Python child would then never see
+    its KeyboardInterrupt (Python installs its handler only where SIGINT is at the default)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def processes_of(sid: int) -> list[tuple[int, str]]:
     """Live processes whose process group or session is ``sid`` (pid, command name): what a test
     that started a process tree in a session of its own checks is gone."""

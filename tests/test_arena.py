@@ -92,7 +92,7 @@ def test_executor_over_the_packed_weights_gives_the_same_bits():
     g = with_specs(llama_graph(CFG), w)
     runs = {}
     for huge in (False, True):
-        ex = GraphExecutor((g, w), huge_pages=huge, batch_invariant=True)
+        ex = GraphExecutor((g, w), huge_pages=huge)
         if huge and not ex.placement.packed:
             pytest.skip(ex.placement.reason)
         assert ex.placement.packed is huge

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dist_runtime.batching import Segment, plan_rows
+from dist_runtime.batched_pass import Segment, plan_rows
 from dist_runtime.dtypes import DType
 from dist_runtime.errors import DistRuntimeError, GraphValidationError
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
 from dist_runtime.executor import GraphExecutor
-from dist_runtime.generation import Inbox, LocalEngine, Request, generate
+from dist_runtime.engine import Inbox, LocalEngine, Request, generate
 from dist_runtime.ir.graph import Graph, Node, TensorSpec
 from dist_runtime.ir.ops import OPS_BY_NAME, Conv1d, Matmul, Reshape, Softmax
 from dist_runtime.ir.payload import ROW_KINDS
@@ -41,7 +41,7 @@ def model(request, tmp_path_factory):
 
 
 def _executor(model, **kw):
-    return GraphExecutor(model, batch_invariant=True, **kw)
+    return GraphExecutor(model, **kw)
 
 
 # -- the op table ----------------------------------------------------------------------------------
@@ -194,6 +194,38 @@ def test_admission_queues_what_memory_cannot_hold_and_never_fails_it():
     assert len(sched.next_batch()) == 2 and sched.queued() == {"r2": 0, "r3": 1}
     with pytest.raises(DistRuntimeError, match="exceed the KV budget of 45 rows"):
         sched.add(Request("huge", [1] * 40, 10))
+
+
+def _run_to_the_end(sched: Scheduler) -> dict:
+    """Drive ``sched`` with logits that always pick token 3 (greedy); the tokens per session."""
+    got: dict = {}
+    while not sched.done:
+        batch = sched.next_batch()
+        assert batch, f"nothing runs, yet {sorted(sched.queued())} wait"
+        for event in sched.complete(batch, [np.eye(8)[3]] * len(batch)):
+            got.setdefault(event.session, []).append(event.token)
+    return got
+
+
+def test_admission_takes_a_session_whose_need_equals_the_budget_exactly():
+    """Prompt + new tokens == ``max_kv_rows``: queued, admitted and run to its last token (a
+    ``<`` for ``<=`` would leave it waiting for ever, and a pipeline would give it no tokens)."""
+    sched = Scheduler([Request("a", [1] * 10, 10)], max_kv_rows=20)
+    assert [w.session for w in sched.next_batch()] == ["a"]
+    assert _run_to_the_end(Scheduler([Request("a", [1] * 10, 10)], max_kv_rows=20)) == {"a": [3] * 10}
+    # two sessions that fill the budget exactly are resident together; a third row waits
+    sched = Scheduler([Request("a", [1] * 10, 10), Request("b", [1] * 4, 6), Request("c", [1], 1)], max_kv_rows=30)
+    assert sched.ready() == 2 and set(sched.live) == {"a", "b"} and sched.queued() == {"c": 0}
+    assert _run_to_the_end(sched) == {"a": [3] * 10, "b": [3] * 6, "c": [3]}
+    # add() refuses only a need beyond the budget
+    with pytest.raises(DistRuntimeError, match="11 new tokens exceed the KV budget of 20 rows"):
+        Scheduler(max_kv_rows=20).add(Request("over", [1] * 10, 11))
+
+
+def test_admission_holds_exactly_max_sessions():
+    sched = Scheduler([Request(f"r{i}", [1, 2], 2) for i in range(3)], max_sessions=2)
+    assert sched.ready() == 2 and set(sched.live) == {"r0", "r1"} and sched.queued() == {"r2": 0}
+    assert _run_to_the_end(sched) == {f"r{i}": [3, 3] for i in range(3)}
 
 
 def test_local_engine_batches_and_matches_one_session_per_pass(model):

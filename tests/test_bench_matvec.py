@@ -45,6 +45,7 @@ def test_flush_weights_are_disjoint_views_of_the_buffer(dtype):
         assert (w.dtype if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype)) == dtype
 
 
+@pytest.mark.slow  # the benchmark in a subprocess
 def test_a_tiny_run_prints_every_product_against_numpy():
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_matvec.py"), "--n", "64", "--k", "256",
@@ -57,6 +58,7 @@ def test_a_tiny_run_prints_every_product_against_numpy():
     assert "a product of the measured kind each" in run.stdout
 
 
+@pytest.mark.slow  # the ggml child in a subprocess
 def test_the_llama_cpp_reference_checks_its_products_and_answers_seconds():
     pytest.importorskip("llama_cpp")  # not a project dependency: CI has none
     child = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "ggml_matvec_child.py"), "64", "256", "1,2",
@@ -72,6 +74,7 @@ def test_the_llama_cpp_reference_checks_its_products_and_answers_seconds():
     assert all(0 < s < 1 for s in seconds[:3]) and np.isnan(seconds[3])  # a type it was not given
 
 
+@pytest.mark.slow  # the benchmark in a subprocess
 def test_a_k_that_some_blocks_do_not_divide_leaves_those_types_out():
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_matvec.py"), "--n", "16", "--k", "96",

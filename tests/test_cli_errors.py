@@ -21,6 +21,8 @@ import pytest
 from conftest import PIPELINE_CFG, save_example
 from dist_runtime.examples import LlamaConfig
 
+pytestmark = pytest.mark.slow  # a child process, some cases start Ray
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 
 #: (id, argv, extra environment, exit status, words the last line of stderr holds).  {names} are

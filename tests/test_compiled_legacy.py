@@ -189,6 +189,7 @@ print(float(np.abs(y).sum()))
 """
 
 
+@pytest.mark.slow  # a child process per type
 @pytest.mark.parametrize("dtype", LEGACY, ids=lambda d: d.name)
 def test_q8_reads_nothing_past_the_weight(dtype, tmp_path):
     """The 512-bit path loads 128-byte windows from each group's start, past the group's own bytes:

@@ -35,6 +35,8 @@ from dist_runtime.ir.toml_form import graph_to_toml
 from dist_runtime.transport import MAX_OBJECTS, MAX_TENSORS, WIRE_DTYPES, decode_message, encode_message
 from fuzz import oracle
 
+pytestmark = pytest.mark.slow  # hypothesis over every reader, thousands of examples
+
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 FAST = dict(derandomize=True, deadline=None, database=None,
@@ -326,9 +328,9 @@ def test_more_hostile_frames(case):
 
 
 def test_a_message_unpacks_to_a_bounded_number_of_objects():
-    """Found by this file: 1 byte of msgpack (an empty array or map) is a 56-64 byte Python
-    object, so a 4 MiB message of them took ~280 MB before the unpacker counted objects; a 100 MiB
-    one would take ~7 GB.  Now memory stays a constant, whatever the message size."""
+    """1 byte of msgpack (an empty array or map) is a 56-64 byte Python object, so unpacked
+    without a count of objects a 4 MiB message of them takes ~280 MB and a 100 MiB one ~7 GB; the
+    unpacker counts them, and memory stays constant whatever the message size."""
     for empty in (b"\x90", b"\x80", b"\xc0"):  # [], {}, nil
         for outer in (64, 1024):
             data = b"\xdc" + outer.to_bytes(2, "big") + (b"\xdc\x10\x00" + empty * 4096) * outer

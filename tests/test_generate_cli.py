@@ -158,6 +158,7 @@ def test_text_prompt_needs_a_tokenizer(tmp_path, capsys):
     assert code == 1 and "has no tokenizer" in err and "--ids" in err
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_ctrl_c_stops_generate_cleanly(tmp_path):
     """SIGINT (Ctrl-C) during a long generation: exit status 130, a one-line note, no traceback,
     and the tokens printed so far stand."""
@@ -167,12 +168,13 @@ def test_ctrl_c_stops_generate_cleanly(tmp_path):
     import sys
     import time
 
-    from conftest import save_example
+    from conftest import default_signals, save_example
     from dist_runtime.examples import LlamaConfig
 
     path = save_example(tmp_path / "m.model", LlamaConfig(vocab=128, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128))
     proc = subprocess.Popen([sys.executable, "-m", "dist_runtime.cli", "generate", str(path), "--ids", "1,2,3",
-                             "-n", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                             "-n", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=default_signals)
     try:
         first = proc.stdout.read(4)  # tokens are streaming
         assert first

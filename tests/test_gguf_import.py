@@ -13,7 +13,7 @@ must only ever give GGUFImportError.  No torch.
 from __future__ import annotations
 
 import json
-import time
+import tracemalloc
 from functools import cache
 from pathlib import Path
 
@@ -32,7 +32,8 @@ from dist_runtime.dtypes import DType  # noqa: E402
 from dist_runtime.errors import DistRuntimeError  # noqa: E402
 from dist_runtime.importers import detect_format  # noqa: E402
 from dist_runtime.importers.common import tokenizer_path_for  # noqa: E402
-from dist_runtime.importers.gguf_file import (GGUFImportError, _Fields, convert_gguf, load, open_gguf,  # noqa: E402
+from dist_runtime.importers.gguf_file import (GGUFImportError, _Fields, _strict_reader, convert_gguf, load,  # noqa: E402
+                                              open_gguf,
                                               tokenizer_json, unpermute_rows)
 from dist_runtime.importers.hf.llama import DecoderConfig, convert_hf, load_hf, random_weights  # noqa: E402
 from dist_runtime.model import load_model  # noqa: E402
@@ -486,13 +487,21 @@ def small_gguf(tmp_path_factory) -> bytes:
     return path.read_bytes()
 
 
-def load_only_ours(path: Path) -> None:
-    start = time.perf_counter()
-    try:
-        load(path)
-    except GGUFImportError:
-        pass
-    assert time.perf_counter() - start < 2.0, "a malformed file must fail fast"
+class CountedReads:
+    """Counts the reader's reads (every byte of a GGUF is read through ``StrictReader._get``) and
+    stops a load at ``limit`` of them: a loop over a malformed count ends there, not in hours."""
+
+    def __init__(self, monkeypatch, limit: int) -> None:
+        self.calls, self.limit = 0, limit
+        reader, read = _strict_reader(), _strict_reader()._get
+
+        def counted(this, *args, **kwargs):
+            self.calls += 1
+            if self.calls > limit:  # (load turns any exception into a GGUFImportError: the test checks calls)
+                raise RuntimeError(f"more than {limit} reads")
+            return read(this, *args, **kwargs)
+
+        monkeypatch.setattr(reader, "_get", counted)
 
 
 def test_truncated_files_give_gguf_import_error(small_gguf, tmp_path):
@@ -505,25 +514,70 @@ def test_truncated_files_give_gguf_import_error(small_gguf, tmp_path):
             load(path)
 
 
-def test_flipped_bytes_give_gguf_import_error_or_a_model(small_gguf, tmp_path):
+def test_flipped_bytes_give_gguf_import_error_or_a_model(small_gguf, tmp_path, monkeypatch):
+    """Whatever a flip makes of a count, a length or a size, the load's work is bounded by the
+    file, not by the value: at most one read per 4 bytes of the file (a valid one reads ~1 per 48)
+    and a few MB allocated (a valid one: ~0.1 MB)."""
     path = tmp_path / "f.gguf"
     rng = np.random.default_rng(1234)
     header = small_gguf.find(b"output_norm.weight") + 200
     outcomes = {"error": 0, "loaded": 0}
+    reads = CountedReads(monkeypatch, limit=len(small_gguf) // 4)
     for i in range(120):
         data = bytearray(small_gguf)
         # mostly the structure (counts, lengths, types, offsets), sometimes the tensor data
         at = int(rng.integers(0, header if i % 4 else len(data)))
         data[at] ^= int(rng.integers(1, 256))
         path.write_bytes(bytes(data))
-        start = time.perf_counter()
+        reads.calls = 0
+        tracemalloc.start()
         try:
             load(path)
             outcomes["loaded"] += 1
         except GGUFImportError:
             outcomes["error"] += 1
-        assert time.perf_counter() - start < 2.0, f"flip at byte {at} took too long"
+        finally:
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+        assert reads.calls <= reads.limit, f"flip at byte {at}: more than {reads.limit} reads"
+        assert peak < 8 * 2**20, f"flip at byte {at}: {peak} bytes allocated"
     assert outcomes["error"] > 30 and outcomes["loaded"] > 10
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"])
+@pytest.mark.parametrize("count", [2**64 - 1, 2**40, "file size"])
+def test_an_array_count_past_the_end_is_refused_before_its_elements_are_read(small_gguf, tmp_path, monkeypatch,
+                                                                            key, count):
+    at = small_gguf.index(key.encode()) + len(key) + 8  # the key, then u32 ARRAY, u32 item type, u64 count
+    assert int.from_bytes(small_gguf[at - 8:at - 4], "little") == 9  # GGUFValueType.ARRAY
+    count = len(small_gguf) if count == "file size" else count
+    path = tmp_path / "count.gguf"
+    path.write_bytes(small_gguf[:at] + count.to_bytes(8, "little") + small_gguf[at + 8:])
+    reads = CountedReads(monkeypatch, limit=len(small_gguf) // 4)
+    with pytest.raises(GGUFImportError, match=f"at byte {at - 4}: an array of {count} elements cannot fit"):
+        load(path)
+    assert reads.calls <= reads.limit
+
+
+def _gguf_with_one_array(item_type: int, declared: int, elements: bytes) -> bytes:
+    """A GGUF (v3, no tensors) whose one key-value is an array, the last bytes of the file."""
+    key = b"x.values"
+    return (b"GGUF" + np.array([3], "<u4").tobytes() + np.array([0, 1], "<u8").tobytes()
+            + np.array([len(key)], "<u8").tobytes() + key + np.array([9, item_type], "<u4").tobytes()
+            + np.array([declared], "<u8").tobytes() + elements)
+
+
+@pytest.mark.parametrize("item_type, n, elements", [
+    (6, 5, np.arange(5, dtype="<f4").tobytes()),  # FLOAT32: 4 bytes each
+    (8, 3, np.zeros(3, "<u8").tobytes()),  # STRING: at least its 8-byte length (here empty strings)
+], ids=["f32", "string"])
+def test_an_array_that_ends_exactly_at_the_end_of_the_file_is_read(tmp_path, item_type, n, elements):
+    path = tmp_path / "exact.gguf"
+    path.write_bytes(_gguf_with_one_array(item_type, n, elements))
+    assert len(open_gguf(path).fields["x.values"].contents()) == n  # count x least size == the bytes left
+    path.write_bytes(_gguf_with_one_array(item_type, n + 1, elements))
+    with pytest.raises(GGUFImportError, match=f"an array of {n + 1} elements cannot fit in the {len(elements)} bytes"):
+        open_gguf(path)
 
 
 @pytest.mark.parametrize("content", [b"", b"GGUF", b"GGUF\x03\x00\x00\x00" + b"\xff" * 16, b"not a gguf file at all"])
@@ -544,7 +598,7 @@ def test_greedy_tokens_equal_llama_cpps_on_the_same_file(tmp_path, qtype, backen
     import hashlib
 
     from dist_runtime.executor import GraphExecutor
-    from dist_runtime.generation import LocalEngine, Request, generate
+    from dist_runtime.engine import LocalEngine, Request, generate
     from dist_runtime.importers import convert
 
     ref = np.load(Path(__file__).parent / "fixtures" / "llama_cpp" / "greedy.npz")

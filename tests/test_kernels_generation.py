@@ -138,6 +138,37 @@ def test_a_vanishing_temperature_tends_to_greedy_without_overflow(method):
     assert np.array_equal(ordinary, logits / np.float32(0.7))  # bits kept where nothing overflows
 
 
+# Exact ties on a filter's boundary.  Equal logits have exactly representable probabilities (1/n
+# each, -inf: 0), so the cumulative sums hit the threshold exactly, as the random fixtures never do.
+@pytest.mark.parametrize("logits, p, kept", [
+    ([0, 0, 0, 0], 0.5, [2, 3]),  # ascending cumulative 1/4, 1/2, 3/4, 1: two tokens reach p = 1/2
+    ([0, 0, 0, 0], 0.75, [1, 2, 3]),
+    ([0, 0, 0, 0], 0.25, [3]),
+    ([-np.inf, 0, 0, -np.inf, 0, 0], 0.5, [4, 5]),  # the dropped tokens' zero mass changes nothing
+    ([0] * 8, 0.375, [5, 6, 7]),
+])
+def test_top_p_keeps_exactly_the_smallest_set_that_reaches_p_at_an_exact_tie(logits, p, kept):
+    """docs/ops.md: drop the tokens whose ascending cumulative probability is ``<= 1 - p`` (equal
+    logits in vocabulary order): the kept set sums to exactly ``p``, not one token more."""
+    x = np.array([logits], np.float32)
+    got = G.filter_logits(x, method=G.TOP_P, p=p)
+    assert np.flatnonzero(~np.isneginf(got[0])).tolist() == kept
+    rows = np.broadcast_to(x, (400, x.shape[1])).copy()  # the Sample op draws only those, each of them
+    (ids,) = run(Sample(method=G.TOP_P, temperature=1.0, p=p), rows, np.array(11, np.int64))
+    assert sorted(set(ids.tolist())) == kept
+
+
+@pytest.mark.parametrize("method, k, p, logits, kept", [
+    (G.TOP_K, 2, 1.0, [0, 1, 1, 2, 1], [1, 2, 3, 4]),  # ties with the k-th largest are kept
+    (G.TOP_K, 4, 1.0, [0, 0, 0, 0], [0, 1, 2, 3]),  # k = V keeps all
+    (G.MIN_P, 0, 1.0, [0, 1, 1, -1], [1, 2]),  # probability == p * max is kept (only < is dropped)
+])
+def test_top_k_and_min_p_keep_what_equals_their_threshold(method, k, p, logits, kept):
+    x = np.array([logits], np.float32)
+    got = G.filter_logits(x, method=method, p=p, k=k)
+    assert np.flatnonzero(~np.isneginf(got[0])).tolist() == kept
+
+
 def test_f16_logits_and_errors():
     (ids,) = run(sample_op("top_k5"), LOGITS.astype(np.float16), np.array(3, np.int64))
     assert ids.dtype == np.int64 and ids.shape == (5,)

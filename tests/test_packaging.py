@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds the wheel
+
 ROOT = Path(__file__).resolve().parents[1]
 MAPPED = {"kernels": "dist_runtime/kernels", "partitioner": "dist_runtime/partitioner"}
 

@@ -299,6 +299,7 @@ def test_100k_nodes_same_plan_hash_on_every_run():
     assert len(hashes) == 1
 
 
+@pytest.mark.slow  # child processes
 def test_plan_hash_does_not_depend_on_the_interpreter_hash_seed():
     script = textwrap.dedent("""
         import sys

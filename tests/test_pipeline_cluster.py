@@ -23,7 +23,9 @@ from dist_runtime.examples import LlamaConfig  # noqa: E402
 from dist_runtime.executor import GraphExecutor  # noqa: E402
 from dist_runtime.model import load_model  # noqa: E402
 from dist_runtime.pipeline import Pipeline, Request, StageOptions  # noqa: E402
-from dist_runtime.generation import LocalEngine, generate  # noqa: E402
+from dist_runtime.engine import LocalEngine, generate  # noqa: E402
+
+pytestmark = pytest.mark.slow  # three raylets on this machine
 
 # Big enough that a stage's share (~5.7 MB) dwarfs the page-granularity slop.
 CFG = LlamaConfig(vocab=1024, hidden=256, layers=4, heads=4, kv_heads=2, ffn=512)
@@ -64,7 +66,7 @@ def test_stages_on_distinct_nodes_hold_only_their_weights(cluster, tmp_path):
             resident = report["resident_file_bytes"]
             assert 0 < resident <= stage.memory.weights + 256 * 1024 < total * 0.6
     with load_model(path) as model:
-        assert got == generate(LocalEngine(GraphExecutor(model, fuse=False, batch_invariant=True)), reqs).tokens
+        assert got == generate(LocalEngine(GraphExecutor(model, fuse=False)), reqs).tokens
 
 
 def test_node_hosting_a_stage_is_removed_mid_run(cluster, tmp_path):
@@ -83,7 +85,7 @@ def test_node_hosting_a_stage_is_removed_mid_run(cluster, tmp_path):
         reqs = [Request("a", [5, 17, 3, 9], 8), Request("b", [42], 8, Sampling(temperature=0.8, top_k=10, seed=11)),
                 Request("c", [7, 7, 7, 1], 8, Sampling(temperature=1.1, top_p=0.9, seed=12)), Request("d", [1, 2], 8)]
         with load_model(path) as model:
-            want = generate(LocalEngine(GraphExecutor(model, fuse=False, batch_invariant=True)), reqs).tokens
+            want = generate(LocalEngine(GraphExecutor(model, fuse=False)), reqs).tokens
         options = StageOptions(fuse=False, cpus=1, resources=[{"pool": 0.01}, {"pool": 0.01}])
         with Pipeline(path, stages=2, max_context=64, options=options) as p:
             co = p.coordinator

@@ -22,8 +22,10 @@ import pytest
 
 pytest.importorskip("ray")
 
-from conftest import processes_of, save_example  # noqa: E402
+from conftest import default_signals, processes_of, save_example  # noqa: E402
 from dist_runtime.examples import LlamaConfig  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a CLI subprocess that starts an embedded Ray
 
 CFG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64)
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +42,7 @@ def test_ctrl_c_or_sigterm_stops_the_run_and_leaves_nothing_behind(tmp_path, how
            "--num-cpus", "2", "--cpus-per-stage", "0.5", "--max-context", "4096",
            "--max-new-tokens", "4000", "--sessions", "2", "--stream", "--no-fuse"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=default_signals)
     pgid = proc.pid
     stdout_lines: list[str] = []
     stderr_chunks: list[str] = []

@@ -23,7 +23,7 @@ from dist_runtime.errors import ClusterError, StageUnavailableError, TransportEr
 from dist_runtime.executor import GraphExecutor  # noqa: E402
 from dist_runtime.model import load_model  # noqa: E402
 from dist_runtime.pipeline import Pipeline, Request, Sampling, StageOptions  # noqa: E402
-from dist_runtime.generation import LocalEngine, generate  # noqa: E402
+from dist_runtime.engine import LocalEngine, generate  # noqa: E402
 
 CFG = PIPELINE_CFG
 PROMPTS = {"a": [5, 17, 3, 9], "b": [42], "c": [7, 7, 7, 7, 7, 1]}
@@ -37,10 +37,11 @@ def model_path(pipeline_model):
 @pytest.fixture(scope="module")
 def reference(model_path):
     with load_model(model_path) as model:
-        yield GraphExecutor(model, fuse=False, batch_invariant=True)  # as the stages run
+        yield GraphExecutor(model, fuse=False)  # as the stages run
 
 
-pytestmark = pytest.mark.usefixtures("local_ray")  # Ray once for the module (conftest)
+# Ray once for the module (conftest); slow: local Ray actors
+pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.slow]
 
 
 def _requests(n_new: int = 6) -> list[Request]:
@@ -300,7 +301,7 @@ def test_sessions_beyond_the_kv_budget_wait_in_the_queue_and_lose_nothing(pipe2,
 def test_arrivals_mid_stream_get_the_tokens_they_get_alone(pipe2, reference):
     """Requests arrive while others decode (an Inbox), with random prompts and sampling; each
     session's tokens on 2 stages equal its tokens alone in one process."""
-    from dist_runtime.generation import Inbox
+    from dist_runtime.engine import Inbox
 
     rng = np.random.default_rng(4)
     reqs = [Request(f"r{i}", rng.integers(0, 96, int(rng.integers(1, 20))).tolist(), int(rng.integers(5, 9)),

@@ -19,8 +19,10 @@ from dist_runtime.examples import LlamaConfig, llama_graph, llama_weights
 from dist_runtime.executor import GraphExecutor
 from dist_runtime.model import load_model, save_model
 from dist_runtime.pipeline.header import StageRecord, StepHeader
-from dist_runtime.pipeline.launch import make_plan
-from dist_runtime.generation import LocalEngine, Request, generate
+from dist_runtime.pipeline import coordinator
+from dist_runtime.pipeline.channels import Channel
+from dist_runtime.pipeline.launch import kv_rows, make_plan
+from dist_runtime.engine import LocalEngine, Request, generate
 from dist_runtime.sampling import Sampling
 from dist_runtime.pipeline.stage import StageWorker
 from dist_runtime.pipeline.subgraph import cut_stages, stages_for_plan
@@ -126,6 +128,38 @@ def test_hostile_messages_fail_one_call_only(model, model_path):
     want = ref.run({"tokens": np.array([4], np.int32)}, session="a", pos=3)["logits"]
     np.testing.assert_allclose(_run([first, second], _message([4], "a", 3))["logits"], want, atol=1e-5)
     np.testing.assert_allclose(decode_message(second.step(h))[0]["logits"], good, atol=1e-5)
+
+
+class _InProcess(Channel):
+    """The stages as ``StageWorker`` objects in this process: a step goes through all of them."""
+
+    kind = "in-process"
+
+    def submit(self, message: bytes) -> bytes:
+        for worker in self.actors:
+            message = worker.step(message)
+        return message
+
+    def get(self, handle: bytes, timeout: float | None = None) -> bytes:
+        return handle
+
+
+def test_a_request_that_fills_the_context_exactly_gets_all_its_tokens(model, model_path, monkeypatch):
+    """The coordinator's KV budget is the plan's (sessions x context): prompt + max_new_tokens ==
+    the context is admitted and gets every token, those of one process (not zero tokens)."""
+    monkeypatch.setattr(coordinator, "call_all",  # the stages' telemetry, from the workers themselves
+                        lambda actors, method, *args, timeout: [getattr(a, method)(*args) for a in actors])
+    context = 12
+    plan = make_plan(model.graph, stages=2, max_context=context)
+    stages = stages_for_plan(model.graph, plan)
+    workers = _workers(stages, model_path)
+    co = coordinator.Coordinator(stages, workers, _InProcess(workers), max_kv_rows=kv_rows(plan))
+    assert co.max_kv_rows == context
+    prompt = [3, 1, 4, 1, 5]
+    request = Request("full", prompt, context - len(prompt))
+    want = generate(LocalEngine(GraphExecutor(model, fuse=False)), [request]).tokens["full"]
+    assert len(want) == context - len(prompt)
+    assert co.generate([request]) == {"full": want}
 
 
 def test_weights_source_and_fingerprint(model, model_path, tmp_path):

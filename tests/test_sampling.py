@@ -85,3 +85,25 @@ def test_token_logprobs_are_the_log_softmax_most_likely_first():
     want = np.log(np.exp([1.0, 3.0, 1.0]) / np.exp([1.0, 3.0, 1.0]).sum())
     assert got.logprob == pytest.approx(want[2])
     assert [i for i, _ in got.top] == [1, 0] and got.top[0][1] == pytest.approx(want[1])  # ties: lower id
+
+
+class _Uniform:
+    """A generator whose every draw is ``u``: which token each ``u`` picks shows the kept set."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self, n: int) -> np.ndarray:
+        return np.full(n, self.u)
+
+
+@pytest.mark.parametrize("n, top_p, kept", [(4, 0.5, {2, 3}), (4, 0.75, {1, 2, 3}), (8, 0.25, {6, 7}),
+                                            (2, 0.5, {1})])
+def test_top_p_at_an_exact_tie_keeps_the_smallest_set_reaching_p(n, top_p, kept):
+    """n equal logits: each token's probability is exactly 1/n, so the kept tokens' cumulative
+    probability equals ``top_p`` exactly; that set is kept, not one token more (docs/ops.md,
+    "Sample": drop cumulative ``<= 1 - p`` in ascending order, equal logits in vocabulary order)."""
+    s = Sampling(temperature=1.0, top_p=top_p, seed=0)
+    logits = np.zeros((1, n), np.float32)
+    drawn = {s.choose(logits, _Uniform(u)) for u in np.linspace(0, 1, 64, endpoint=False)}
+    assert drawn == kept

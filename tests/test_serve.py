@@ -26,14 +26,16 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("tokenizers")
 
-from conftest import CHAT_TEMPLATE, served_llama  # noqa: E402
+from conftest import CHAT_TEMPLATE, default_signals, served_llama  # noqa: E402
 
 from dist_runtime.cli import main  # noqa: E402
 from dist_runtime.serve.bridge import EngineBridge  # noqa: E402
 from dist_runtime.serve.metrics import Metrics  # noqa: E402
-from dist_runtime.serve.served import ServedModel  # noqa: E402
+from dist_runtime.serve.served_model import ServedModel  # noqa: E402
 from dist_runtime.serve.server import Server, local_backend  # noqa: E402
 from dist_runtime.serve.text import StopText, render_chat  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a live server, CLI subprocesses and MiniLM
 
 KEY = "sesame"
 CONTEXT = 256
@@ -120,6 +122,35 @@ def test_streamed_completion_is_the_same_text(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
 
 
+def _raw_events(server, path: str, body: dict) -> list[bytes]:
+    """The server-sent events of a streamed request, as bytes off the wire (no client's parsing:
+    the openai client and the page both tolerate a stream that lacks its ``[DONE]``)."""
+    with httpx.stream("POST", server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.read()
+        raw = b"".join(r.iter_bytes())
+    assert raw.endswith(b"\n\n"), raw[-200:]
+    return [e for e in raw[:-2].split(b"\n\n") if not e.startswith(b":")]  # less keep-alive comments
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "w9 w10"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w20 w21"}]}),
+])
+@pytest.mark.parametrize("options", [None, {"include_usage": False}, {"include_usage": True}],
+                         ids=["no stream_options", "include_usage false", "include_usage true"])
+def test_every_stream_ends_with_done_on_the_wire(server, path, body, options):
+    body = {"model": "tiny", "max_tokens": 4, "stream": True, **body}
+    if options is not None:
+        body["stream_options"] = options
+    events = _raw_events(server, path, body)
+    assert events[-1] == b"data: [DONE]", events[-3:]
+    assert events.count(b"data: [DONE]") == 1
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    usage = [c for c in chunks if c.get("usage")]
+    assert [c["usage"]["completion_tokens"] for c in usage] == ([4] if options and options["include_usage"] else [])
+
+
 def test_chat_renders_the_template(client, files, capsys):
     messages = [{"role": "user", "content": "w20 w21"}]
     text = render_chat(CHAT_TEMPLATE, messages, {"bos_token": ""})
@@ -190,6 +221,13 @@ def _error(response) -> dict:
     body = response.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}
     return body["error"]
+
+
+def test_a_prompt_and_max_tokens_that_fill_the_context_exactly_get_every_token(client):
+    r = client.completions.create(model="tiny", prompt=[5] * 250, max_tokens=CONTEXT - 250, temperature=0)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.choices[0].finish_reason) == (250, 6, "length")
+    with pytest.raises(openai.BadRequestError, match="250 prompt tokens \\+ 7 new tokens exceed the context length 256"):
+        client.completions.create(model="tiny", prompt=[5] * 250, max_tokens=CONTEXT - 250 + 1)
 
 
 def test_errors_are_openai_error_objects(server, client):
@@ -311,7 +349,7 @@ def test_serve_command_prints_its_url_and_stops_on_sigterm(files):
     env = dict(os.environ, DIST_RUNTIME_API_KEY=KEY)
     proc = subprocess.Popen([sys.executable, "-m", "dist_runtime.cli", "serve", files["model"], "--port", "0",
                              "--tokenizer", files["tok"], "--name", "m"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_signals)
     try:
         line = proc.stdout.readline()
         assert "serving 'm' (completions, chat) on this process at http://127.0.0.1:" in line, proc.stderr.read()

@@ -37,12 +37,14 @@ from conftest import served_llama  # noqa: E402
 
 from dist_runtime.serve.bridge import EngineBridge  # noqa: E402
 from dist_runtime.serve.metrics import Metrics  # noqa: E402
-from dist_runtime.serve.served import ServedModel  # noqa: E402
+from dist_runtime.serve.served_model import ServedModel  # noqa: E402
 from dist_runtime.serve.server import Server, local_backend  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 # As root --no-sandbox is needed; without the background-networking flags Chromium reaches for
 # Google's servers, and a closed network refuses it.
+pytestmark = pytest.mark.slow  # a headless Chromium against a live server
+
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--window-size=1000,800"]

@@ -18,10 +18,11 @@ from conftest import wait_dead  # noqa: E402
 
 from dist_runtime.pipeline import Pipeline, StageOptions  # noqa: E402
 from dist_runtime.serve.metrics import Metrics  # noqa: E402
-from dist_runtime.serve.served import ServedModel  # noqa: E402
+from dist_runtime.serve.served_model import ServedModel  # noqa: E402
 from dist_runtime.serve.server import Server, local_backend, pipeline_backend, pipeline_health  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("local_ray")  # Ray once for the module (conftest)
+# Ray once for the module (conftest); slow: a live server on Ray stages
+pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.slow]
 ASK = {"model": "tiny4", "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 4, "n": 3}
 
 
