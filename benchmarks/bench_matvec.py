@@ -205,6 +205,7 @@ def main() -> None:
         if getattr(args, name) < (0 if name == "flush_mb" else 1):
             parser.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'flush_mb' else 'positive'}, "
                          f"got {getattr(args, name)}")
+    compiled.init()  # the threading layer, before any compiled product runs
     if args.threads:
         set_threads(args.threads)
 

@@ -24,7 +24,7 @@ from dist_runtime.kernels.quant import to_float
 from dist_runtime.kernels.registry import KernelContext
 
 from .arena import pack
-from .backends import Backend, ChainedNodeError, chain_reads, make_backends, openblas, program
+from .backends import Backend, ChainedNodeError, chain_reads, make_backends, program
 from .backends.assign import Assignment, assign_backends
 from .batched_pass import ROWS, SEGMENTED, NodeRows, PerSegment, RowPlan, Segment, offsets, plan_rows
 from .errors import DistRuntimeError, GraphValidationError, KernelError
@@ -261,7 +261,6 @@ class GraphExecutor:
         self._steps = self._bind(widened)
         self._program_steps, self.program = self._with_program() if compiled_program else (None, "not asked for")
         self._program_at = next((i for i, s in enumerate(self._program_steps or ()) if s.kv_cache is _PROGRAM), -1)
-        self._after_pass = [b.after_pass for b in self.backends if callable(getattr(b, "after_pass", None))]
         self._checked: set[tuple] = set()  # input signatures already shape-checked
         self._seed = seed
         self._sessions: dict[Hashable, Session] = {}
@@ -416,29 +415,24 @@ class GraphExecutor:
 
     def _walk(self, values: dict, call, observe, steps: list[_Step] | None = None) -> None:
         """Every step in order, ``call(step)`` computing its outputs; an exception inside a step
-        leaves as the project's error naming that step's node.  Then, either way, every backend's
-        ``after_pass()``."""
+        leaves as the project's error naming that step's node."""
         step = None
         try:
-            with openblas.pass_running():
-                for step in steps or self._steps:
-                    outs = call(step)
-                    for name, value in zip(step.writes, outs):
-                        values[name] = value
-                    for name in step.frees:
-                        del values[name]
-                    if observe is not None:
-                        node = self.graph.nodes[step.index]
-                        observe(node, outs[:len(node.outputs)], values.keys())
+            for step in steps or self._steps:
+                outs = call(step)
+                for name, value in zip(step.writes, outs):
+                    values[name] = value
+                for name in step.frees:
+                    del values[name]
+                if observe is not None:
+                    node = self.graph.nodes[step.index]
+                    observe(node, outs[:len(node.outputs)], values.keys())
         except ChainedNodeError as e:  # inside a chain: the node that failed, on what it read
             node = self.graph.nodes[step.index + e.offset]
             raise self._node_error(e.error, step.index + e.offset, dict(zip(node.inputs, e.inputs))) from e.error
         except Exception as e:  # noqa: BLE001 -- re-raised as the project's error, naming the node
             node = self.graph.nodes[step.index]
             raise self._node_error(e, step.index, {n: values.get(r) for n, r in zip(node.inputs, step.reads)}) from e
-        finally:
-            for after in self._after_pass:
-                after()
 
     def _call_segments(self, step: _Step, values: Mapping[str, Array], sessions: list[Session],
                        cuts: list[slice]) -> tuple:

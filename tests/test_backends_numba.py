@@ -495,33 +495,3 @@ def test_an_error_inside_the_attention_chain_names_its_own_node(monkeypatch):
         node, _, why = str(info.value).partition(" reading ")  # (the chain names the segment's rows it read)
         errors.append((type(info.value), node, why.partition(": ")[2], before))
     assert errors[0] == errors[1] and errors[0][1].endswith("(KvCache)")
-
-
-# -- OpenBLAS's workers --------------------------------------------------------------------------------
-def test_openblas_rest_stops_its_worker_threads():
-    import os
-
-    from dist_runtime.backends import openblas
-
-    if not openblas.rest():
-        pytest.skip(openblas.REASON)
-    a, b = np.ones((512, 768), np.float32), np.ones((768, 2048), np.float32)
-    tasks = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
-    a @ b  # starts OpenBLAS's workers (none on a one-core machine or with OPENBLAS_NUM_THREADS=1)
-    running = tasks()
-    assert openblas.rest()
-    workers = (os.cpu_count() or 1) > 1 and os.environ.get("OPENBLAS_NUM_THREADS", "") not in ("1", "0")
-    assert tasks() < running if workers else tasks() <= running
-    np.testing.assert_array_equal(a @ b, np.full((512, 2048), 768, np.float32))  # BLAS works after
-
-
-def test_openblas_rests_only_when_no_pass_runs(monkeypatch):
-    """Another thread's pass may be inside BLAS: the workers are not shut down under it."""
-    from dist_runtime.backends import openblas
-
-    calls = []
-    monkeypatch.setattr(openblas, "_SHUTDOWN", lambda: calls.append(1))
-    with openblas.pass_running():
-        assert not openblas.rest()
-    assert calls == []
-    assert openblas.rest() and calls == [1]

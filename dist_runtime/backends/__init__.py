@@ -42,9 +42,7 @@ class Backend(Protocol):
     fails (the executor's chains; the numba backend's Rope, Rope, KvCache, Sdpa of a layer).  A
     bound kernel run once per segment of a batched pass may carry ``over_segments(inputs, cuts,
     contexts)``: every segment in one call, returning the pass's values (rows joined, per-segment
-    values as ``PerSegment``), or None for the executor to call it segment by segment.  And
-    ``after_pass()``, called once every pass is over, even one that failed (the numba backend
-    sends OpenBLAS's workers to sleep there after a prefill that used them)."""
+    values as ``PerSegment``), or None for the executor to call it segment by segment."""
 
     name: str
     hint: BackendHint  # the value a node's backend_hint uses to ask for this backend

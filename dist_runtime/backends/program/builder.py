@@ -19,6 +19,7 @@ from ...dtypes import DType
 from ...ir.ops import Add
 from ...ir.tensor_spec import POS
 from ...tensor import QuantizedArray
+from ..compiled import floats
 from ..compiled.products import PRODUCTS
 from ..compiled.registry import FLOATS, KQUANTS, LEGACY, Route
 from ..numba import AttentionChain
@@ -62,6 +63,7 @@ class Builder:
         self.rope: tuple | None = None  # (rope_dim, base, head_dim of attention) of every chain
         self.formats: dict[str, None] = {}  # the product weights' types, in order of first use
         self.q8 = False  # whether some product quantizes its activations
+        self.kernels: set[str] = set()  # the product kernels its instructions call (vm.KERNELS)
 
     def value(self, name: str) -> int:
         """The slot of value ``name`` (or of its ``@shared`` form), made on first use."""
@@ -106,6 +108,8 @@ class Builder:
         route = record.route(activations)
         self.formats[dtype.name] = None
         self.q8 |= route.activations == "q8_0"
+        self.kernels.add(floats.FORMATS[route.code] if route.family == FLOATS
+                         else f"{route.family}_{'q8' if route.activations == 'q8_0' else 'f32'}")
         by_rows = route.family != FLOATS  # blocks by rows; float tiles flat
         return self._table(name, data, [*data.shape] if by_rows else [data.size, route.code]), route
 

@@ -45,6 +45,7 @@ class Program:
         self._held = b.weights  # the addresses above stay valid while the program lives
         self.eps = np.array(b.eps or [0.0], np.float64)
         self.caches, self.rope, self.formats, self.q8 = b.caches, b.rope, list(b.formats), b.q8
+        self.kernels = tuple(vm.ON if name in b.kernels else vm.OFF for name in vm.KERNELS)
         self.imports = [b.values[n.removesuffix(SHARED)] for n in reads]
         self.exports = [b.values[n.removesuffix(SHARED)] for n in writes]
         head_dim = b.rope[2] if b.rope else compiled_attention.HEAD_DIMS[0]
@@ -103,7 +104,7 @@ class Program:
                 cos.flags.writeable = sin.flags.writeable = False
         positions = np.array([ctx.pos for ctx in ctxs], np.int64)
         vm.execute(self.code, self.slots, self.weights, self.eps, kv, cos, sin, arena, m, starts, positions,
-                 numba.get_num_threads(), self.attention_spec)
+                 numba.get_num_threads(), self.attention_spec, self.kernels)
         for ctx, t in zip(ctxs, rows):
             for cache in self.caches:
                 ctx.state[cache.key].hold(ctx.pos + t)

@@ -24,7 +24,7 @@ import numpy as np
 from numba import prange, types
 from numba._dispatcher import compute_fingerprint
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from ..compiled import attention as compiled_attention
 from ..compiled import cpu, floats, kquants, legacy, spin
@@ -41,6 +41,31 @@ from .instructions import (ADD, ADD_A, ADD_B, ADD_OUT, ATT_CACHE, ATT_CAUSAL, AT
 #: branches on its weight's code, so that one compile of the program serves every float format.
 F32_CODE, F16_CODE, BF16_CODE, Q8_0_CODE = (floats.FORMATS.index(f) for f in ("f32", "f16", "bf16", "q8_0"))
 _F32, _F16, _BF16, _Q8_0 = (floats.SPECS((fmt, cpu.PATH)) for fmt in ("f32", "f16", "bf16", "q8_0"))
+
+#: The kernels a program may call, each compiled into it only where the program's weights need it:
+#: a program's ``kernels`` tuple holds :data:`ON` at a kernel's place when it does, :data:`OFF`
+#: where it does not (their types differ), and :func:`_gated` calls compile to nothing for OFF.  So a model of F32 weights compiles
+#: the F32 tiles alone, not every family's code (the K-quant and legacy drivers were most of a
+#: cold first ``generate``'s compile); each set of kernels compiles, and is cached, once.
+KERNELS = ("f32", "f16", "bf16", "q8_0", "kquants_f32", "kquants_q8", "legacy_f32", "legacy_q8")
+(TILES_F32, TILES_F16, TILES_BF16, TILES_Q8_0, KQUANT_F32, KQUANT_Q8, LEGACY_F32, LEGACY_Q8) = range(len(KERNELS))
+#: A kernel's mark in ``kernels``: arrays (numba's parallel launch passes them through, where it
+#: refuses None) told apart by their number of dims, a type-level fact.
+ON, OFF = np.zeros(0, np.int8), np.zeros((0, 0), np.int8)
+
+
+def _gated(fn, arity: int):
+    """``call(on, a0, .., a<arity-1>)``: ``fn(a0, ..)`` where ``on`` is :data:`ON`, compiled to
+    nothing where it is :data:`OFF`.  (numba types an overload, and calls a closure, only with its arguments
+    spelled out, never ``*args``: hence the functions made from text.)"""
+    names = ", ".join(f"a{i}" for i in range(arity))
+    scope = {"fn": fn, "__name__": __name__}
+    exec(f"def call(on, {names}):\n    raise NotImplementedError('only in compiled code')\n"
+         f"def nothing(on, {names}):\n    return None\n"
+         f"def something(on, {names}):\n    fn({names})\n"
+         f"def typed(on, {names}):\n    return something if on.ndim == 1 else nothing\n", scope)
+    overload(scope["call"])(scope["typed"])
+    return scope["call"]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -105,18 +130,26 @@ def _matrix(spec, weights, i):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _float_rows(x, weights, i, out, m, n, k, lo, hi):
+def _tiles(spec, x, weights, i, out, m, n, k, lo, hi):
+    floats._rows(spec, x, _matrix(spec, weights, i), out, m, n, k, lo, hi)
+
+
+_tiles_if = _gated(_tiles, 10)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _float_rows(kernels, x, weights, i, out, m, n, k, lo, hi):
     """:func:`..compiled.floats._rows` of float product weight ``i``, in its format (rows ``lo``
     to ``hi``: whole chunks, a task's run of them in this weight)."""
     code = weights[i, 2]
     if code == F32_CODE:
-        floats._rows(_F32, x, _matrix(_F32, weights, i), out, m, n, k, lo, hi)
+        _tiles_if(kernels[TILES_F32], _F32, x, weights, i, out, m, n, k, lo, hi)
     elif code == F16_CODE:
-        floats._rows(_F16, x, _matrix(_F16, weights, i), out, m, n, k, lo, hi)
+        _tiles_if(kernels[TILES_F16], _F16, x, weights, i, out, m, n, k, lo, hi)
     elif code == BF16_CODE:
-        floats._rows(_BF16, x, _matrix(_BF16, weights, i), out, m, n, k, lo, hi)
+        _tiles_if(kernels[TILES_BF16], _BF16, x, weights, i, out, m, n, k, lo, hi)
     else:
-        floats._rows(_Q8_0, x, _matrix(_Q8_0, weights, i), out, m, n, k, lo, hi)
+        _tiles_if(kernels[TILES_Q8_0], _Q8_0, x, weights, i, out, m, n, k, lo, hi)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -129,43 +162,52 @@ def _slot(joint, at):
     return joint[6], joint[7], joint[8]
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _k_joint_parts(x, joint, q8, first, last, c0, c1, c2):
-    """Parts ``first..last`` of a K_BLOCKS (:func:`.compiled.kquants._k_threaded_joint` and its q8
-    twin), ``x`` prepared once for them all (its block sums, or its Q8_K quantization)."""
+# Parts ``first..last`` of a K_BLOCKS or L_BLOCKS instruction (the drivers of kquants.py and
+# legacy.py: ``_k_threaded_joint``, ``_f32_joint`` and their q8 twins), ``x`` prepared once for
+# them all: its block sums, or quantized (Q8_K; Q8_0 with each weight's lane sums scaled by its
+# centre).
+@numba.njit(nogil=True, cache=True)
+def _k_f32_parts(x, joint, first, last, c0, c1, c2):
     n0, n1, n2 = joint[0].shape[0], joint[3].shape[0], joint[6].shape[0]
-    if q8:
-        q, dx, sums32, sums16 = kquants._quantize_q8_k(x)
-        for part in range(first, last):
-            at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
-            w, out, kind = _slot(joint, at)
-            kquants._k_q8_rows(x, w, out, kind, cpu.AVX2, q, dx, sums16 if kind == 6 else sums32, lo, hi)
-    else:
-        xsum = block_sums(x, x.shape[1] // 32)
-        for part in range(first, last):
-            at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
-            w, out, kind = _slot(joint, at)
-            kquants._k_rows(x, w, out, kind, cpu.AVX2, xsum, lo, hi)
+    xsum = block_sums(x, x.shape[1] // 32)
+    for part in range(first, last):
+        at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
+        w, out, kind = _slot(joint, at)
+        kquants._k_rows(x, w, out, kind, cpu.AVX2, xsum, lo, hi)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _legacy_joint_parts(x, joint, q8, first, last, c0, c1, c2):
-    """Parts ``first..last`` of an L_BLOCKS (:func:`.compiled.legacy._f32_joint`, ``_q8_joint``),
-    ``x`` prepared once for them all (its block sums, or quantized, each weight's lane sums scaled
-    by its centre)."""
+@numba.njit(nogil=True, cache=True)
+def _k_q8_parts(x, joint, first, last, c0, c1, c2):
     n0, n1, n2 = joint[0].shape[0], joint[3].shape[0], joint[6].shape[0]
-    if q8:
-        xp, xn0, xn1, xn2, xd, xs = legacy._quantized_for(x, legacy.QK, joint[2], joint[5], joint[8])
-        for part in range(first, last):
-            at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
-            w, out, fmt = _slot(joint, at)
-            legacy._q8_rows(xp, xn0 if at == 0 else xn1 if at == 1 else xn2, xd, xs, w, out, fmt, legacy.QK, lo, hi)
-    else:
-        xsum = block_sums(x, x.shape[1] // legacy.QK)
-        for part in range(first, last):
-            at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
-            w, out, fmt = _slot(joint, at)
-            legacy._f32_rows(x, xsum, w, out, fmt, legacy.QK, lo, hi)
+    q, dx, sums32, sums16 = kquants._quantize_q8_k(x)
+    for part in range(first, last):
+        at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
+        w, out, kind = _slot(joint, at)
+        kquants._k_q8_rows(x, w, out, kind, cpu.AVX2, q, dx, sums16 if kind == 6 else sums32, lo, hi)
+
+
+@numba.njit(nogil=True, cache=True)
+def _legacy_f32_parts(x, joint, first, last, c0, c1, c2):
+    n0, n1, n2 = joint[0].shape[0], joint[3].shape[0], joint[6].shape[0]
+    xsum = block_sums(x, x.shape[1] // legacy.QK)
+    for part in range(first, last):
+        at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
+        w, out, fmt = _slot(joint, at)
+        legacy._f32_rows(x, xsum, w, out, fmt, legacy.QK, lo, hi)
+
+
+@numba.njit(nogil=True, cache=True)
+def _legacy_q8_parts(x, joint, first, last, c0, c1, c2):
+    n0, n1, n2 = joint[0].shape[0], joint[3].shape[0], joint[6].shape[0]
+    xp, xn0, xn1, xn2, xd, xs = legacy._quantized_for(x, legacy.QK, joint[2], joint[5], joint[8])
+    for part in range(first, last):
+        at, lo, hi = joint_part(part, c0, c1, c2, n0, n1, n2)
+        w, out, fmt = _slot(joint, at)
+        legacy._q8_rows(xp, xn0 if at == 0 else xn1 if at == 1 else xn2, xd, xs, w, out, fmt, legacy.QK, lo, hi)
+
+
+_k_f32_if, _k_q8_if = _gated(_k_f32_parts, 7), _gated(_k_q8_parts, 7)
+_legacy_f32_if, _legacy_q8_if = _gated(_legacy_f32_parts, 7), _gated(_legacy_q8_parts, 7)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -273,7 +315,7 @@ def _stages(code, slots, weights, m, starts, positions, threads):
 # Inlined into _work, the one function that calls it: compiled once, in _work's code.
 @numba.njit(nogil=True, cache=True, inline="always")
 def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, attention_spec,
-          pieces, sums, stats):
+          pieces, sums, stats, kernels):
     """Task ``task`` of ``tasks`` of instruction ``c``'s stage ``phase`` (:func:`_stages`)."""
     op = c[0]
     if op == RMS:
@@ -286,7 +328,7 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, st
     elif op == PRODUCT:
         n, k = slots[c[PRODUCT_OUT], 1], slots[c[PRODUCT_X], 1]
         chunks = (n + floats.CHUNK - 1) // floats.CHUNK
-        _float_rows(_flat(arena, slots, c[PRODUCT_X], m), weights, c[PRODUCT_W], _flat(arena, slots, c[PRODUCT_OUT], m),
+        _float_rows(kernels, _flat(arena, slots, c[PRODUCT_X], m), weights, c[PRODUCT_W], _flat(arena, slots, c[PRODUCT_OUT], m),
                     m, n, k, task * chunks // tasks * floats.CHUNK, min(n, (task + 1) * chunks // tasks * floats.CHUNK))
     elif op == JOINT:  # the weights' chunks in order, each in its weight's format (a missing third: none)
         x, k = _flat(arena, slots, c[MANY_X], m), slots[c[MANY_X], 1]
@@ -300,17 +342,22 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, st
             lo, hi = max(first, bounds[at]), min(last, bounds[at + 1])
             if lo < hi:
                 n = slots[c[MANY_OUT0 + 2 * at], 1]
-                _float_rows(x, weights, c[MANY_W0 + 2 * at], _flat(arena, slots, c[MANY_OUT0 + 2 * at], m), m, n, k,
+                _float_rows(kernels, x, weights, c[MANY_W0 + 2 * at], _flat(arena, slots, c[MANY_OUT0 + 2 * at], m), m, n, k,
                             (lo - bounds[at]) * floats.CHUNK, min(n, (hi - bounds[at]) * floats.CHUNK))
     elif op == K_BLOCKS or op == L_BLOCKS:  # kquants' and legacy's drivers: the weights' parts in order
         x = _rows2d(arena, slots, c[MANY_X], m)
         joint = _joint_blocks(c, slots, weights, arena, m)
         c0, c1, c2 = joint_chunks(joint[0].shape[0], joint[3].shape[0], joint[6].shape[0])
         first, last = task * (c0 + c1 + c2) // tasks, (task + 1) * (c0 + c1 + c2) // tasks
-        if op == K_BLOCKS:
-            _k_joint_parts(x, joint, c[BLOCKS_Q8] != 0, first, last, c0, c1, c2)
+        q8 = c[BLOCKS_Q8] != 0
+        if op == K_BLOCKS and q8:
+            _k_q8_if(kernels[KQUANT_Q8], x, joint, first, last, c0, c1, c2)
+        elif op == K_BLOCKS:
+            _k_f32_if(kernels[KQUANT_F32], x, joint, first, last, c0, c1, c2)
+        elif q8:
+            _legacy_q8_if(kernels[LEGACY_Q8], x, joint, first, last, c0, c1, c2)
         else:
-            _legacy_joint_parts(x, joint, c[BLOCKS_Q8] != 0, first, last, c0, c1, c2)
+            _legacy_f32_if(kernels[LEGACY_F32], x, joint, first, last, c0, c1, c2)
     elif op == SILU:
         silu_mul(_flat(arena, slots, c[SILU_GATE], m), _flat(arena, slots, c[SILU_UP], m))
     elif op == ADD:
@@ -347,11 +394,12 @@ _CLAIMED, _DONE = 0, 8
 
 @numba.njit(nogil=True, cache=True)
 def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
-          attention_spec, pieces, sums, stats):
+          attention_spec, pieces, sums, stats, k0, k1, k2, k3, k4, k5, k6, k7):
     """One thread's share of a call: it takes the next ticket (a task, the stages' in order)
     until none is left, each once every task of the stages before it is done.  Tickets are
     taken in order, so the earliest unfinished one's thread never waits: no deadlock, whichever
     threads turn up (one thread alone does every task)."""
+    kernels = (k0, k1, k2, k3, k4, k5, k6, k7)  # apart in the arguments: a parallel launch takes no nested tuple
     total = stages[-1, 2] + stages[-1, 3]
     s = 0
     while True:
@@ -363,7 +411,7 @@ def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, s
         spin.wait_until(counters, _DONE, stages[s, 3])
         i = stages[s, 0]
         _task(code[i], stages[s, 1], ticket - stages[s, 3], stages[s, 2], slots, weights, eps, kv, cos, sin, arena,
-              m, starts, positions, attention_spec, pieces[i], sums, stats)
+              m, starts, positions, attention_spec, pieces[i], sums, stats, kernels)
         spin.fetch_add(counters, _DONE)
 
 
@@ -432,14 +480,15 @@ def _work_address(args: tuple) -> int:
     return address
 
 
-def execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, attention_spec):
+def execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, attention_spec, kernels):
     """Every instruction of ``code`` in order (:class:`.runtime.Program` builds them), on ``threads`` threads that
     stay from the first task to the last (:func:`_work`), spinning between stages rather than
     going back to numba's pool: one launch a call, not one a product, and no sleeping thread to
-    wake after each stretch of serial work (~2-15 us each: :mod:`.compiled.threads`)."""
+    wake after each stretch of serial work (~2-15 us each: :mod:`.compiled.threads`).  ``kernels``:
+    the product kernels the code calls (:data:`KERNELS`)."""
     stages, pieces, sums, stats, counters = _prepare(code, slots, weights, m, starts, positions, threads)
     args = (stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, attention_spec,
-            pieces, sums, stats)
+            pieces, sums, stats, *kernels)
     _launch(_work_address(args), args, threads)
 
 
