@@ -44,7 +44,7 @@ _F32, _F16, _BF16, _Q8_0 = (floats.SPECS((fmt, cpu.PATH)) for fmt in ("f32", "f1
 
 #: The kernels a program may call, each compiled into it only where the program's weights need it:
 #: a program's ``kernels`` tuple holds :data:`ON` at a kernel's place when it does, :data:`OFF`
-#: where it does not (their types differ), and :func:`_gated` calls compile to nothing for OFF.  So a model of F32 weights compiles
+#: where it does not (their types differ), and :func:`_gated7` / :func:`_gated10` calls compile to nothing for OFF.  So a model of F32 weights compiles
 #: the F32 tiles alone, not every family's code (the K-quant and legacy drivers were most of a
 #: cold first ``generate``'s compile); each set of kernels compiles, and is cached, once.
 KERNELS = ("f32", "f16", "bf16", "q8_0", "kquants_f32", "kquants_q8", "legacy_f32", "legacy_q8")
@@ -54,18 +54,31 @@ KERNELS = ("f32", "f16", "bf16", "q8_0", "kquants_f32", "kquants_q8", "legacy_f3
 ON, OFF = np.zeros(0, np.int8), np.zeros((0, 0), np.int8)
 
 
-def _gated(fn, arity: int):
-    """``call(on, a0, .., a<arity-1>)``: ``fn(a0, ..)`` where ``on`` is :data:`ON`, compiled to
-    nothing where it is :data:`OFF`.  (numba types an overload, and calls a closure, only with its arguments
-    spelled out, never ``*args``: hence the functions made from text.)"""
-    names = ", ".join(f"a{i}" for i in range(arity))
-    scope = {"fn": fn, "__name__": __name__}
-    exec(f"def call(on, {names}):\n    raise NotImplementedError('only in compiled code')\n"
-         f"def nothing(on, {names}):\n    return None\n"
-         f"def something(on, {names}):\n    fn({names})\n"
-         f"def typed(on, {names}):\n    return something if on.ndim == 1 else nothing\n", scope)
-    overload(scope["call"])(scope["typed"])
-    return scope["call"]
+# ``call(on, ...)``: ``fn(...)`` where ``on`` is ON, compiled to nothing where it is OFF.  numba
+# types an overload, and calls a closure, only with its arguments spelled out (no ``*args``), so
+# there is one maker per arity.
+def _gated7(fn):
+    def call(on, a0, a1, a2, a3, a4, a5, a6):
+        raise NotImplementedError("only in compiled code")
+
+    def typed(on, a0, a1, a2, a3, a4, a5, a6):
+        if on.ndim == 1:
+            return lambda on, a0, a1, a2, a3, a4, a5, a6: fn(a0, a1, a2, a3, a4, a5, a6)
+        return lambda on, a0, a1, a2, a3, a4, a5, a6: None
+    overload(call)(typed)
+    return call
+
+
+def _gated10(fn):
+    def call(on, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9):
+        raise NotImplementedError("only in compiled code")
+
+    def typed(on, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9):
+        if on.ndim == 1:
+            return lambda on, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9: fn(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9)
+        return lambda on, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9: None
+    overload(call)(typed)
+    return call
 
 
 @numba.njit(nogil=True, cache=True)
@@ -134,7 +147,7 @@ def _tiles(spec, x, weights, i, out, m, n, k, lo, hi):
     floats._rows(spec, x, _matrix(spec, weights, i), out, m, n, k, lo, hi)
 
 
-_tiles_if = _gated(_tiles, 10)
+_tiles_if = _gated10(_tiles)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -206,8 +219,8 @@ def _legacy_q8_parts(x, joint, first, last, c0, c1, c2):
         legacy._q8_rows(xp, xn0 if at == 0 else xn1 if at == 1 else xn2, xd, xs, w, out, fmt, legacy.QK, lo, hi)
 
 
-_k_f32_if, _k_q8_if = _gated(_k_f32_parts, 7), _gated(_k_q8_parts, 7)
-_legacy_f32_if, _legacy_q8_if = _gated(_legacy_f32_parts, 7), _gated(_legacy_q8_parts, 7)
+_k_f32_if, _k_q8_if = _gated7(_k_f32_parts), _gated7(_k_q8_parts)
+_legacy_f32_if, _legacy_q8_if = _gated7(_legacy_f32_parts), _gated7(_legacy_q8_parts)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -388,7 +401,7 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, st
                                       _rows2d(arena, slots, c[ATT_OUT], m)[lo:hi])
 
 
-#: :func:`_execute`'s counters: tickets handed out, tasks finished (a cache line apart).
+#: :func:`execute`'s counters: tickets handed out, tasks finished (a cache line apart).
 _CLAIMED, _DONE = 0, 8
 
 
