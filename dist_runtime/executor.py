@@ -26,10 +26,11 @@ from dist_runtime.kernels.registry import KernelContext
 from .arena import pack
 from .backends import Backend, ChainedNodeError, chain_reads, make_backends, program
 from .backends.assign import Assignment, assign_backends
+from .backends.blas import WEIGHT_SLOTS
 from .batched_pass import ROWS, SEGMENTED, NodeRows, PerSegment, RowPlan, Segment, offsets, plan_rows
 from .errors import DistRuntimeError, GraphValidationError, KernelError
 from .ir.graph import POS, Graph, TensorSpec
-from .ir.ops import FusedNormMatmul, FusedSwiGlu, KvCache, LoraApply, Matmul, Sdpa, SdpaWindow
+from .ir.ops import KvCache, Sdpa, SdpaWindow
 from .ir.validate import check_memory, estimate_memory, infer_shapes, validate_graph
 from .tensor import Array, QuantizedArray, dtype_of
 
@@ -43,7 +44,7 @@ _PLAIN = KernelContext()
 _PROGRAM = KvCache(0)
 #: Ops whose kernels may mix a pass's rows in one call (BLAS blocks a product by rows): on a
 #: backend that is not batch-invariant they make the executor so.
-_ROW_MIXING = (Matmul, FusedNormMatmul, FusedSwiGlu, LoraApply, Sdpa, SdpaWindow)
+_ROW_MIXING = (*WEIGHT_SLOTS, Sdpa, SdpaWindow)
 
 
 @dataclass

@@ -430,8 +430,8 @@ class NumbaBackend(TableBackend):
             return None
         types = sorted({input_specs[i].dtype for i in WEIGHT_SLOTS[type(op)] if i < len(input_specs)},
                        key=lambda d: d.name)
-        routes = "; ".join(f"{d.name} on {compiled.route(d, self.activations).tile}, "
-                           f"{compiled.route(d, self.activations).activations} activations" for d in types)
+        routes = "; ".join(f"{d.name} on {r.tile}, {r.activations} activations"
+                           for d, r in ((d, compiled.route(d, self.activations)) for d in types))
         return f"compiled product: {routes} ({self.machine})"
 
     def linear(self, x: np.ndarray, w: Array) -> np.ndarray:

@@ -19,7 +19,7 @@ from ...dtypes import DType
 from ...ir.ops import Add
 from ...ir.tensor_spec import POS
 from ...tensor import QuantizedArray
-from ..compiled import floats
+from ..compiled import floats, stored
 from ..compiled.products import PRODUCTS
 from ..compiled.registry import FLOATS, KQUANTS, LEGACY, Route
 from ..numba import AttentionChain
@@ -98,8 +98,9 @@ class Builder:
         """Product weight ``name`` (of slot ``xs`` into slot ``o``): its row in the weight table and
         its route in the product table with ``activations``."""
         w = self.constants.get(name)
-        data = w.data if isinstance(w, QuantizedArray) else w
-        dtype = w.dtype if isinstance(w, QuantizedArray) else _float_type(w)
+        if not isinstance(w, (np.ndarray, QuantizedArray)):
+            raise Unsupported(f"weight {name!r} is not a stored weight")
+        dtype, data = stored(w)
         record = PRODUCTS.get(dtype)
         if record is None or type(data) is not np.ndarray or data.ndim != 2 or not data.flags.c_contiguous:
             raise Unsupported(f"weight {name!r} is not a contiguous 2-D weight of a type of the product table")
@@ -151,13 +152,6 @@ class Builder:
                 kinds += [kinds[0]] * (3 - len(kinds))
                 self.emit(op, x=xs, count=len(group), **pairs, kind0=kinds[0], kind1=kinds[1], kind2=kinds[2],
                           q8=group[0][1].activations == "q8_0")
-
-
-def _float_type(w) -> DType | None:
-    try:
-        return DType.from_numpy(w.dtype) if type(w) is np.ndarray else None
-    except (KeyError, ValueError):
-        return None
 
 
 # -- a step's instructions, by what its kernel computes ---------------------------------------------
