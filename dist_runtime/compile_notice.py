@@ -1,8 +1,8 @@
 """What a user is told while numba compiles the kernels.
 
 The compiled kernels and the program (:mod:`.backends.compiled`, :mod:`.backends.program`) are
-compiled for this CPU on first use and cached by numba (beside the sources, or in
-``NUMBA_CACHE_DIR``).  On a cold cache -- a fresh install, an upgrade, another CPU -- a tiny
+compiled for this CPU on first use and cached (:mod:`.backends.compiled.cache`: per user and
+machine, ``~/.cache/dist-runtime`` by default).  On a cold cache -- a fresh install, an upgrade, another CPU -- a tiny
 model's first ``generate`` would sit silent for tens of seconds on this 2-core machine before its
 first token.  :func:`announce` listens to numba's compile events and, once a stretch
 of compiling has gone on for :data:`DELAY` seconds, says so on stderr: on a terminal a count of

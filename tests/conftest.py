@@ -195,3 +195,14 @@ def served_llama(root) -> dict:
         shutil.copy(source, d / "tokenizer.json")
     (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     return {"model": str(model), "tok": str(tok), "plain": str(plain)}
+
+
+@pytest.fixture(autouse=True)
+def _compile_in_process():
+    """A test that runs a command in-process (``cli.main``) enables compiling ahead for the rest
+    of its worker (:mod:`dist_runtime.backends.compiled.ahead`): the tests after it would then
+    run step by step while a child compiles.  Each test starts as a library caller does."""
+    from dist_runtime.backends.compiled import ahead
+
+    yield
+    ahead.enable(False)

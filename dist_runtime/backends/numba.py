@@ -204,10 +204,10 @@ def _bind_attention(backend: NumbaBackend, node: Node) -> BoundKernel:
     op, reference = node.op, backend.reference(node)
     window = op.window if isinstance(op, SdpaWindow) else 0
     widths = (op.num_heads * op.head_dim, op.kv_heads * op.head_dim)
-    compiled_attention.warm(op.head_dim)  # not mid-generation, when a context first grows past a size
 
     def run(inputs, ctx):
         q, k, v = inputs
+        compiled_attention.warm(op.head_dim)
         if not (_is_f32(q, k, v) and q.ndim == k.ndim == v.ndim == 2
                 and k.shape[0] == v.shape[0]
                 and (q.shape[1], k.shape[1]) == widths and v.shape[1] == widths[1]
@@ -272,7 +272,6 @@ class AttentionChain:
                      and self.rope.rope_dim <= self.rope.head_dim
                      and all(w % self.rope.head_dim == 0 for w in self.widths))
         self.spec = compiled_attention.SPECS((compiled.cpu.PATH, self.attn.head_dim)) if self.fast else None
-        compiled_attention.warm(self.attn.head_dim)
 
     def _fits(self, q, k, v) -> bool:
         """The fast path's inputs: F32 rows of the widths the nodes declare."""
@@ -315,6 +314,7 @@ class AttentionChain:
 
     def __call__(self, inputs, ctx) -> tuple:
         q, pos, k, v = (inputs[i] for i in self.at)
+        compiled_attention.warm(self.attn.head_dim)
         if not (isinstance(ctx.state, KvState) and self._fits(q, k, v)):
             return run_chain(self.nodes, self.kernels, inputs, ctx)
         try:
@@ -335,6 +335,7 @@ class AttentionChain:
         by segment) off the fast path or where a cache would refuse a write.  8 / 16 sessions'
         f32 decode step: 0.96 / 0.93x the time of segment by segment."""
         q, pos, k, v = (inputs[i] for i in self.at)
+        compiled_attention.warm(self.attn.head_dim)
         if not (self._fits(q, k, v) and all(isinstance(c.state, KvState) for c in ctxs)):
             return None
         try:

@@ -302,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: The commands that run a model, and so may compile the kernels on a cold numba cache.
+#: The commands that run a model, and so may compile the kernels on a cold cache (they say so, and
+#: compile the program ahead in a child: :mod:`..backends.compiled.ahead`).
 _COMPILING = {"demo", "embed", "generate", "pipeline", "serve"}
 
 
@@ -310,9 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handle_sigterm()
     if args.command in _COMPILING:
+        from ..backends.compiled import ahead
         from ..compile_notice import announce
 
         announce()
+        ahead.enable()  # on a cold cache, the first tokens need not wait for the program's compile
     return run_command(args.func, args)
 
 

@@ -143,9 +143,11 @@ class StageWorker:
         the first real request does not pay for compiling or loading kernels, or for first-touch
         page faults on the weights.  Returns what happened, for the stage's report; a failure
         here is reported, not raised (a real step with real inputs gives the real error)."""
+        from ..backends.compiled import ahead
         from ..compile_notice import announce
 
-        announce(prefix=f"stage {self.stage.index}: ")  # a cold cache compiles here, ~1 min
+        announce(prefix=f"stage {self.stage.index}: ")  # a cold cache compiles here
+        ahead.enable()  # the program in a child meanwhile: the stage serves step by step until it is ready
         ex = self._executor
         t0 = time.perf_counter()
         try:

@@ -21,9 +21,10 @@ integer dot products): faster, and what the GGUF tests compare with llama.cpp.
 Each weight type's route -- its family (``floats``, ``legacy``, ``kquants``), rows kernel, joint
 kernel and tile -- is a row of the product table, :data:`.products.PRODUCTS`.
 
-Importing this package changes no process state.  :func:`init` does, once, before compiled code
-first runs: it clears cached code whose sources changed (:mod:`.freshness`), chooses numba's
-threading layer (:mod:`.threads`) and, on the portable path, a cache of its own (:mod:`.cpu`).
+The kernels are cached per user and machine, by the sources' contents and the CPU path
+(:mod:`.cache`).  Importing this package changes no process state.  :func:`init` does, once,
+before compiled code first runs: it chooses numba's threading layer (:mod:`.threads`) and marks
+the cache directory used, removing those of other sources left unused for a month.
 :func:`linear`, :func:`linear_many` and the numba backend call it; so may any caller, any number of
 times.
 """
@@ -34,21 +35,20 @@ import numpy as np
 
 from ...dtypes import DType
 from ...tensor import Array, QuantizedArray
-from . import cpu, freshness, threads
+from . import cache, cpu, threads
 from .products import ACTIVATIONS, PRODUCTS, route  # noqa: F401  (the package's table)
 
 _ready = False
 
 
 def init() -> str:
-    """Ready this process for compiled code (idempotent): stale cached code cleared, the threading
-    layer chosen and set before numba's first parallel launch, the portable path's cache apart.
+    """Ready this process for compiled code (idempotent): the threading layer chosen and set
+    before numba's first parallel launch, the cache directory marked used and old ones pruned.
     Returns what was chosen and why (``inspect --plan`` shows it)."""
     global _ready
     if not _ready:
-        freshness.refresh(freshness.SOURCES, freshness.STAMP)
         threads.init()
-        cpu.init()
+        cache.prune()
         _ready = True
     return f"{cpu.REASON}; {threads.REASON}"
 

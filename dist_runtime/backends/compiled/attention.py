@@ -26,7 +26,7 @@ operations whatever the other rows or the threads: batch-invariant.  A row of at
 SPLIT_KEYS keys is one piece, whose values keep their bits through the merge.
 
 numba's on-disk cache checks only the file of each jitted function: the drivers live here, beside
-the intrinsics whose code they inline (a change to ``simd.py`` clears them: :mod:`.freshness`).
+the intrinsics whose code they inline (a change to ``simd.py`` names a new cache: :mod:`.cache`).
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import cpu, simd
+from . import ahead, cpu, simd
+from .cache import jit
 
 # Reassociation lets the reductions vectorise; no "nnan"/"ninf", so NaN and inf propagate as in
 # numpy.  The numpy error model makes x / 0 an inf, not a ZeroDivisionError.
-_jit = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy",
+_jit = jit(nogil=True, boundscheck=False, error_model="numpy",
                   fastmath={"reassoc", "contract", "nsz", "arcp"})
 
 #: Lanes of one vector (8 f32: one AVX2 register).
@@ -230,7 +231,7 @@ def _weighted_codegen(path, hd, context, builder, sig, args):
 
 # exp's argument reduction (x - n * ln2 in two parts) must not be reassociated: no fast-math
 # beyond fusing a multiply-add, which keeps it one fixed sequence of operations.
-_exact = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy", fastmath={"contract"})
+_exact = jit(nogil=True, boundscheck=False, error_model="numpy", fastmath={"contract"})
 
 #: Below this, exp(x) is under float32's smallest normal: taken as 0.
 _EXP_MIN = np.float32(-87.33654)
@@ -483,7 +484,7 @@ def _attention_serial(spec, q, k, v, num_heads, kv_heads, head_dim, causal, wind
     _merge(starts, sums, stats, num_heads, head_dim, out)
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
+@jit(nogil=True, parallel=True)
 def _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out):
     """The pieces over the threads.  Pieces of keys, not parts of the kv heads: two threads
     reading alternate halves of each row of K read 9-15 GB/s here, against 27-30 for halves of the
@@ -496,14 +497,17 @@ def _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, wi
 
 
 _WARM: set[int] = set()
+_DRIVERS = (_attention_serial, _attention_threaded)
 
 
 def warm(head_dim: int) -> None:
     """Compile (or load from numba's cache) both drivers of ``head_dim`` for a KV cache's read-only
-    keys and values now, once a process: the threaded one first runs when a context passes
-    SERIAL_KV_BYTES, and compiling it then stalled a fresh install's generation for seconds
-    mid-stream (at ~1000 tokens of a tiny model).  Writable K/V (an encoder's, whole sequences in
-    one call) compile on first use."""
+    keys and values now, once a process.  The numba backend's attention kernels call it on their
+    first call, so that the threaded driver, which first runs only when a context passes
+    SERIAL_KV_BYTES, does not stall a stream for seconds mid-generation; a model whose attention
+    the compiled program runs (its own pieces) never calls them and compiles neither.  Writable K/V
+    (an encoder's, whole sequences in one call) compile on first use.  Where compiling ahead is
+    enabled (:mod:`.ahead`), a child compiles them into the cache instead."""
     if head_dim in _WARM or head_dim not in HEAD_DIMS:
         return
     _WARM.add(head_dim)
@@ -512,8 +516,19 @@ def warm(head_dim: int) -> None:
     out = np.empty_like(q)
     kv = q.copy()
     kv.flags.writeable = False  # as a KV cache hands them out: numba compiles read-only arrays apart
-    _attention_serial(spec, q, kv, kv, 1, 1, head_dim, True, 0, out)
-    _attention_threaded(spec, q, kv, kv, 1, 1, head_dim, True, 0, out)
+    args = (spec, q, kv, kv, 1, 1, head_dim, True, 0, out)
+    if ahead.enabled():  # in a child, not holding up this process's first pass
+        ahead.ready(__name__, _DRIVERS, tuple(numba.typeof(a) for a in args))
+        return
+    for driver in _DRIVERS:
+        driver(*args)
+
+
+def compile_ahead(described: list) -> None:
+    """The child's part of :func:`warm` (:func:`.ahead.main`)."""
+    given = tuple(ahead.rebuild(t) for t in described)
+    for driver in _DRIVERS:
+        driver.compile(given)
 
 
 def attention_rows(q, k, v, num_heads: int, kv_heads: int, head_dim: int, causal: bool, window: int,
@@ -538,7 +553,7 @@ def serial(query_rows: int, keys: int, k_bytes: int) -> bool:
     return serial_on(query_rows, keys, k_bytes, numba.get_num_threads())
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def serial_on(query_rows, keys, k_bytes, threads):
     """:func:`serial`'s rule, for compiled callers too (the executor's program: numba cannot
     cache compiled code that asks for the number of threads): one thread, a decode step's one

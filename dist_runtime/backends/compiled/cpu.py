@@ -38,19 +38,3 @@ REASON = ("AVX2, FMA and F16C present: vector kernels" if AVX2 else
                                   else f"this CPU lacks {', '.join(sorted({'avx2', 'fma', 'f16c'} - FEATURES))}"))
 REASON += f"; {REGISTERS} vector registers" + ("; VNNI dot products" if VNNI else "") + (
     "; 512-bit block products" if WIDE else "")
-
-
-
-def init() -> None:
-    """On the forced portable path, numba's cache in a directory of its own (idempotent).
-
-    numba's on-disk cache keys a function by its file and argument types, not by the module
-    globals it calls: a driver compiled for the vector path would be loaded for the portable one
-    (the legacy joint products would give the vector path's bits)."""
-    if os.environ.get("DIST_RUNTIME_PORTABLE") != "1":
-        return
-    import numba
-
-    base = numba.config.CACHE_DIR or os.path.join(os.path.dirname(__file__), "__pycache__")
-    if os.path.basename(base) != "portable":
-        numba.config.CACHE_DIR = os.path.join(base, "portable")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
@@ -40,6 +39,7 @@ from numba.extending import intrinsic
 
 from ...dtypes import DType
 from . import cpu, simd
+from .cache import jit
 from .registry import FLOATS, Drivers, Route, joint_slots, run, serial
 
 #: Lanes of one multiply-add (8 f32 = one AVX2 register).
@@ -280,7 +280,7 @@ def _tile_shape(typingctx, spec):
     return types.UniTuple(types.intp, 3)(spec), codegen
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _chunk(spec, x, w, out, m, n, k, task, ahead):
     """Weight rows ``task * CHUNK`` up to the next chunk, span by span (all of ``K`` at once when
     ``x`` takes at most two tiles of rows, which have little to reuse); within a span, the
@@ -344,14 +344,14 @@ def _chunk(spec, x, w, out, m, n, k, task, ahead):
         k0 = k1
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
+@jit(nogil=True, parallel=True)
 def _threaded(spec, x, w, out, m, n, k):
     chunks = (n + CHUNK - 1) // CHUNK
     for task in prange(chunks):
         _chunk(spec, x, w, out, m, n, k, task, task + 1 < chunks)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _rows(spec, x, w, out, m, n, k, lo, hi):
     """The chunks holding weight rows ``lo`` up to ``hi``, on the calling thread (``lo`` a multiple
     of :data:`CHUNK`, or ``hi`` = ``n``: a chunk is never split)."""
@@ -360,7 +360,7 @@ def _rows(spec, x, w, out, m, n, k, lo, hi):
         _chunk(spec, x, w, out, m, n, k, task, task + 1 < last)
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
+@jit(nogil=True, parallel=True)
 def _threaded_joint(spec, x, m, k, w0, out0, n0, w1, out1, n1, w2, out2, n2):
     """Up to three weights' products with one ``x`` in one launch: their chunks in one range (a
     weight of ``n`` = 0 has none), so the threads never wait between products."""

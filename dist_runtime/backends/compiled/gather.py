@@ -13,15 +13,15 @@ Q4_K_M file's token embeddings are Q4_K.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from ...dtypes import DType
 from ...kernels.quant import QK, QK_K, _LEGACY, _half
 from ...tensor import QuantizedArray
+from .cache import jit
 
 F32 = np.float32
-_jit = numba.njit(nogil=True, cache=True, boundscheck=False)
+_jit = jit(nogil=True, boundscheck=False)
 
 
 def _scale(blocks: np.ndarray, at: int) -> np.ndarray:

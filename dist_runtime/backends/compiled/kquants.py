@@ -27,6 +27,7 @@ import numpy as np
 
 from ...dtypes import DType
 from . import cpu
+from .cache import jit
 from .registry import KQUANTS, CHUNKS, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
 from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2, q6_k_q8
 
@@ -37,7 +38,7 @@ LANES = 8
 _POW2 = np.ldexp(np.float32(1), np.maximum(np.arange(32), 1) - 25).astype(np.float32)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _f16(lo, hi):
     """The little-endian f16 in bytes ``lo``, ``hi`` as f32 (exact: every f16 is an f32)."""
     bits = np.int32(lo) | (np.int32(hi) << np.int32(8))
@@ -50,14 +51,14 @@ def _f16(lo, hi):
     return -value if bits & np.int32(0x8000) else value
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _i8(byte):
     """A stored byte as the int8 it holds."""
     code = np.int32(byte)
     return code - np.int32(256) if code > 127 else code
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _scale_codes_q45_k(w, at, sc, mn):
     """A Q4_K/Q5_K super-block's 8 six-bit scales and mins (``get_scale_min_k4``)."""
     s = at + 4
@@ -68,7 +69,7 @@ def _scale_codes_q45_k(w, at, sc, mn):
         mn[j + 4] = (w[s + 8 + j] >> 4) | ((w[s + 4 + j] >> 6) << 4)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _row_scales(w, kind, size, ds, dm):
     """Each super-block's ``d * scale`` (16 a block; 8 used by Q4_K/Q5_K) and ``dmin * min``
     (8 a block) of one weight row, as f32."""
@@ -89,7 +90,7 @@ def _row_scales(w, kind, size, ds, dm):
             dm[8 * b + j] = dmin * np.float32(mn[j])
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _codes_portable(w, at, kind, codes, n32):
     """The 256 codes of a super-block as f32, in element order: Q4_K/Q5_K unsigned (0..15/31),
     Q6_K centred (-32..31)."""
@@ -112,7 +113,7 @@ def _codes_portable(w, at, kind, codes, n32):
                 codes[32 * j + l] = np.float32(q)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _block_portable(codes, ds, unit, dm, x, xoff, k, xsum, soff, nsub, acc, m_rows, mins):
     """Super-block ``soff // 8``: the AVX2 path's arithmetic (:mod:`.simd_k`), multiplies and adds
     unfused."""
@@ -130,13 +131,13 @@ def _block_portable(codes, ds, unit, dm, x, xoff, k, xsum, soff, nsub, acc, m_ro
                 acc[LANES * m + l] += -dm[soff + l] * xsum[m * nsub + soff + l]
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _lanes_sum(acc, at):
     """The 8 lanes at ``acc[at]`` added in one fixed tree."""
     return ((acc[at] + acc[at + 4]) + (acc[at + 2] + acc[at + 6])) + ((acc[at + 1] + acc[at + 5]) + (acc[at + 3] + acc[at + 7]))
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _quantize_q8_k(x):
     """Each row of ``x`` as Q8_K (llama.cpp's ``quantize_row_q8_K_ref``): per 256 elements an f32
     ``d`` and int8 codes ``rint(x * -127 / max)`` (``max`` the element of largest magnitude, with
@@ -189,7 +190,7 @@ def _quantize_q8_k(x):
     return q, d, sums, sums16
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _k_rows(x, w, out, kind, vec, xsum, lo, hi):
     """Weight rows ``lo..hi`` of ``out = x @ W^T`` for ``kind`` 4, 5 or 6 (Q4_K, Q5_K, Q6_K);
     ``vec``: the AVX2 path; ``xsum``: the sums of ``x`` per 32-element sub-block."""
@@ -230,19 +231,19 @@ def _k_rows(x, w, out, kind, vec, xsum, lo, hi):
             _lanes_out(acc, out, r, m_rows)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _lanes_out(acc, out, r, m_rows):
     """Each row's 8 lanes summed (:func:`_lanes_sum`) into column ``r`` of ``out``."""
     for m in range(m_rows):
         out[m, r] = _lanes_sum(acc, LANES * m)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _k_serial(x, w, out, kind, vec, lo, hi):
     _k_rows(x, w, out, kind, vec, block_sums(x, x.shape[1] // 32), lo, hi)
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
+@jit(nogil=True, parallel=True)
 def _k_threaded(x, w, out, kind, vec):
     xsum = block_sums(x, x.shape[1] // 32)
     n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
@@ -250,7 +251,7 @@ def _k_threaded(x, w, out, kind, vec):
         _k_rows(x, w, out, kind, vec, xsum, c * n // chunks, (c + 1) * n // chunks)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _k_q8_lanes(w, at, kind, q8, q8at, sums, sat, codes, sc, mn, isum, imin):
     """:data:`.simd_k.q4_k_q8`'s (and ``q5_k_q8``'s, ``q6_k_q8``'s) lanes of one super-block in
     plain numba: the exact integers into ``isum`` and ``imin``; returns ``d``, ``dmin``."""
@@ -282,7 +283,7 @@ def _k_q8_lanes(w, at, kind, q8, q8at, sums, sat, codes, sc, mn, isum, imin):
     return _f16(w[at], w[at + 1]), _f16(w[at + 2], w[at + 3])
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, lo, hi):
     """Weight rows ``lo..hi`` with ``x`` quantized to Q8_K (``q8``, ``dx``, ``sums``): per
     super-block, integer dot products in 8 lanes (exact), then per lane
@@ -330,20 +331,20 @@ def _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, lo, hi):
             _lanes_out(acc, out, r, m_rows)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _q8_k(x, kind):
     """``x`` as Q8_K: codes, scales and the code sums ``kind``'s kernels take (of 16 for Q6_K)."""
     q, dx, sums32, sums16 = _quantize_q8_k(x)
     return q, dx, sums16 if kind == 6 else sums32
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _k_q8_serial(x, w, out, kind, vec, lo, hi):
     q8, dx, sums = _q8_k(x, kind)
     _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, lo, hi)
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
+@jit(nogil=True, parallel=True)
 def _k_q8_threaded(x, w, out, kind, vec):
     q8, dx, sums = _q8_k(x, kind)
     n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
@@ -351,7 +352,7 @@ def _k_q8_threaded(x, w, out, kind, vec):
         _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, c * n // chunks, (c + 1) * n // chunks)
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
+@jit(nogil=True, parallel=True)
 def _k_threaded_joint(x, vec, w0, out0, kind0, w1, out1, kind1, w2, out2, kind2):
     """Up to three weights' products with one ``x`` in one launch (registry.JOINT), ``x``'s sums once."""
     xsum = block_sums(x, x.shape[1] // 32)
@@ -367,7 +368,7 @@ def _k_threaded_joint(x, vec, w0, out0, kind0, w1, out1, kind1, w2, out2, kind2)
             _k_rows(x, w2, out2, kind2, vec, xsum, lo, hi)
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
+@jit(nogil=True, parallel=True)
 def _k_q8_threaded_joint(x, vec, w0, out0, kind0, w1, out1, kind1, w2, out2, kind2):
     """As :func:`_k_threaded_joint`, ``x`` quantized to Q8_K once."""
     q8, dx, sums32, sums16 = _quantize_q8_k(x)

@@ -40,6 +40,7 @@ import numpy as np
 from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
 from . import cpu
+from .cache import jit
 from .registry import LEGACY, CHUNKS, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
 from .simd_int8 import FORMATS, GROUP, GROUP_BYTES, LANES, centre, unsigned_centre
 
@@ -52,7 +53,7 @@ _XCENTRE = np.array([unsigned_centre(_LEGACY[d]) for d in FORMATS.values()], np.
 _POW2 = np.array([2.0 ** (e - 25) for e in range(32)], np.float32)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _f16(lo, hi):
     h = np.int32(lo) | np.int32(hi) << np.int32(8)
     e, f = h >> np.int32(10) & np.int32(31), h & np.int32(1023)
@@ -65,7 +66,7 @@ def _f16(lo, hi):
     return -v if h & np.int32(0x8000) else v
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _codes(row, at, fmt, qk, q):
     """Block ``row[at:]``'s codes into int32 ``q``: signed for Q8_0, unsigned otherwise."""
     bits, head = _SPEC[fmt, 0], _SPEC[fmt, 2]
@@ -85,12 +86,12 @@ def _codes(row, at, fmt, qk, q):
             q[j] |= np.int32(qh >> np.int64(j) & np.int64(1)) << np.int32(4)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _lanes_sum(a):
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _f32_portable(x, xsum, w, out, fmt, qk, lo, hi):
     """:func:`.simd_int8.f32_rows`' arithmetic in plain loops, multiplies and adds unfused: per
     block and row each lane's centred codes times ``x``, then ``lane += d * part``; the affine
@@ -123,14 +124,14 @@ def _f32_portable(x, xsum, w, out, fmt, qk, lo, hi):
             out[m, n] = _lanes_sum(acc[m]) + mins[m] if affine else _lanes_sum(acc[m])
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _grouped(b, j):
     """Where element ``j`` of block ``b`` sits in a row of the grouped codes (``xp``, 4 * 32 a
     group of 4 blocks: elements 0-15 of each, then 16-31 of each)."""
     return b // GROUP * GROUP_BYTES + j // 16 * (GROUP_BYTES // 2) + b % GROUP * 16 + j % 16
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _fold(a):
     """The lanes of ``a`` (a power of two of them) summed as :func:`.simd.hsum` sums them: lane i
     plus lane i + n/2, halving down to one.  In place: ``a`` is left holding partial sums."""
@@ -142,7 +143,7 @@ def _fold(a):
     return a[0]
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _q8_portable(xp, xn, xd, xs, w, out, fmt, qk, lo, hi):
     """:func:`.simd_int8.q8_rows`' lanes in plain loops: the same operations, the same bits."""
     m_rows, step, affine = xp.shape[0], _SPEC[fmt, 4], _SPEC[fmt, 3]
@@ -170,7 +171,7 @@ def _q8_portable(xp, xn, xd, xs, w, out, fmt, qk, lo, hi):
             out[m, n] = _fold(acc[m]) + _fold(mins[m]) if affine else _fold(acc[m])
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _to_f16(v):
     """``v`` (f32) rounded to the nearest f16, ties to even, as ``GGML_FP32_TO_FP16`` (f64 holds
     every step exactly)."""
@@ -186,7 +187,7 @@ def _to_f16(v):
     return np.float32(r if v > 0 else -r)
 
 
-@numba.njit(nogil=True, cache=True)  # one thread: a parallel launch costs more than it saves
+@jit(nogil=True)  # one thread: a parallel launch costs more than it saves
 def _quantize_rows(x, qk, c, xp, xn, xd, xs):
     """:func:`_quantized`'s arrays in scalar code: the portable path's, and the definition that
     the vector path's :func:`.simd_int8.quantize_row` is tested against."""
@@ -216,7 +217,7 @@ def _quantize_rows(x, qk, c, xp, xn, xd, xs):
             xs[m, GROUP * g + h] = _to_f16(np.float32(total) * d)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _quantized(x, qk, c):
     """``x`` f32 [M, K] quantized per 32-block as llama.cpp's ``quantize_row_q8_1_ref`` makes it
     (Q8_0 is the same without ``s``): ``d = max|x| / 127``, codes ``roundf(x * (1 / d))``, ``d``
@@ -243,14 +244,14 @@ if cpu.AVX2:
     _EIGHTS = cpu.REGISTERS >= 32
     _Q8_ROWS = q8_rows(cpu.WIDE)
 
-    @numba.njit(nogil=True, cache=True)
+    @jit(nogil=True)
     def _quantize_all(x, _qk, c, xp, xn, xd, xs):
         """:func:`_quantize_rows`' arrays, a block at a time in vectors (4096 elements: ~5 us with
         the arrays' allocation, 33 in scalar code)."""
         for r in range(x.shape[0]):
             quantize_row(x, r, c, xp, xn, xd, xs)
 
-    @numba.njit(nogil=True, cache=True)
+    @jit(nogil=True)
     def _f32_avx2(x, xsum, w, out, fmt, qk, lo, hi):
         m_rows, nb = x.shape[0], x.shape[1] // qk
         for n in range(lo, hi):
@@ -266,17 +267,17 @@ if cpu.AVX2:
                 _F32_ONE(w, x, xsum, out, n, m, nb, fmt)
                 m += 1
 
-    @numba.njit(nogil=True, cache=True)
+    @jit(nogil=True)
     def _q8_avx2(xp, xn, xd, xs, w, out, fmt, _qk, lo, hi):  # _qk: the portable signature
         _Q8_ROWS(w, xp, xn, xd, xs, out, lo, hi, fmt)
 
 
-    @numba.njit(nogil=True, cache=True)
+    @jit(nogil=True)
     def _q8_avx2_serial(x, w, out, fmt, qk, lo, hi):
         xp, xn, xd, xs = _quantized(x, qk, _XCENTRE[fmt])
         _q8_avx2(xp, xn, xd, xs, w, out, fmt, qk, lo, hi)
 
-    @numba.njit(nogil=True, cache=True, parallel=True)
+    @jit(nogil=True, parallel=True)
     def _q8_avx2_threaded(x, w, out, fmt, qk):
         xp, xn, xd, xs = _quantized(x, qk, _XCENTRE[fmt])
         n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
@@ -288,12 +289,12 @@ if cpu.AVX2:
 else:
     _quantize_all = _quantize_rows
 
-    @numba.njit(nogil=True, cache=True)
+    @jit(nogil=True)
     def _q8_portable_serial(x, w, out, fmt, qk, lo, hi):
         xp, xn, xd, xs = _quantized(x, qk, _XCENTRE[fmt])
         _q8_portable(xp, xn, xd, xs, w, out, fmt, qk, lo, hi)
 
-    @numba.njit(nogil=True, cache=True, parallel=True)
+    @jit(nogil=True, parallel=True)
     def _q8_portable_threaded(x, w, out, fmt, qk):
         xp, xn, xd, xs = _quantized(x, qk, _XCENTRE[fmt])
         n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
@@ -304,12 +305,12 @@ else:
     _f32_rows, _q8_rows = _f32_portable, _q8_portable
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _f32_serial(x, w, out, fmt, qk, lo, hi):
     _f32_rows(x, block_sums(x, x.shape[1] // qk), w, out, fmt, qk, lo, hi)
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
+@jit(nogil=True, parallel=True)
 def _f32_threaded(x, w, out, fmt, qk):
     xsum = block_sums(x, x.shape[1] // qk)
     n, chunks = w.shape[0], min(w.shape[0], CHUNKS)
@@ -320,7 +321,7 @@ def _f32_threaded(x, w, out, fmt, qk):
 _F32 = Drivers(_f32_serial, _f32_threaded)
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
+@jit(nogil=True, parallel=True)
 def _f32_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
     """Up to three weights' products with one ``x`` in one launch (registry.JOINT)."""
     xsum = block_sums(x, x.shape[1] // qk)
@@ -336,7 +337,7 @@ def _f32_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
             _f32_rows(x, xsum, w2, out2, fmt2, qk, lo, hi)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _quantized_for(x, qk, fmt0, fmt1, fmt2):
     """``x`` quantized once for up to three weights of formats ``fmt0..2``: :func:`_quantized`'s
     ``xp, xd, xs`` and each weight's ``xn`` (the lane sums scaled by its centre)."""
@@ -347,7 +348,7 @@ def _quantized_for(x, qk, fmt0, fmt1, fmt2):
     return xp, xn0, xn1, xn2, xd, xs
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
+@jit(nogil=True, parallel=True)
 def _q8_joint(x, qk, w0, out0, fmt0, w1, out1, fmt1, w2, out2, fmt2):
     """As :func:`_f32_joint`, ``x`` quantized once (:func:`_quantized_for`)."""
     xp, xn0, xn1, xn2, xd, xs = _quantized_for(x, qk, fmt0, fmt1, fmt2)

@@ -9,6 +9,8 @@ from typing import Callable, NamedTuple
 import numba
 import numpy as np
 
+from .cache import jit
+
 #: The families of product kernels: the module whose kernels run a route, and the compiled
 #: program's instruction that takes its weights (``program/instructions.py``).
 FLOATS, LEGACY, KQUANTS = "floats", "legacy", "kquants"
@@ -57,7 +59,7 @@ def joint_slots(ws: list, outs: list, extras: list, empty_extra) -> list:
     return [v for slot in slots for v in slot]
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def joint_chunks(n0, n1, n2):
     """The chunks of a joint launch's three weights (``n0``, ``n1``, ``n2`` rows; 0 for none):
     about :data:`CHUNKS` in all, in proportion to their rows, so that numba's even split of the
@@ -69,12 +71,12 @@ def joint_chunks(n0, n1, n2):
     return _share(n0, total), _share(n1, total), _share(n2, total)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _share(n, total):
     return 0 if n == 0 else min(n, max(1, (CHUNKS * n + total - 1) // total))
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def joint_part(c, c0, c1, c2, n0, n1, n2):
     """Chunk ``c`` of a joint launch whose three weights (``n0``, ``n1``, ``n2`` rows) take
     ``c0``, ``c1``, ``c2`` chunks: ``(weight, first row, end row)``."""
@@ -87,7 +89,7 @@ def joint_part(c, c0, c1, c2, n0, n1, n2):
     return 2, i * n2 // c2, (i + 1) * n2 // c2
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def block_sums(x, nsub):
     """Each 32-element block's sum of each row of ``x``, added in order, flat (``nsub`` a row): what
     a block's offset (a K-quant's or Q4_1's min) multiplies, once per call."""

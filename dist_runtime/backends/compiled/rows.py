@@ -13,10 +13,11 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import attention as compiled_attention
+from .cache import jit
 
 # Reassociation lets the reductions vectorise; no "nnan"/"ninf", so NaN and inf propagate as in
 # numpy.  The numpy error model makes x / 0 an inf, not a ZeroDivisionError.
-_jit = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy",
+_jit = jit(nogil=True, boundscheck=False, error_model="numpy",
                   fastmath={"reassoc", "contract", "nsz", "arcp"})
 
 
@@ -97,7 +98,7 @@ def _segment_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, sta
                        q_rot[lo:hi], k_rot[lo:hi], out[lo:hi])
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
+@jit(nogil=True, parallel=True)
 def segments_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, rows, pos,
                            num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
     """:func:`_segment_append_attend` for every segment, the threads taking segments (each its

@@ -7,8 +7,8 @@ F16 widens with ``fpext`` (F16C's ``vcvtph2ps``); on ``"portable"`` a multiply-a
 library call on any CPU.  Neither path sets fast-math flags: LLVM may not reorder a sum, which is
 what keeps every kernel batch-invariant.
 
-numba's on-disk cache checks only the file of the jitted function, not this one: a change here
-clears the kernels' cached code when the package is next imported (:mod:`.freshness`).
+numba's on-disk cache checks only the file of the jitted function, not this one: the kernels'
+cache directory is named by a digest of every source, this one included (:mod:`.cache`).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ driver per super-block (1024 x 4096, one thread, in cache, against kernels that 
 Q4_K 0.83-0.88x the time, Q5_K 0.90-0.99x, Q6_K 0.76-0.81x; M = 8 0.74-0.80x; from memory, 24
 weights of 4096 x 4096 in a chain, two threads: Q4_K 19.8 GB/s against 15.6).
 
-numba's on-disk cache keys :mod:`.kquants`'s drivers by their own file only: a change to this one
-clears their cached code when the package is next imported (:mod:`.freshness`).
+numba's on-disk cache keys :mod:`.kquants`'s drivers by their own file only: the kernels' cache
+directory is named by a digest of every source, this one included (:mod:`.cache`).
 """
 
 from __future__ import annotations

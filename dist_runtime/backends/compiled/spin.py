@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import platform
 
-import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from .cache import jit
 
 _I64 = ir.IntType(64)
 #: ``pause`` exists on x86 only; elsewhere a spin is a plain reload.
@@ -68,7 +69,7 @@ def _yield_cpu(typingctx):
     return types.void(), codegen
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def wait_until(counters, i, target):
     """Return once ``counters[i] >= target`` (see the module's note on spinning)."""
     tries = 0

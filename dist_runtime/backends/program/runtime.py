@@ -1,7 +1,8 @@
 """The compiled program as a step of the executor: a pass's values into the arena, one call of the
 compiled loop (:mod:`.vm`), the values out; off its fast path (an input not as built for, a KV
-cache that would refuse the write) the steps one by one, as without it, each error naming its
-own node.  A batched pass of several sessions runs once over every row, each segment attending
+cache that would refuse the write), and while a child compiles its code ahead
+(:mod:`..compiled.ahead`), the steps one by one, as without it (the same bits), each error naming
+its own node.  A batched pass of several sessions runs once over every row, each segment attending
 over its own session's cache (:meth:`Program.over_segments`).
 """
 
@@ -52,6 +53,7 @@ class Program:
         self.attention_spec = compiled_attention.SPECS((cpu.PATH, head_dim))
         self._empty = np.zeros((1, 1), F32)
         self._empty.flags.writeable = False
+        self._ready = False  # vm.ready() said so once
 
     def describe(self) -> str:
         products = f"{' and '.join(self.formats)} products, " if self.formats else ""
@@ -103,8 +105,13 @@ class Program:
             if cos.flags.writeable:  # computed, not cut from the cache: typed as the cached ones
                 cos.flags.writeable = sin.flags.writeable = False
         positions = np.array([ctx.pos for ctx in ctxs], np.int64)
-        vm.execute(self.code, self.slots, self.weights, self.eps, kv, cos, sin, arena, m, starts, positions,
-                 numba.get_num_threads(), self.attention_spec, self.kernels)
+        args = (self.code, self.slots, self.weights, self.eps, kv, cos, sin, arena, m, starts, positions,
+                numba.get_num_threads(), self.attention_spec, self.kernels)
+        if not self._ready:  # compiling ahead in a child: the steps one by one meanwhile
+            if not vm.ready(*args):
+                return None
+            self._ready = True
+        vm.execute(*args)
         for ctx, t in zip(ctxs, rows):
             for cache in self.caches:
                 ctx.state[cache.key].hold(ctx.pos + t)

@@ -27,7 +27,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..compiled import attention as compiled_attention
-from ..compiled import cpu, floats, kquants, legacy, spin
+from ..compiled import ahead, cpu, floats, kquants, legacy, spin
+from ..compiled.cache import jit
 from ..compiled.registry import SERIAL_BYTES, block_sums, joint_chunks, joint_part
 from ..compiled.rows import f32_at, rms_rows, rope_append_attend, silu_mul, skip_rms_rows
 from .instructions import (ADD, ADD_A, ADD_B, ADD_OUT, ATT_CACHE, ATT_CAUSAL, ATT_HEAD_DIM, ATT_HEADS, ATT_K,
@@ -81,18 +82,18 @@ def _gated10(fn):
     return call
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _flat(arena, slots, s, m):
     """Value ``s``'s rows in the arena, flat (``slots[s]``: offset per row, width)."""
     return arena[slots[s, 0] * m:(slots[s, 0] + slots[s, 1]) * m]
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _rows2d(arena, slots, s, m):
     return _flat(arena, slots, s, m).reshape((m, slots[s, 1]))
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _weight(weights, i):
     """F32 vector ``i`` of the weight table (a norm's scale)."""
     return numba.carray(f32_at(weights[i, 0]), weights[i, 1])
@@ -117,13 +118,13 @@ def _bytes_at(typingctx, address):
     return types.CPointer(types.uint8)(types.int64), codegen
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _blocks(weights, i):
     """Block weight ``i`` of the weight table (a K-quant or legacy one): its rows of blocks."""
     return numba.carray(_bytes_at(weights[i, 0]), (weights[i, 1], weights[i, 2]))
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _joint_blocks(c, slots, weights, arena, m):
     """A K_BLOCKS or L_BLOCKS instruction's weights, outputs and kinds (formats), the missing
     second and third as empty (no chunks) with the first's kind."""
@@ -136,13 +137,13 @@ def _joint_blocks(c, slots, weights, arena, m):
     return w0, o0, c[BLOCKS_KIND0], w1, o1, c[BLOCKS_KIND1], w2, o2, c[BLOCKS_KIND2]
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _matrix(spec, weights, i):
     """Product weight ``i`` of the weight table, flat, as its kernel reads it."""
     return numba.carray(_stored_at(spec, weights[i, 0]), weights[i, 1])
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _tiles(spec, x, weights, i, out, m, n, k, lo, hi):
     floats._rows(spec, x, _matrix(spec, weights, i), out, m, n, k, lo, hi)
 
@@ -150,7 +151,7 @@ def _tiles(spec, x, weights, i, out, m, n, k, lo, hi):
 _tiles_if = _gated10(_tiles)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _float_rows(kernels, x, weights, i, out, m, n, k, lo, hi):
     """:func:`..compiled.floats._rows` of float product weight ``i``, in its format (rows ``lo``
     to ``hi``: whole chunks, a task's run of them in this weight)."""
@@ -165,7 +166,7 @@ def _float_rows(kernels, x, weights, i, out, m, n, k, lo, hi):
         _tiles_if(kernels[TILES_Q8_0], _Q8_0, x, weights, i, out, m, n, k, lo, hi)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _slot(joint, at):
     """Weight ``at`` of :func:`_joint_blocks`' tuple: its blocks, its output and its kind."""
     if at == 0:
@@ -179,7 +180,7 @@ def _slot(joint, at):
 # legacy.py: ``_k_threaded_joint``, ``_f32_joint`` and their q8 twins), ``x`` prepared once for
 # them all: its block sums, or quantized (Q8_K; Q8_0 with each weight's lane sums scaled by its
 # centre).
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _k_f32_parts(x, joint, first, last, c0, c1, c2):
     n0, n1, n2 = joint[0].shape[0], joint[3].shape[0], joint[6].shape[0]
     xsum = block_sums(x, x.shape[1] // 32)
@@ -189,7 +190,7 @@ def _k_f32_parts(x, joint, first, last, c0, c1, c2):
         kquants._k_rows(x, w, out, kind, cpu.AVX2, xsum, lo, hi)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _k_q8_parts(x, joint, first, last, c0, c1, c2):
     n0, n1, n2 = joint[0].shape[0], joint[3].shape[0], joint[6].shape[0]
     q, dx, sums32, sums16 = kquants._quantize_q8_k(x)
@@ -199,7 +200,7 @@ def _k_q8_parts(x, joint, first, last, c0, c1, c2):
         kquants._k_q8_rows(x, w, out, kind, cpu.AVX2, q, dx, sums16 if kind == 6 else sums32, lo, hi)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _legacy_f32_parts(x, joint, first, last, c0, c1, c2):
     n0, n1, n2 = joint[0].shape[0], joint[3].shape[0], joint[6].shape[0]
     xsum = block_sums(x, x.shape[1] // legacy.QK)
@@ -209,7 +210,7 @@ def _legacy_f32_parts(x, joint, first, last, c0, c1, c2):
         legacy._f32_rows(x, xsum, w, out, fmt, legacy.QK, lo, hi)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _legacy_q8_parts(x, joint, first, last, c0, c1, c2):
     n0, n1, n2 = joint[0].shape[0], joint[3].shape[0], joint[6].shape[0]
     xp, xn0, xn1, xn2, xd, xs = legacy._quantized_for(x, legacy.QK, joint[2], joint[5], joint[8])
@@ -223,7 +224,7 @@ _k_f32_if, _k_q8_if = _gated7(_k_f32_parts), _gated7(_k_q8_parts)
 _legacy_f32_if, _legacy_q8_if = _gated7(_legacy_f32_parts), _gated7(_legacy_q8_parts)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _rope_append(spec, c, slots, kv, cos, sin, arena, m, starts, positions, g, attend):
     """The attention chain's compiled call (:class:`..numba.AttentionChain`) for segment ``g``
     (rows ``starts[g]:starts[g + 1]``, at ``positions[g]``) on its KV cache ``kv[c[ATT_CACHE], g]``,
@@ -238,7 +239,7 @@ def _rope_append(spec, c, slots, kv, cos, sin, arena, m, starts, positions, g, a
                        _rows2d(arena, slots, c[ATT_K_ROT], m)[lo:hi], _rows2d(arena, slots, c[ATT_OUT], m)[lo:hi])
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _cache(c, slots, kv, g):
     """Segment ``g``'s K and V buffers of an ATTENTION instruction's cache (every row they hold)."""
     width, rows = slots[c[ATT_K], 1], kv[c[ATT_CACHE], g, 2]
@@ -246,7 +247,7 @@ def _cache(c, slots, kv, g):
             numba.carray(f32_at(kv[c[ATT_CACHE], g, 1]), (rows, width)))
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _attends(c, slots, starts, positions, g, threads):
     """Whether segment ``g`` of an ATTENTION instruction attends in its chain's call, on one
     thread (:func:`.compiled.attention.serial_on`), rather than in pieces over the threads."""
@@ -255,14 +256,14 @@ def _attends(c, slots, starts, positions, g, threads):
     return compiled_attention.serial_on(rows, stop, stop * slots[c[ATT_K], 1] * 4, threads)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _segment_pieces(c, starts, positions, g):
     """Segment ``g``'s pieces (:func:`.compiled.attention._pieces`): where each query row's start."""
     rows = starts[g + 1] - starts[g]
     return compiled_attention._pieces(rows, positions[g] + rows, c[ATT_CAUSAL] != 0, c[ATT_WINDOW])
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _stored_bytes(weights, i, op):
     """Product weight ``i``'s work in bytes (of instruction ``op``): what it stores, times
     :data:`.kquants.COST` for a K-quant's (decoding its blocks costs more a byte)."""
@@ -274,7 +275,7 @@ def _stored_bytes(weights, i, op):
     return weights[i, 1] * (4 if code == F32_CODE else 1 if code == Q8_0_CODE else 2)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _product_parts(work_bytes, threads):
     """A product's tasks: one on a thread (:func:`.compiled.registry.serial`'s rule: the same
     bits either way, only the speed differs), else one a thread, each a contiguous run of its
@@ -284,14 +285,14 @@ def _product_parts(work_bytes, threads):
     return 1 if work_bytes < SERIAL_BYTES or threads == 1 else threads
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _stage(stages, s, i, phase, tasks):
     """Row ``s`` of the plan (:func:`_stages`), by element: assigning a row from a tuple or an
     array compiles numba's shape-error message, ~5 s of a cold compile."""
     stages[s, 0], stages[s, 1], stages[s, 2] = i, phase, tasks
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _stages(code, slots, weights, m, starts, positions, threads):
     """The call's stages in order, each ``(instruction, phase, tasks)``, every task of one done
     before any of the next starts; ``pieces[i, g]``: where segment ``g``'s attention pieces start
@@ -326,7 +327,7 @@ def _stages(code, slots, weights, m, starts, positions, threads):
 
 
 # Inlined into _work, the one function that calls it: compiled once, in _work's code.
-@numba.njit(nogil=True, cache=True, inline="always")
+@jit(nogil=True, inline="always")
 def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, attention_spec,
           pieces, sums, stats, kernels):
     """Task ``task`` of ``tasks`` of instruction ``c``'s stage ``phase`` (:func:`_stages`)."""
@@ -405,7 +406,7 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, st
 _CLAIMED, _DONE = 0, 8
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
           attention_spec, pieces, sums, stats, k0, k1, k2, k3, k4, k5, k6, k7):
     """One thread's share of a call: it takes the next ticket (a task, the stages' in order)
@@ -428,7 +429,7 @@ def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, s
         spin.fetch_add(counters, _DONE)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit(nogil=True)
 def _prepare(code, slots, weights, m, starts, positions, threads):
     """A call's stages (:func:`_stages`, each with its first ticket), its attention pieces,
     their scratch and the counters, made before any thread starts."""
@@ -462,7 +463,7 @@ def _call(typingctx, address, args):
     return types.none(address, args), codegen
 
 
-@numba.njit(nogil=True, cache=True, parallel=True)
+@jit(nogil=True, parallel=True)
 def _launch(address, args, threads):
     """:func:`_work` (at ``address``) on ``threads`` threads of numba's pool, each with ``args``."""
     if threads == 1:
@@ -505,3 +506,48 @@ def execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions
     _launch(_work_address(args), args, threads)
 
 
+def ready(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, attention_spec, kernels):
+    """Whether :func:`execute` runs these arguments now without compiling here: its code loaded
+    or in the cache, or compiling ahead not enabled (it then compiles on the call).  Else a child
+    compiles it (:mod:`.compiled.ahead`), and False until the child ends."""
+    if not ahead.enabled():
+        return True
+    given = tuple(numba.typeof(a) for a in (code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
+                                            threads, attention_spec, *kernels))
+    return _loaded(given) or not ahead.running(__name__, [ahead.describe(t) for t in given])
+
+
+def compile_ahead(described: list) -> None:
+    """The child's part (:func:`.compiled.ahead.main`): :func:`execute`'s code for the described
+    argument types, compiled into the cache."""
+    given = tuple(ahead.rebuild(t) for t in described)
+    prepare = _prepare_types(given)
+    _prepare.compile(prepare)
+    work, launch = _signatures(given, _prepare.overloads[prepare].signature.return_type)
+    _work.compile(work)
+    _launch.compile(launch)
+
+
+def _loaded(given: tuple) -> bool:
+    """Whether :func:`execute`'s three functions for ``given`` argument types are loaded (from
+    this process or the cache; never compiled here)."""
+    prepared = ahead.load(_prepare, _prepare_types(given))
+    if prepared is None:
+        return False
+    work, launch = _signatures(given, prepared.signature.return_type)
+    return ahead.load(_work, work) is not None and ahead.load(_launch, launch) is not None
+
+
+def _prepare_types(given: tuple) -> tuple:
+    code, slots, weights, _, _, _, _, _, m, starts, positions, threads = given[:12]
+    return code, slots, weights, m, starts, positions, threads
+
+
+def _signatures(given: tuple, prepared) -> tuple:
+    """:func:`_work`'s and :func:`_launch`'s argument types, as :func:`execute` calls them, from
+    its own argument types and :func:`_prepare`'s return type."""
+    code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec, *kernels = given
+    stages, pieces, sums, stats, counters = prepared.types
+    work = (stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, spec, pieces,
+            sums, stats, *kernels)
+    return work, (types.int64, types.BaseTuple.from_types(work), threads)
