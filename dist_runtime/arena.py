@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -66,9 +67,13 @@ def decide(nbytes: int, mode: str | None, wanted: bool | None) -> Placement:
     return Placement(True, f"{mb} copied into one buffer of 2 MiB pages (transparent huge pages: {mode})", nbytes)
 
 
-def pack(constants: dict[str, Array], names: list[str], wanted: bool | None = None) -> tuple[dict[str, Array], Placement]:
+def pack(constants: dict[str, Array], names: list[str], wanted: bool | None = None,
+         release: Callable[[list[str]], object] | None = None) -> tuple[dict[str, Array], Placement]:
     """``constants`` with ``names`` (in the order the steps read them) copied into one huge-page
-    buffer, when :func:`decide` says so; the others, and everything when it does not, unchanged."""
+    buffer, when :func:`decide` says so; the others, and everything when it does not, unchanged.
+    ``release([name])`` is called after each copy (the model's :meth:`~.model.Model.release`):
+    the source's pages leave resident memory weight by weight, so that the copy never holds the
+    weights twice over (a 3B model's peak was twice its file)."""
     sizes = [_padded(_data(constants[n]).nbytes) for n in names]
     placement = decide(sum(sizes), thp_mode(), wanted)
     if not placement.packed:
@@ -78,6 +83,8 @@ def pack(constants: dict[str, Array], names: list[str], wanted: bool | None = No
     for name, size in zip(names, sizes):
         out[name] = _copy_into(constants[name], buf[at:at + size])
         at += size
+        if release is not None:
+            release([name])
     huge = _huge_bytes(buf)
     reason = placement.reason + f"; {huge / 2**20:.0f} MiB of it in huge pages"
     return out, Placement(True, reason, placement.nbytes, huge)

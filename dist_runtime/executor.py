@@ -238,7 +238,7 @@ class GraphExecutor:
             raise TypeError(f"huge_pages= takes True, False or None (decide), not {huge_pages!r}")
         if compiled_program not in (True, False):
             raise TypeError(f"compiled_program= takes True or False, not {compiled_program!r}")
-        graph, weights, declared_max, opened = _open(model)
+        graph, weights, declared_max, mapped = _open(model)
         self.backends = make_backends(backends)
         checked = validate_graph(graph)  # structure and declared shapes; fusion keeps both
         self.warnings, specs = checked.warnings, checked.specs
@@ -256,9 +256,10 @@ class GraphExecutor:
         self.rows: RowPlan = plan_rows(graph, specs)
         constants, widened = _prepared_weights(graph, weights)
         streamed = _streamed(graph)
-        self._constants, self.placement = pack(constants, streamed, huge_pages)
-        if opened is not None and self.placement.packed:  # our own map: its copied pages are not needed
-            opened.release(streamed)
+        # the mapped pages of each weight copied leave resident memory as soon as it is copied
+        # (a page read again later is read from the file again: safe for any caller's views)
+        self._constants, self.placement = pack(constants, streamed, huge_pages,
+                                               None if mapped is None else mapped.release)
         self._steps = self._bind(widened)
         self._program_steps, self.program = self._with_program() if compiled_program else (None, "not asked for")
         self._program_at = next((i for i, s in enumerate(self._program_steps or ()) if s.kv_cache is _PROGRAM), -1)
@@ -532,16 +533,15 @@ def _spec_text(value) -> str:
 
 
 def _open(model):
-    """(graph, weights, declared max_memory, the Model if opened here from a path, else None)."""
-    opened = None
+    """(graph, weights, declared max_memory, the Model whose map holds the weights, else None)."""
     if isinstance(model, (str, os.PathLike, Path)):
         from .model import load_model
 
-        model = opened = load_model(model)
+        model = load_model(model)
     if isinstance(model, tuple):
         graph, weights = model
         return graph, weights, None, None
     if model.graph is None:
         raise GraphValidationError(f"{model.path} has no graph section: there is nothing to run")
     weights = {n: model.tensor(n) for n in model.graph.weights}
-    return model.graph, weights, model.metadata.get("max_memory"), opened
+    return model.graph, weights, model.metadata.get("max_memory"), model
