@@ -38,7 +38,7 @@ from .ir.codec import decode_graph, encode_graph
 from .ir.graph import Graph, TensorSpec
 from .ir.toml_form import graph_from_toml
 from .safe_toml import MAX_TOML_BYTES, MAX_TOML_DEPTH, parse_toml  # noqa: F401  (limits are API)
-from .tensor import Array, QuantizedArray
+from .tensor import Array, Deferred, QuantizedArray
 
 __all__ = [
     "MAGIC",
@@ -598,6 +598,8 @@ def _plan_tensor(name: object, value: object) -> tuple[DType, tuple[int, ...], i
         raise ValueError(f"weight name {name!r} is not encodable as UTF-8") from None
     if isinstance(value, QuantizedArray):
         return value.dtype, tuple(value.shape), value.data.nbytes, value
+    if isinstance(value, Deferred):
+        return value.dtype, tuple(value.shape), value.nbytes, value
     arr = np.asarray(value)
     dt = arr.dtype
     if dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder == "big"):
@@ -611,6 +613,19 @@ def _plan_tensor(name: object, value: object) -> tuple[DType, tuple[int, ...], i
             + " or a QuantizedArray"
         ) from None
     return dtype, tuple(arr.shape), dtype.nbytes(arr.shape), arr
+
+
+def _made(name: str, value: Any, dtype: DType, shape: tuple[int, ...]) -> Any:
+    """``value``, made now if :class:`~.tensor.Deferred`: of the type and shape it promised."""
+    if not isinstance(value, Deferred):
+        return value
+    made = value.make()
+    got = (made.dtype, tuple(made.shape)) if isinstance(made, QuantizedArray) else (
+        DType.from_numpy(made.dtype), tuple(made.shape))
+    if got != (dtype, shape):
+        raise ValueError(f"weight {name!r}: made as {got[0].name}{list(got[1])}, "
+                         f"promised {dtype.name}{list(shape)}")
+    return made
 
 
 def _raw_bytes(dtype: DType, value: Any) -> np.ndarray:
@@ -633,7 +648,7 @@ def _progress(total: int, desc: str):
 def save_model(
     path: str | os.PathLike,
     graph: Graph | None,
-    weights: Mapping[str, np.ndarray | QuantizedArray],
+    weights: Mapping[str, np.ndarray | QuantizedArray | Deferred],
     metadata: Mapping | None = None,
     *,
     graph_format: str = "binary",
@@ -641,7 +656,8 @@ def save_model(
 ) -> Model:
     """Write a ``.model`` file atomically and return it loaded (``validate=False``).
 
-    Tensors are laid out in ``weights``' order, each at a multiple of 64 bytes.  The stored
+    Tensors are laid out in ``weights``' order, each at a multiple of 64 bytes; a
+    :class:`~.tensor.Deferred` one is made when its turn comes and let go once written.  The stored
     graph's ``weights`` are filled from the resulting index; if ``graph.weights`` is already
     filled, its names, shapes and dtypes must agree with ``weights``.  ``graph_format``:
     ``"binary"`` (canonical ``~~~graph``) or ``"toml"`` (``~~~graph.toml``).  ``progress`` shows
@@ -720,7 +736,8 @@ def _write_weights(f, plan: Sequence, index: dict[str, TensorSpec], total: int, 
             spec = index[name]
             if spec.offset > pos:
                 f.write(bytes(spec.offset - pos))
-            raw = _raw_bytes(dtype, value)
+            made = _made(name, value, dtype, spec.shape)
+            raw = _raw_bytes(dtype, made)
             if raw.size != spec.size:  # cannot happen for arrays that passed _plan_tensor
                 raise ValueError(f"weight {name!r}: {raw.size} bytes, expected {spec.size}")
             for i in range(0, raw.size, _WRITE_CHUNK):
@@ -728,6 +745,9 @@ def _write_weights(f, plan: Sequence, index: dict[str, TensorSpec], total: int, 
                 f.write(chunk.data)
                 if bar is not None:
                     bar.update(chunk.size)
+            del made, raw
+            if isinstance(value, Deferred) and value.done is not None:
+                value.done()
             pos = spec.offset + spec.size
     finally:
         if bar is not None:

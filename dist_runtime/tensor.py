@@ -5,12 +5,16 @@ dtype.  A weight of a block type (Q8_0, Q4_0, ...) is a :class:`QuantizedArray`:
 blocks as a ``uint8`` array of shape ``(*shape[:-1], shape[-1] // block_size * block_bytes)`` (one
 row of blocks per row of the logical tensor), plus the logical shape and the ``DType``.  Both may be
 zero-copy views into a memory-mapped ``.model`` file.
+
+A :class:`Deferred` weight is one not made yet: a converter's promise of a tensor of a known type
+and shape, made when :func:`~.model.save_model` writes it and let go right after, so that a
+conversion holds one tensor at a time whatever the model's size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 
@@ -45,5 +49,25 @@ class QuantizedArray:
 Array = Union[np.ndarray, QuantizedArray]
 
 
-def dtype_of(a: Array) -> DType:
-    return a.dtype if isinstance(a, QuantizedArray) else DType.from_numpy(a.dtype)
+@dataclass(frozen=True, eq=False)
+class Deferred:
+    """A weight of ``dtype`` and ``shape`` that ``make()`` returns when it is written; ``done()``
+    (if given) is called once it has been written, to give back what making it took (the pages
+    of the source file it was read from)."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    make: Callable[[], Array]
+    done: Optional[Callable[[], None]] = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.nbytes(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def dtype_of(a: Array | Deferred) -> DType:
+    return a.dtype if isinstance(a, (QuantizedArray, Deferred)) else DType.from_numpy(a.dtype)

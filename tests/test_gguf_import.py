@@ -296,6 +296,23 @@ def test_tied_embeddings_and_metadata(files, tmp_path):
     assert meta["config"]["context_length"] == 256 and meta["config"]["kv_heads"] == 2
 
 
+@pytest.mark.parametrize("qtype", ["f32", "q8_0"])
+def test_convert_reads_one_tensor_at_a_time_and_gives_its_pages_back(files, tmp_path, monkeypatch, qtype):
+    """convert defers every weight to its write (the same weights as load() reads at once), and
+    gives back each tensor's pages of the GGUF file once it is written."""
+    import dist_runtime.importers.gguf_file as gguf_file
+    from dist_runtime.model import load_model
+
+    released, real = [], gguf_file._release
+    monkeypatch.setattr(gguf_file, "_release", lambda reader, t: (released.append(t.name), real(reader, t)))
+    report = convert_gguf(files[qtype], tmp_path / "c.model")
+    eager = load(files[qtype])
+    assert len(released) == len(eager.weights) == len(set(released))
+    with load_model(report.out) as m:
+        assert list(m.graph.weights) == list(eager.weights)
+        assert all(same_bits(m.tensor(n), w) for n, w in eager.weights.items())
+
+
 # -- the convert command ---------------------------------------------------------------------------
 def test_convert_cli(files, tmp_path, capsys):
     out = tmp_path / "m" / "llama.model"

@@ -27,7 +27,7 @@ from dist_runtime.model import (
     read_sections,
     save_model,
 )
-from dist_runtime.tensor import QuantizedArray
+from dist_runtime.tensor import QuantizedArray, dtype_of
 
 PLAIN = [d for d in DType if not d.is_quantized]
 BLOCK = [d for d in DType if d.is_quantized]
@@ -534,3 +534,38 @@ def test_toml_graph_listing_weights_must_agree_with_the_index(tmp_path, decoder)
     bad = Graph(raw.graph.nodes, raw.graph.inputs, raw.graph.outputs, reshaped)
     with pytest.raises(ModelFormatError, match=r"'model.norm.weight' is f32\[4,4\] in the graph"):
         load_model(with_graph_toml(bad), validate=False)
+
+
+def test_a_deferred_weight_is_made_when_written_and_let_go(tmp_path, decoder):
+    """save_model makes a Deferred weight at its turn (after the one before it is written) and
+    calls its done() once it is written: the same file as the weights given made."""
+    from dist_runtime.tensor import Deferred
+
+    graph, weights, meta = decoder
+    eager = save_model(tmp_path / "eager.model", graph, weights, meta, progress=False)
+    eager.close()
+    events = []
+
+    def deferred(name, w):
+        def make():
+            events.append(("make", name))
+            return w
+        return Deferred(dtype_of(w), tuple(w.shape), make, lambda: events.append(("done", name)))
+    lazy = save_model(tmp_path / "lazy.model", graph, {n: deferred(n, w) for n, w in weights.items()}, meta,
+                      progress=False)
+    lazy.close()
+    assert (tmp_path / "lazy.model").read_bytes() == (tmp_path / "eager.model").read_bytes()
+    assert events == [e for n in weights for e in (("make", n), ("done", n))]
+
+
+def test_a_deferred_weight_made_other_than_promised_is_refused(tmp_path, decoder):
+    from dist_runtime.tensor import Deferred
+
+    graph, weights, meta = decoder
+    name = next(iter(weights))
+    w = weights[name]
+    wrong = dict(weights)
+    wrong[name] = Deferred(dtype_of(w), tuple(w.shape), lambda: w[:1])
+    with pytest.raises(ValueError, match=f"weight {name!r}: made as F32.*promised F32"):
+        save_model(tmp_path / "bad.model", graph, wrong, meta, progress=False)
+    assert not list(tmp_path.iterdir())  # atomic: nothing left behind

@@ -22,7 +22,7 @@ from ..dtypes import DType
 from . import DTYPES  # noqa: F401  (re-exported: every importer checks --dtype against it)
 from ..ir.graph import Graph, TensorSpec
 from ..ir.ops import TokenEmbed
-from ..tensor import Array, QuantizedArray
+from ..tensor import Array, Deferred, dtype_of
 
 
 @dataclass
@@ -44,8 +44,8 @@ class Imported:
         return {n: stored_dtype(w) for n, w in self.weights.items()}
 
 
-def stored_dtype(w: Array) -> str:
-    return (w.dtype.name if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype).name).lower()
+def stored_dtype(w: Array | Deferred) -> str:
+    return dtype_of(w).name.lower()
 
 
 class Progress:
@@ -154,6 +154,5 @@ def write_imported(imported: Imported, out: str | Path, source_format: str, star
 
 def with_weight_specs(graph: Graph, weights: Mapping[str, Array]) -> Graph:
     """``graph`` with ``graph.weights`` describing ``weights`` (what a loaded .model's graph has)."""
-    specs = {n: TensorSpec(w.shape, w.dtype if isinstance(w, QuantizedArray) else DType.from_numpy(w.dtype))
-             for n, w in weights.items()}
+    specs = {n: TensorSpec(tuple(w.shape), dtype_of(w)) for n, w in weights.items()}
     return Graph(list(graph.nodes), list(graph.inputs), list(graph.outputs), specs)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import sys
 import time
 from dataclasses import asdict
@@ -33,7 +34,7 @@ import numpy as np
 from ..dtypes import DType
 from ..errors import DistRuntimeError
 from ..ir.graph import TensorSpec
-from ..tensor import Array, QuantizedArray
+from ..tensor import Array, Deferred, QuantizedArray
 from .common import DTYPES, ConvertReport, Imported, Progress, storage_targets, with_weight_specs, write_imported
 from .hf.common import HFImportError
 from .hf.llama import DecoderConfig, decoder_graph, weight_shapes
@@ -589,9 +590,11 @@ def _add_bos_eos(tok, fields: _Fields, tokens: list[str], default_bos: bool) -> 
 
 
 # -- conversion ------------------------------------------------------------------------------------
-def load(path: str | Path, dtype: str | None = None, *, progress: bool = False) -> Imported:
+def load(path: str | Path, dtype: str | None = None, *, progress: bool = False, deferred: bool = False) -> Imported:
     """Read a llama GGUF file: graph (the HF importer's), weights as stored (or float tensors
-    re-stored as ``dtype``), metadata, and a tokenizer built from the vocabulary."""
+    re-stored as ``dtype``), metadata, and a tokenizer built from the vocabulary.  ``deferred``:
+    each weight a :class:`~dist_runtime.tensor.Deferred`, read from the file when it is written
+    and its pages given back then (``convert``: one tensor in memory at a time)."""
     if dtype is not None and dtype not in DTYPES:
         raise GGUFImportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     path = Path(path)
@@ -605,7 +608,7 @@ def load(path: str | Path, dtype: str | None = None, *, progress: bool = False) 
     graph = decoder_graph(cfg)
     graph.weights = {n: TensorSpec(s, DType.F32) for n, s in shapes.items()}
     weights, source_dtypes = _read_weights(reader, cfg, graph, {hf: tensors[g] for hf, g in names.items()},
-                                           _Storage(graph, dtype), progress)
+                                           _Storage(graph, dtype), progress, deferred)
     tokenizer, why = tokenizer_json(fields)
     metadata = _metadata(fields, path, cfg, dtype, source_dtypes, why) | token_ids
     ignored = sorted(set(tensors) - set(names.values()))
@@ -614,23 +617,50 @@ def load(path: str | Path, dtype: str | None = None, *, progress: bool = False) 
 
 
 def _read_weights(reader, cfg: DecoderConfig, graph, tensors: dict, storage: _Storage,
-                  progress: bool) -> tuple[dict[str, Array], dict[str, int]]:
-    """HF name -> weight (un-permuted, stored as ``storage`` says), and the source type counts."""
-    weights: dict[str, Array] = {}
+                  progress: bool, deferred: bool = False) -> tuple[dict[str, Array | Deferred], dict[str, int]]:
+    """HF name -> weight (un-permuted, stored as ``storage`` says; deferred: made when written),
+    and the source type counts."""
+    weights: dict[str, Array | Deferred] = {}
     source_dtypes: dict[str, int] = {}
-    bar = Progress(len(tensors), "converting", progress)
+    bar = Progress(len(tensors), "converting", progress and not deferred)  # deferred: the write shows it
     try:
         for hf, t in tensors.items():
-            source, data = _tensor(reader, t)
+            source = DType(int(t.tensor_type))
             source_dtypes[source.name] = source_dtypes.get(source.name, 0) + 1
-            if ".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf:
-                data = unpermute_rows(data, cfg.heads if ".q_proj." in hf else cfg.kv_heads)
             shape = graph.weights[hf].shape
-            weights[hf] = _convert(data, source, storage.target(hf, source), shape)
-            bar.update()
+            target = storage.target(hf, source)
+            heads = cfg.heads if ".self_attn.q_proj." in hf else cfg.kv_heads if ".self_attn.k_proj." in hf else 0
+            make = functools.partial(_weight, reader, t, heads, target, shape)
+            if deferred:
+                weights[hf] = Deferred(target, shape, make, functools.partial(_release, reader, t))
+            else:
+                weights[hf] = make()
+                bar.update()
     finally:
         bar.close()
     return weights, source_dtypes
+
+
+def _weight(reader, t, heads: int, target: DType, shape: tuple[int, ...]) -> Array:
+    """Reader tensor ``t`` as the graph's weight: un-permuted (``heads`` of q or k, else 0) and
+    stored as ``target``."""
+    source, data = _tensor(reader, t)
+    if heads:
+        data = unpermute_rows(data, heads)
+    return _convert(data, source, target, shape)
+
+
+def _release(reader, t) -> None:
+    """Give back the pages of the file that hold tensor ``t`` (read again from the file if ever
+    needed): a conversion's resident memory then holds the tensor being written, not the file."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    lo = int(t.data_offset) // page * page
+    hi = min(-(-(int(t.data_offset) + int(t.n_bytes)) // page) * page, len(mm))
+    if hi > lo:
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def _metadata(fields: _Fields, path: Path, cfg: DecoderConfig, dtype: str | None, source_dtypes: dict,
@@ -661,6 +691,7 @@ def convert_gguf(source: str | Path, out: str | Path, dtype: str | None = None, 
     """``dist-runtime convert FILE.gguf``: write ``out`` and, when one could be built, a tokenizer
     beside it (``report.tokenizer`` is None when not)."""
     start = time.perf_counter()
-    return write_imported(load(source, dtype, progress=progress), out, "gguf", start, progress=progress)
+    return write_imported(load(source, dtype, progress=progress, deferred=True), out, "gguf", start,
+                          progress=progress)
 
 
