@@ -42,7 +42,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=positive_int, default=1, metavar="N",
                    help="micro-batches in flight per stage; multiplies activations (default: 1)")
     p.add_argument("--tokens", type=positive_int, metavar="N",
-                   help="tokens per call (prefill chunk) for activations and compute (default: --max-context)")
+                   help="rows of one call (a pass, a prompt's chunk) for activations and compute (default: for "
+                        "a model with KV caches, the runtime's --max-batch-tokens default, 24; else --max-context)")
     p.add_argument("--granularity", choices=GRANULARITIES, default="auto",
                    help="cut between layers, anywhere, or between layers when the budgets allow (default: auto)")
     p.add_argument("--allow-empty", action="store_true", help="let a machine take no nodes")

@@ -1,9 +1,9 @@
 """The cost model of a Graph IR graph, from the graph alone (no weights are read).
 
 Shapes come from the op table's shape rules at the requested maximum shapes: every ``-1`` dim of
-a graph input is the number of tokens per call (``tokens``, by default the maximum context: a
-full-length prefill), and every ``-1`` dim left after inference (a KV cache's past + new rows) is
-the maximum context.  From the shapes:
+a graph input is the number of tokens per call (``tokens``: by default :func:`pass_rows`, the rows
+of the largest pass the runtime makes), and every ``-1`` dim left after inference (a KV cache's
+past + new rows) is the maximum context.  From the shapes:
 
 * weights: each node's weight inputs, sized by their index entry (``size``, else dtype x shape);
 * KV: the outputs of each ``KvCache`` node at the maximum context, times the sessions in flight;
@@ -29,6 +29,7 @@ from dist_runtime.errors import DistRuntimeError, GraphValidationError, Infeasib
 from dist_runtime.ir.graph import POS, Graph, TensorSpec
 from dist_runtime.ir.shape_rules import ShapeError
 from dist_runtime.ir.validate import POS_SPEC, infer_shapes
+from dist_runtime.scheduling_defaults import DEFAULT_BATCH_TOKENS
 
 from .costs import CostModel, TensorTable, live_and_cut
 from .flops import flops, workspace
@@ -81,6 +82,16 @@ def _input_specs(graph: Graph, tokens: int) -> dict[str, TensorSpec]:
     return {name: _resolve_input(spec, tokens) for name, spec in zip(names, graph.inputs)}
 
 
+def pass_rows(graph: Graph, max_context: int, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> int:
+    """The rows of the largest call the runtime makes of ``graph``: a graph with KV caches (a
+    decoder) is run in passes of at most ``batch_tokens`` rows, a long prompt in chunks of them
+    (the scheduler's ``--max-batch-tokens``); any other graph (an encoder) takes a whole
+    sequence, up to ``max_context`` rows, in one call."""
+    if any(node.op_name == "KvCache" for node in graph.nodes):
+        return min(batch_tokens, max_context)
+    return max_context
+
+
 def graph_costs(
     graph: Graph,
     *,
@@ -96,7 +107,7 @@ def graph_costs(
     for what, value in (("max_context", max_context), ("sessions", sessions), ("microbatches", microbatches)):
         if value < 1:
             raise DistRuntimeError(f"{what} must be at least 1, got {value}")
-    tokens = max_context if tokens is None else tokens
+    tokens = pass_rows(graph, max_context) if tokens is None else tokens
     if not 1 <= tokens <= max_context:
         raise DistRuntimeError(f"tokens per call must be in 1..max_context ({max_context}), got {tokens}")
     if weights is not None:

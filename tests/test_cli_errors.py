@@ -53,7 +53,7 @@ NO_RAY = [
      {"RAY_TMPDIR": "{dir}"}, 1, "no Ray cluster was started on this machine"),
     ("prompt beyond --max-context", ["pipeline", "{tiny}", "--stages", "2", "--prompt-ids", "1,2,3",
                                       "--max-context", "2"], {}, 1, "exceed the context length 2"),
-    ("context overflow", ["partition", "{tiny}", "--stages", "2", "--max-context", "100000000000"], {}, 1,
+    ("context overflow", ["partition", "{tiny}", "--stages", "2", "--max-context", "100000000000000000"], {}, 1,
      "beyond what any machine holds"),
     ("convert into a directory", ["convert", str(FIXTURES / "llama"), "-o", "{dir}"], {}, 1, "is a directory"),
     ("example without layers", ["example", "-o", "{dir}/x.model", "--layers", "0"], {}, 2, "must be at least 1"),

@@ -385,3 +385,25 @@ def test_svg_shows_memory_against_budget():
     texts = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
     assert "stage 0 on m0" in texts and "stage 1 on m1" in texts and "/ 2.0 MiB" in texts
     assert len(root.findall(".//{http://www.w3.org/2000/svg}line")) == 2  # one budget mark per stage
+
+
+def test_a_decoder_is_planned_for_the_runtime_s_passes_an_encoder_for_whole_sequences():
+    """A graph with KV caches runs in passes of at most --max-batch-tokens rows (a prompt in
+    chunks): its activations are planned at that, not a whole-context prefill, which no pass
+    makes; an encoder takes its whole sequence in one call."""
+    from dist_runtime.partitioner.graph_costs import pass_rows
+    from dist_runtime.pipeline.launch import make_plan
+    from dist_runtime.scheduling_defaults import DEFAULT_BATCH_TOKENS
+
+    g = llama()
+    assert pass_rows(g, 4096) == DEFAULT_BATCH_TOKENS and pass_rows(g, 8) == 8 and pass_rows(g, 4096, 512) == 512
+    default, chunk, whole = (graph_costs(g, max_context=4096, tokens=t) for t in (None, DEFAULT_BATCH_TOKENS, 4096))
+    assert default.meta["tokens"] == DEFAULT_BATCH_TOKENS and np.array_equal(default.live, chunk.live)
+    assert whole.live.max() > default.live.max()
+    assert np.array_equal(default.kv, whole.kv)  # the caches hold the whole context either way
+    encoder = Graph([Node(0, RmsNorm(eps=1e-5), ["x", "w"], ["y"])], [TensorSpec((-1, 32), DType.F32)], ["y"],
+                    {"w": TensorSpec((32,), DType.F32)})
+    assert pass_rows(encoder, 4096) == 4096
+    plan = make_plan(g, stages=2, max_context=256, tokens=64)
+    assert plan.request["tokens"] == 64
+    assert make_plan(g, stages=2, max_context=32, tokens=64).request["tokens"] == 32  # never past the context

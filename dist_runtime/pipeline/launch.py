@@ -21,15 +21,20 @@ from .subgraph import StageGraph, stages_for_plan
 
 
 def make_plan(graph, *, stages: int | None = None, budgets=None, speeds=None, reserve="0",
-              max_context: int = 4096, sessions: int = 1, model_name: str = ""):
-    """A partitioner plan from the CLI's vocabulary (``--stages N`` or ``--budgets``)."""
+              max_context: int = 4096, sessions: int = 1, model_name: str = "", tokens: int | None = None):
+    """A partitioner plan from the CLI's vocabulary (``--stages N`` or ``--budgets``); ``tokens``:
+    the rows of the largest pass (``--max-batch-tokens``; default: the partitioner's)."""
     from dist_runtime.partitioner.machines import make_machines
+    from dist_runtime.partitioner.graph_costs import pass_rows
     from dist_runtime.partitioner.planner import partition
 
     if stages is None and not budgets:
         raise DistRuntimeError("give a number of stages, or a memory budget per machine")
     machines = make_machines(stages, budgets, speeds, reserve)
-    return partition(graph, machines, max_context=max_context, sessions=sessions, model_name=model_name)
+    if tokens is not None:
+        tokens = pass_rows(graph, max_context, tokens)
+    return partition(graph, machines, max_context=max_context, sessions=sessions, model_name=model_name,
+                     tokens=tokens)
 
 
 DEFAULT_CONTEXT = 4096
@@ -88,7 +93,7 @@ class Pipeline:
             max_context = max_context or context_limit(model.metadata)
         self.plan = plan or make_plan(self.graph, stages=stages, budgets=budgets, speeds=speeds,
                                       reserve=reserve, max_context=max_context, sessions=sessions,
-                                      model_name=name)
+                                      model_name=name, tokens=max_batch_tokens)
         self.stages: list[StageGraph] = stages_for_plan(self.graph, self.plan)
         self._started_ray = connect(address, num_cpus=num_cpus, timeout=connect_timeout)
         try:
