@@ -15,7 +15,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..dtypes import DType
@@ -137,7 +137,12 @@ def write_imported(imported: Imported, out: str | Path, source_format: str, star
     if imported.tokenizer is not None:
         tokenizer = tokenizer_path_for(out)
         metadata["tokenizer"] = tokenizer.name
-    model = save_model(out, imported.graph, imported.weights, metadata, progress=progress)
+    weights, bar = _counted(imported.weights, progress)
+    try:
+        model = save_model(out, imported.graph, weights, metadata, progress=progress and bar is None)
+    finally:
+        if bar is not None:
+            bar.close()
     size = sum(s.size for s in model.index.values())
     model.close()
     if isinstance(imported.tokenizer, (bytes, bytearray)):
@@ -150,6 +155,18 @@ def write_imported(imported: Imported, out: str | Path, source_format: str, star
     return ConvertReport(out, source_format, imported.architecture, len(imported.weights), size,
                          dict(Counter(stored.values())), dict(Counter(n.op.spec.name for n in imported.graph.nodes)),
                          stored, imported.ignored, tokenizer, time.perf_counter() - start)
+
+
+def _counted(weights: Mapping[str, Array | Deferred], progress: bool) -> tuple[dict, Progress | None]:
+    """``weights`` with each deferred one counted on a "converting" bar as it is written (it is
+    read then: the conversion's progress), and the bar; None when nothing is deferred."""
+    if not any(isinstance(w, Deferred) for w in weights.values()):
+        return dict(weights), None
+    bar = Progress(sum(isinstance(w, Deferred) for w in weights.values()), "converting", progress)
+
+    def counted(done):
+        return lambda: (done and done(), bar.update())
+    return {n: replace(w, done=counted(w.done)) if isinstance(w, Deferred) else w for n, w in weights.items()}, bar
 
 
 def with_weight_specs(graph: Graph, weights: Mapping[str, Array]) -> Graph:

@@ -7,7 +7,8 @@
 * ``common``: what they share (config.json, the safetensors checkpoint, reading weights).
 
 Every importer module named in :data:`ARCHITECTURES` has
-``load(hf_dir, dtype, *, progress) -> common.Imported``.
+``load(hf_dir, dtype, *, progress, deferred) -> common.Imported`` (``deferred``: weights read when
+written, :class:`~dist_runtime.tensor.Deferred`).
 """
 
 from __future__ import annotations
@@ -37,16 +38,18 @@ def hf_model_type(hf_dir: str | Path) -> str:
     return str(config.get("model_type", "")) if isinstance(config, dict) else ""
 
 
-def load_hf_dir(hf_dir: str | Path, dtype: str | None = None, *, progress: bool = False):
+def load_hf_dir(hf_dir: str | Path, dtype: str | None = None, *, progress: bool = False, deferred: bool = False):
     model_type = hf_model_type(hf_dir)
     module = ARCHITECTURES.get(model_type)
     if module is None:
         raise HFImportError(f"{Path(hf_dir) / 'config.json'}: model_type {model_type!r} is not supported; "
                             f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    return importlib.import_module(f"{__package__}.{module}").load(hf_dir, dtype or "f32", progress=progress)
+    return importlib.import_module(f"{__package__}.{module}").load(hf_dir, dtype or "f32", progress=progress,
+                                                                         deferred=deferred)
 
 
 def convert_hf_dir(hf_dir: str | Path, out: str | Path, dtype: str | None = None, *,
                    progress: bool = False) -> ConvertReport:
     start = time.perf_counter()
-    return write_imported(load_hf_dir(hf_dir, dtype, progress=progress), out, "huggingface", start, progress=progress)
+    return write_imported(load_hf_dir(hf_dir, dtype, progress=progress, deferred=True), out, "huggingface", start,
+                          progress=progress)

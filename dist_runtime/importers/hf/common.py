@@ -7,6 +7,7 @@ nothing here imports torch or transformers.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
@@ -17,7 +18,7 @@ import numpy as np
 from ...dtypes import DType
 from ...errors import DistRuntimeError
 from ...ir.graph import Graph, TensorSpec
-from ...tensor import Array
+from ...tensor import Array, Deferred
 from ..common import DTYPES, Progress, storage_targets, with_weight_specs
 
 
@@ -138,11 +139,16 @@ class Checkpoint:
     def dtype(self, name: str) -> str:
         return self._slice(name).get_dtype()
 
-    def get(self, name: str) -> np.ndarray:
+    def check_float(self, name: str) -> str:
+        """Tensor ``name``'s safetensors dtype, an error unless a float one."""
         dtype = self.dtype(name)
         if dtype not in _FLOATS:
             raise HFImportError(f"tensor {name!r} is {dtype}; only float checkpoints "
                                 f"({', '.join(_FLOATS)}) can be imported")
+        return dtype
+
+    def get(self, name: str) -> np.ndarray:
+        self.check_float(name)
         return self._files[self.file_of[name]].get_tensor(name)
 
 
@@ -159,23 +165,24 @@ def checkpoint_prefix(names: Sequence[str], anchor: str, prefixes: Sequence[str]
 
 def read_weights(hf_dir: Path, graph: Graph, shapes: Mapping[str, tuple[int, ...]], dtype: str, *,
                  prefixes: Sequence[str], made: Mapping[str, np.ndarray], transposed: frozenset[str] = frozenset(),
-                 unprefixed: frozenset[str] = frozenset(), what: str,
-                 progress: bool = False) -> tuple[Graph, dict[str, Array], dict[str, int], list[str]]:
+                 unprefixed: frozenset[str] = frozenset(), what: str, progress: bool = False,
+                 deferred: bool = False) -> tuple[Graph, dict[str, Array | Deferred], dict[str, int], list[str]]:
     """Read the weights ``graph`` names from the checkpoint in ``hf_dir`` and store them as ``dtype``.
 
     A graph weight ``n`` is ``made[n]``, or the checkpoint tensor ``n`` when in ``unprefixed`` (a
     head beside the base model), else ``prefix + n`` for the first of ``prefixes`` under which the
     checkpoint holds ``shapes``' first weight; a name in ``transposed`` is stored ``[in, out]``
-    in the checkpoint (GPT-2's Conv1D) and transposed here.  Returns the graph with weight specs,
-    the weights, the checkpoint's dtype counts and the checkpoint tensors left unread."""
+    in the checkpoint (GPT-2's Conv1D) and transposed here.  ``deferred``: each checkpoint tensor
+    a :class:`~dist_runtime.tensor.Deferred`, read when it is written from its shard opened for
+    it alone (the shard's map goes with it: ``convert`` holds one tensor at a time).  Every
+    check is made before any tensor is read.  Returns the graph with weight specs, the weights,
+    the checkpoint's dtype counts and the checkpoint tensors left unread."""
     if dtype not in DTYPES:
         raise HFImportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    from dist_runtime.kernels.quant import quantize
-
     graph.weights = {n: TensorSpec(s, DType.F32) for n, s in shapes.items()}
     targets = storage_targets(graph, DType[dtype.upper()])
     wanted = [n for n in shapes if n not in made]
-    weights: dict[str, Array] = {}
+    weights: dict[str, Array | Deferred] = {}
     source_dtypes: dict[str, int] = {}
     with Checkpoint(hf_dir) as ckpt:
         prefix = checkpoint_prefix(ckpt.names(), wanted[0], prefixes, hf_dir)
@@ -190,19 +197,40 @@ def read_weights(hf_dir: Path, graph: Graph, shapes: Mapping[str, tuple[int, ...
                  for n in wanted if ckpt.shape(source[n]) != stored[n]]
         if wrong:
             raise HFImportError(f"tensor shapes disagree with config.json: {'; '.join(wrong[:8])}")
-        bar = Progress(len(shapes), "converting", progress)
+        for n in wanted:
+            kind = ckpt.check_float(source[n])
+            source_dtypes[kind] = source_dtypes.get(kind, 0) + 1
+        bar = Progress(len(shapes), "converting", progress and not deferred)  # deferred: the write shows it
         try:
             for name in shapes:
                 if name in made:
-                    x = made[name]
-                else:
-                    kind = ckpt.dtype(source[name])
-                    source_dtypes[kind] = source_dtypes.get(kind, 0) + 1
-                    x = ckpt.get(source[name])
-                    x = np.ascontiguousarray(x.T if name in transposed else x, dtype=np.float32)
-                weights[name] = x if targets[name] == DType.F32 else quantize(x, targets[name])
+                    weights[name] = _stored(made[name], targets[name])
+                    continue
+                read = functools.partial(_read, ckpt.dir / ckpt.file_of[source[name]], source[name],
+                                         name in transposed, targets[name])
+                weights[name] = Deferred(targets[name], tuple(shapes[name]), read) if deferred else read(ckpt)
                 bar.update()
         finally:
             bar.close()
         ignored = sorted(set(ckpt.names()) - set(source.values()))
     return with_weight_specs(graph, weights), weights, source_dtypes, ignored
+
+
+def _read(path: Path, key: str, transposed: bool, target: DType, ckpt: Checkpoint | None = None) -> Array:
+    """Checkpoint tensor ``key`` of shard ``path`` as f32 (``[out, in]``), stored as ``target``:
+    read through ``ckpt``'s open shards, or from the shard opened for it alone."""
+    x = ckpt.get(key) if ckpt is not None else _read_alone(path, key)
+    return _stored(np.ascontiguousarray(x.T if transposed else x, dtype=np.float32), target)
+
+
+def _read_alone(path: Path, key: str) -> np.ndarray:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as shard:
+        return shard.get_tensor(key)
+
+
+def _stored(x: np.ndarray, target: DType) -> Array:
+    from dist_runtime.kernels.quant import quantize
+
+    return x if target == DType.F32 else quantize(x, target)

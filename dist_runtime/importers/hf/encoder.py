@@ -244,7 +244,7 @@ def _tokenizer(hf_dir: Path, max_length: int | None) -> bytes | None:
     return json.dumps(data, ensure_ascii=False).encode("utf-8")
 
 
-def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
+def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False, deferred: bool = False) -> Imported:
     """Read a BERT-family model directory and convert it (the entry point of the ``hf`` package's dispatch)."""
     hf_dir = Path(hf_dir)
     config = read_config(hf_dir)
@@ -252,7 +252,7 @@ def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> I
     max_length = sentence_max_length(hf_dir, cfg.positions) if cfg.pooling else None
     graph, weights, source_dtypes, ignored = read_weights(
         hf_dir, encoder_graph(cfg), weight_shapes(cfg), dtype, prefixes=("", "bert."), made=constants(cfg),
-        what="BERT encoder", progress=progress)
+        what="BERT encoder", progress=progress, deferred=deferred)
     metadata = {
         "name": config.get("_name_or_path") or hf_dir.resolve().name,
         "architecture": "bert",

@@ -129,7 +129,7 @@ def conv1d_weights(cfg: GPT2Config) -> frozenset[str]:
 
 
 # -- conversion ------------------------------------------------------------------------------------
-def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
+def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False, deferred: bool = False) -> Imported:
     """Read a GPT-2 model directory and convert it (the entry point of the ``hf`` package's dispatch)."""
     hf_dir = Path(hf_dir)
     config = read_config(hf_dir)
@@ -138,7 +138,7 @@ def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> I
     graph, weights, source_dtypes, ignored = read_weights(
         hf_dir, gpt2_graph(cfg), shapes, dtype, prefixes=("transformer.", ""), made={},
         transposed=conv1d_weights(cfg), unprefixed=frozenset({"lm_head.weight"}), what="GPT2LMHeadModel",
-        progress=progress)
+        progress=progress, deferred=deferred)
     metadata = {
         "name": config.get("_name_or_path") or hf_dir.resolve().name,
         "architecture": "gpt2",

@@ -303,15 +303,16 @@ def decoder_config(config: Mapping) -> DecoderConfig:
 
 
 # -- conversion ------------------------------------------------------------------------------------
-def load_hf(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
+def load_hf(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False, deferred: bool = False) -> Imported:
     """Read a Hugging Face model directory and convert it: graph, weights (``dtype`` per
-    ``common.storage_targets``), metadata.  Checkpoint tensors the graph does not read are skipped."""
+    ``common.storage_targets``; ``deferred``: read when written), metadata.  Checkpoint tensors
+    the graph does not read are skipped."""
     hf_dir = Path(hf_dir)
     config = read_config(hf_dir)
     cfg = decoder_config(config)
     graph, weights, source_dtypes, ignored = read_weights(
         hf_dir, decoder_graph(cfg), weight_shapes(cfg), dtype, prefixes=("",), made={},
-        what=SUPPORTED[cfg.architecture], progress=progress)
+        what=SUPPORTED[cfg.architecture], progress=progress, deferred=deferred)
     metadata = {
         "name": config.get("_name_or_path") or hf_dir.resolve().name,
         "architecture": cfg.architecture,
@@ -331,9 +332,10 @@ def convert_hf(hf_dir: str | Path, out: str | Path, dtype: str = "f32", *, progr
     """``dist-runtime convert HF_DIR``: write ``out`` (graph + weights) and, when
     ``HF_DIR/tokenizer.json`` exists, a copy of it beside ``out`` (named in the metadata)."""
     start = time.perf_counter()
-    return write_imported(load_hf(hf_dir, dtype, progress=progress), out, "huggingface", start, progress=progress)
+    return write_imported(load_hf(hf_dir, dtype, progress=progress, deferred=True), out, "huggingface", start,
+                          progress=progress)
 
 
-def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False) -> Imported:
+def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False, deferred: bool = False) -> Imported:
     """The entry point of the ``hf`` package's dispatch: :func:`load_hf`."""
-    return load_hf(hf_dir, dtype, progress=progress)
+    return load_hf(hf_dir, dtype, progress=progress, deferred=deferred)
