@@ -9,6 +9,7 @@ import json
 import sys
 
 from .errors import DistRuntimeError
+from .scheduling_defaults import KV_DTYPE_NAMES
 from .units import parse_bytes
 
 #: Exit statuses: a problem with the model, the plan or the run; a usage error (argparse's);
@@ -115,6 +116,14 @@ def token_ids(text: str) -> list[int]:
     if not ids or min(ids) < 0:
         raise argparse.ArgumentTypeError("give at least one token id, each >= 0")
     return ids
+
+
+def add_kv_dtype(p, what: str = "the KV caches keep K and V in") -> None:
+    """``--kv-dtype``: one option, the same on generate, pipeline, serve and partition."""
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default=KV_DTYPE_NAMES[0],
+                   help=f"what {what}: f32, or f16 for half the memory (logits within ~1e-3 of f32's; "
+                        f"passes over f16 caches run step by step, not as one compiled call) "
+                        f"(default: %(default)s)")
 
 
 def run_command(func, args: argparse.Namespace) -> int:

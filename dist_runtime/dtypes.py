@@ -169,3 +169,12 @@ _LAYOUTS: dict[DType, _Layout] = {
 }
 
 _FROM_NUMPY: dict[np.dtype, DType] = {}
+
+
+def kv_dtype(name: str) -> DType:
+    """The element type ``--kv-dtype NAME`` keeps KV caches in; ValueError naming the choices."""
+    from .scheduling_defaults import KV_DTYPE_NAMES
+
+    if name not in KV_DTYPE_NAMES:
+        raise ValueError(f"--kv-dtype {name!r} is not one of {', '.join(KV_DTYPE_NAMES)}")
+    return DType[name.upper()]

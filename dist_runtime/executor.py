@@ -19,7 +19,7 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
-from dist_runtime.kernels.attention import KvState
+from dist_runtime.kernels.attention import KvState, KvStates
 from dist_runtime.kernels.quant import to_float
 from dist_runtime.kernels.registry import KernelContext
 
@@ -28,6 +28,7 @@ from .backends import Backend, ChainedNodeError, chain_reads, make_backends, pro
 from .backends.assign import Assignment, assign_backends
 from .backends.blas import WEIGHT_SLOTS
 from .batched_pass import ROWS, SEGMENTED, NodeRows, PerSegment, RowPlan, Segment, offsets, plan_rows
+from . import dtypes
 from .errors import DistRuntimeError, GraphValidationError, KernelError
 from .ir.graph import POS, Graph, TensorSpec
 from .ir.ops import KvCache, Sdpa, SdpaWindow
@@ -53,7 +54,7 @@ class Session:
 
     seed: int
     pos: int = 0
-    kv: dict[int, KvState] = field(default_factory=dict)
+    kv: KvStates = field(default_factory=KvStates)
     rng: np.random.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -227,17 +228,21 @@ class GraphExecutor:
     ``placement`` says which was done and why.  ``compiled_program``: run the longest run of steps
     the compiled program takes as one compiled call in passes without an ``observe``
     (:mod:`.backends.program`; the same bits), or every step from Python (False); ``program``
-    says what it took, or why nothing.
+    says what it took, or why nothing.  ``kv_dtype``: what the sessions' KV caches keep K and V
+    in, ``"f32"`` or ``"f16"`` (half the memory, rounded to nearest even on the way in; the
+    compiled program and the numba backend's attention chain write F32 caches only, so a pass over
+    F16 caches runs their steps one by one, each session's bits the same alone or batched).
     """
 
     def __init__(self, model, backends: Sequence[str | Backend] | None = None,
                  max_memory: int | None = None, *, fuse: bool = True, seed: int = 0,
                  huge_pages: bool | None = None,
-                 compiled_program: bool = True) -> None:
+                 compiled_program: bool = True, kv_dtype: str = "f32") -> None:
         if huge_pages not in (None, True, False):
             raise TypeError(f"huge_pages= takes True, False or None (decide), not {huge_pages!r}")
         if compiled_program not in (True, False):
             raise TypeError(f"compiled_program= takes True or False, not {compiled_program!r}")
+        self.kv_dtype = dtypes.kv_dtype(kv_dtype)
         graph, weights, declared_max, mapped = _open(model)
         self.backends = make_backends(backends)
         checked = validate_graph(graph)  # structure and declared shapes; fusion keeps both
@@ -306,7 +311,7 @@ class GraphExecutor:
         """The state of session ``sid``, created on first use (``seed`` seeds its sampler)."""
         s = self._sessions.get(sid)
         if s is None:
-            s = self._sessions[sid] = Session(self._seed if seed is None else seed)
+            s = self._sessions[sid] = Session(self._seed if seed is None else seed, kv=KvStates(self.kv_dtype))
         return s
 
     def sessions(self) -> list[Hashable]:

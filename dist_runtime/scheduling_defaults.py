@@ -1,5 +1,6 @@
-"""The scheduler's default budgets (:class:`~dist_runtime.scheduling.Scheduler`), in a module that
-imports nothing: the command line shows them in ``--help`` without loading numpy."""
+"""The runtime's defaults that the command line shows in ``--help`` (the scheduler's budgets,
+:class:`~dist_runtime.scheduling.Scheduler`; the KV caches' element types), in a module that
+imports nothing, so that ``--help`` loads no numpy; the partitioner plans with the same ones."""
 
 #: Rows per pass when the caller does not say.  Measured (benchmarks/bench_batching.py, 125M Llama,
 #: F32, TBB threads): with 8 sessions decoding while 4 prompts of 512 tokens arrive, the decoding
@@ -8,3 +9,6 @@ imports nothing: the command line shows them in ``--help`` without loading numpy
 DEFAULT_BATCH_TOKENS = 24
 #: Prompt rows a pass may take while no session is generating (no one waits between tokens).
 IDLE_PREFILL_TOKENS = 512
+#: What a KV cache may keep K and V in, by the name a user gives (``--kv-dtype``); the first is the
+#: default.  F16 halves the caches' memory (kernels/attention.py's ``KvState``).
+KV_DTYPE_NAMES = ("f32", "f16")

@@ -253,10 +253,11 @@ class _Rows:
     A block-quantized input (Q8_0, Q4_0) is stored as its raw GGML block rows, unchanged.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, store: DType | None = None) -> None:
         self.buf: np.ndarray | None = None
         self.address = 0  # of buf's first element
         self.layout: tuple | None = None  # (leading dims, width, element type) of the rows held
+        self.store = store  # F16: F32 rows are kept as f16 (rounded to nearest even); None: as given
 
     @staticmethod
     def _raw(new: Array) -> tuple[np.ndarray, tuple]:
@@ -295,7 +296,8 @@ class _Rows:
         return view
 
     def _grow(self, raw: np.ndarray, capacity: int, keep: int) -> None:
-        buf = arena.empty((*raw.shape[:-2], capacity, raw.shape[-1]), raw.dtype)
+        kept = np.float16 if self.store == DType.F16 and raw.dtype == np.float32 else raw.dtype
+        buf = arena.empty((*raw.shape[:-2], capacity, raw.shape[-1]), kept)
         if keep:
             buf[..., :keep, :] = self.buf[..., :keep, :]
         self.buf, self.address = buf, buf.ctypes.data
@@ -303,6 +305,19 @@ class _Rows:
 
 def _describe(lead, width, dtype) -> str:
     return f"{dtype.name}[{', '.join(map(str, (*lead, 'T', width)))}]"
+
+
+#: What a KV cache may keep F32 rows as: None (as given, F32), F16.
+KV_DTYPES = (None, DType.F32, DType.F16)
+
+
+class KvStates(dict):
+    """A session's KV states, by node, and the element type they keep F32 rows in (``dtype``:
+    :data:`KV_DTYPES`)."""
+
+    def __init__(self, dtype: DType | None = None) -> None:
+        super().__init__()
+        self.dtype = dtype
 
 
 class KvState:
@@ -313,32 +328,44 @@ class KvState:
     (the same ``pos`` again) overwrites what it wrote before and returns the same result; a
     ``pos`` before the end rewinds the cache to ``pos + T`` rows.  A ``pos`` past the rows held
     would leave a gap and is an error.  ``capacity`` (the payload's ``max_seq``) preallocates rows;
-    it never limits: the buffers double when full.
+    it never limits: the buffers double when full.  ``dtype`` F16 keeps F32 rows as f16 (half the
+    memory; numpy's rounding to nearest even, the same bits whoever writes them), read back as
+    f16 views; None keeps rows as given.
     """
 
-    def __init__(self, capacity: int = 0) -> None:
+    def __init__(self, capacity: int = 0, dtype: DType | None = None) -> None:
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"KV caches store {', '.join(d.name.lower() for d in KV_DTYPES if d)}, not {dtype!r}")
         self.capacity = capacity
+        self.dtype = dtype
         self.length = 0  # rows held
-        self._k, self._v = _Rows(), _Rows()
+        self._k, self._v = _Rows(dtype), _Rows(dtype)
 
     @classmethod
-    def for_op(cls, op: KvCache) -> KvState:
-        return cls(op.max_seq)
+    def for_op(cls, op: KvCache, dtype: DType | None = None) -> KvState:
+        return cls(op.max_seq, dtype)
 
     @classmethod
     def held_in(cls, states: dict, key, op: KvCache) -> KvState:
-        """``states[key]`` (a session's KV states, by node), made for ``op`` on first use."""
+        """``states[key]`` (a session's KV states, by node), made for ``op`` on first use, in the
+        element type ``states`` keeps them in (a :class:`KvStates`; a plain dict: as given)."""
         state = states.get(key)
         if state is None:
-            state = states[key] = cls.for_op(op)
+            state = states[key] = cls.for_op(op, getattr(states, "dtype", None))
         return state
+
+    @property
+    def keeps_f32(self) -> bool:
+        """Whether F32 rows are kept as F32 (compiled callers write them into the buffers)."""
+        return self.dtype in (None, DType.F32)
 
     def write(self, pos: int, k_new: Array, v_new: Array) -> tuple[Array, Array]:
         pos = int(pos)
         k_buf, v_buf = self.reserve(pos, k_new, v_new)
         stop = pos + k_new.shape[-2]
-        k_buf[..., pos:stop, :] = _Rows._raw(k_new)[0]
-        v_buf[..., pos:stop, :] = _Rows._raw(v_new)[0]
+        with np.errstate(over="ignore"):  # kept as F16: beyond +-65504 is +-inf, as in llama.cpp's caches
+            k_buf[..., pos:stop, :] = _Rows._raw(k_new)[0]
+            v_buf[..., pos:stop, :] = _Rows._raw(v_new)[0]
         return self.commit(pos, k_new, v_new)
 
     def reserve(self, pos: int, k_new: Array, v_new: Array) -> tuple[np.ndarray, np.ndarray]:
@@ -365,7 +392,7 @@ class KvState:
         compiled caller's fast check (the executor's program), before it writes them itself and
         :meth:`hold` s them."""
         k, v = self._k, self._v
-        if not 0 <= pos <= self.length or k.buf is None or v.buf is None:
+        if not 0 <= pos <= self.length or k.buf is None or v.buf is None or not self.keeps_f32:
             return None
         layout = ((), width, DType.F32)
         capacity = min(k.buf.shape[-2], v.buf.shape[-2])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dist_runtime.commands import positive_int
+from dist_runtime.commands import add_kv_dtype, positive_int
 from dist_runtime.errors import DistRuntimeError
 
 from .machines import GRANULARITIES, make_machines
@@ -44,6 +44,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=positive_int, metavar="N",
                    help="rows of one call (a pass, a prompt's chunk) for activations and compute (default: for "
                         "a model with KV caches, the runtime's --max-batch-tokens default, 24; else --max-context)")
+    add_kv_dtype(p, "the sessions' KV caches keep K and V in, which sizes them")
     p.add_argument("--granularity", choices=GRANULARITIES, default="auto",
                    help="cut between layers, anywhere, or between layers when the budgets allow (default: auto)")
     p.add_argument("--allow-empty", action="store_true", help="let a machine take no nodes")
@@ -68,7 +69,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
             raise DistRuntimeError(f"{args.model} has no graph section: there is nothing to partition")
         plan = partition(
             model.graph, machines, max_context=args.max_context, sessions=args.sessions,
-            microbatches=args.microbatches, tokens=args.tokens, granularity=args.granularity,
+            microbatches=args.microbatches, tokens=args.tokens, granularity=args.granularity, kv_dtype=args.kv_dtype,
             allow_empty=args.allow_empty, model_name=str(model.metadata.get("name") or Path(args.model).name),
         )
     if args.out:

@@ -25,6 +25,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from dist_runtime.dtypes import DType
+from dist_runtime.dtypes import kv_dtype as kv_dtype_of
 from dist_runtime.errors import DistRuntimeError, GraphValidationError, InfeasiblePlanError, ModelFormatError
 from dist_runtime.ir.graph import POS, Graph, TensorSpec
 from dist_runtime.ir.shape_rules import ShapeError
@@ -101,23 +103,26 @@ def graph_costs(
     tokens: int | None = None,
     weights: Mapping[str, TensorSpec] | None = None,
     order: Sequence[int] | None = None,
+    kv_dtype: str = "f32",
 ) -> CostModel:
     """The cost model of ``graph`` in execution ``order`` (default: the listed order when it is
-    topological, else :func:`~partitioner.order.execution_order`)."""
+    topological, else :func:`~partitioner.order.execution_order`), its KV caches' F32 rows kept
+    in ``kv_dtype`` (``--kv-dtype``)."""
     for what, value in (("max_context", max_context), ("sessions", sessions), ("microbatches", microbatches)):
         if value < 1:
             raise DistRuntimeError(f"{what} must be at least 1, got {value}")
     tokens = pass_rows(graph, max_context) if tokens is None else tokens
     if not 1 <= tokens <= max_context:
         raise DistRuntimeError(f"tokens per call must be in 1..max_context ({max_context}), got {tokens}")
+    kv_bytes = kv_dtype_of(kv_dtype).nbytes((1,))  # an element of a cache's F32 rows, as kept
     if weights is not None:
         graph = Graph(graph.nodes, graph.inputs, graph.outputs, dict(weights))
     if order is None:
         try:  # the listed order is checked on the way: a name consumed before it is produced
-            return _costs(graph, None, max_context, sessions, microbatches, tokens)
+            return _costs(graph, None, max_context, sessions, microbatches, tokens, kv_bytes)
         except _OutOfOrder:
             order = execution_order(graph)  # networkx: a cycle, or the closest valid order
-    return _costs(graph, list(order), max_context, sessions, microbatches, tokens)
+    return _costs(graph, list(order), max_context, sessions, microbatches, tokens, kv_bytes)
 
 
 #: The solver sums costs in int64 prefix sums: totals at or above this would wrap silently.
@@ -138,7 +143,7 @@ class _OutOfOrder(Exception):
     """A node consumes a name that a later node produces."""
 
 
-def _costs(graph, order, max_context, sessions, microbatches, tokens) -> CostModel:
+def _costs(graph, order, max_context, sessions, microbatches, tokens, kv_bytes=4) -> CostModel:
     nodes = graph.nodes if order is None else [graph.nodes[i] for i in order]
     n = len(nodes)
     size_of = _Sizer(max_context)
@@ -151,7 +156,8 @@ def _costs(graph, order, max_context, sessions, microbatches, tokens) -> CostMod
     live += scratch  # scratch inside a node
     return CostModel(
         compute=_fits_int64([f[2] for f in facts], "FLOPs", request),
-        kv=_fits_int64([sum(f[1]) * sessions if f[3] else 0 for f in facts], "KV cache bytes", request),
+        kv=_fits_int64([_kept(f[0], f[1], kv_bytes) * sessions if f[3] else 0 for f in facts], "KV cache bytes",
+                       request),
         live=live, cut=cut, weight_names=names,
         weight_bytes=_weight_bytes([graph.weights[w] for w in names]), use_pos=use_pos, use_weight=use_weight,
         node_ids=np.array([node.id for node in nodes], dtype=np.int64),
@@ -159,6 +165,11 @@ def _costs(graph, order, max_context, sessions, microbatches, tokens) -> CostMod
         meta={"max_context": max_context, "sessions": sessions, "microbatches": microbatches,
               "tokens": tokens, "order": list(range(n)) if order is None else order},
     )
+
+
+def _kept(specs, sizes, kv_bytes: int) -> int:
+    """A KvCache's bytes at the maximum context as kept: F32 outputs at ``kv_bytes`` an element."""
+    return sum(size * kv_bytes // 4 if spec.dtype == DType.F32 else size for spec, size in zip(specs, sizes))
 
 
 def _infer(graph, nodes, order, tokens, size_of) -> tuple[list[tuple], dict[str, TensorSpec]]:

@@ -63,14 +63,16 @@ def partition(
     allow_empty: bool = False,
     weights: Mapping[str, TensorSpec] | None = None,
     model_name: str | None = None,
+    kv_dtype: str = "f32",
 ) -> Plan:
-    """Plan ``graph`` on ``machines`` (in order) for ``sessions`` in flight at ``max_context``.
+    """Plan ``graph`` on ``machines`` (in order) for ``sessions`` in flight at ``max_context``, their
+    KV caches kept in ``kv_dtype`` (``--kv-dtype``).
 
     Raises ``InfeasiblePlanError`` (``.kind`` says why) or ``GraphValidationError``.
     """
     started = time.perf_counter()
     options = dict(max_context=max_context, sessions=sessions, microbatches=microbatches,
-                   tokens=tokens, weights=weights)
+                   tokens=tokens, weights=weights, kv_dtype=kv_dtype)
     costs = graph_costs(graph, **options)
     costed = time.perf_counter()
     try:
@@ -80,7 +82,7 @@ def partition(
     solved = time.perf_counter()
     request = {
         "max_context": max_context, "sessions": sessions, "microbatches": microbatches,
-        "tokens": costs.meta["tokens"], "granularity": granularity, "granularity_used": used,
+        "tokens": costs.meta["tokens"], "kv_dtype": kv_dtype, "granularity": granularity, "granularity_used": used,
         "allow_empty": allow_empty,
         "machines": [{"name": m.name, "budget": m.budget, "reserve": m.reserve, "speed": str(m.speed)}
                      for m in machines],
@@ -134,7 +136,7 @@ def _context_error(err: InfeasiblePlanError, graph: Graph, machines: Sequence[Ma
     context, sessions = options["max_context"], options["sessions"]
 
     def fits(ctx: int, sess: int) -> bool:
-        tokens = min(options["tokens"] or ctx, ctx)
+        tokens = None if options["tokens"] is None else min(options["tokens"], ctx)
         costs = graph_costs(graph, **{**options, "max_context": ctx, "sessions": sess, "tokens": tokens})
         return feasible(costs, machines, allow_empty)
 

@@ -74,8 +74,7 @@ LAYERS = [
     ("foundation", ["dist_runtime"]),  # IR, .model files, kernels, importers, partitioner, helpers
     ("backends", ["dist_runtime.backends"]),
     ("engine", ["dist_runtime.batched_pass", "dist_runtime.fusion", "dist_runtime.executor", "dist_runtime.sampling",
-                "dist_runtime.requests", "dist_runtime.scheduling", "dist_runtime.scheduling_defaults",
-                "dist_runtime.engine"]),
+                "dist_runtime.requests", "dist_runtime.scheduling", "dist_runtime.engine"]),
     ("pipeline", ["dist_runtime.pipeline", "dist_runtime.embed"]),
     ("serve", ["dist_runtime.serve"]),
     ("commands", ["dist_runtime.cli", "dist_runtime.demo"]),

@@ -315,7 +315,7 @@ class AttentionChain:
     def __call__(self, inputs, ctx) -> tuple:
         q, pos, k, v = (inputs[i] for i in self.at)
         compiled_attention.warm(self.attn.head_dim)
-        if not (isinstance(ctx.state, KvState) and self._fits(q, k, v)):
+        if not (isinstance(ctx.state, KvState) and ctx.state.keeps_f32 and self._fits(q, k, v)):
             return run_chain(self.nodes, self.kernels, inputs, ctx)
         try:
             cos, sin, k_buf, v_buf, at_row, attend = self._prepare(pos, k, v, ctx)
@@ -336,7 +336,7 @@ class AttentionChain:
         f32 decode step: 0.96 / 0.93x the time of segment by segment."""
         q, pos, k, v = (inputs[i] for i in self.at)
         compiled_attention.warm(self.attn.head_dim)
-        if not (self._fits(q, k, v) and all(isinstance(c.state, KvState) for c in ctxs)):
+        if not (self._fits(q, k, v) and all(isinstance(c.state, KvState) and c.state.keeps_f32 for c in ctxs)):
             return None
         try:
             made = [self._prepare(pos[i], k[cut], v[cut], ctx) for i, (cut, ctx) in enumerate(zip(cuts, ctxs))]

@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 
-from ..commands import USAGE, check_signals, positive_int, token_ids
+from ..commands import USAGE, add_kv_dtype, check_signals, positive_int, token_ids
 from ..errors import DistRuntimeError, SamplingError
 from ..pipeline.options import add_deployment_options, wants_pipeline
 from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
@@ -77,6 +77,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="rows of one pass: every decoding session's next token, then chunks of prompts "
                         "(default: %(default)s, measured: a long prompt must not stall the others)")
     p.add_argument("--no-fuse", action="store_true", help="run without the fusion pre-pass")
+    add_kv_dtype(p)
     p.add_argument("--stats", action="store_true", help="with stages: print the per-stage timing table")
     p.add_argument("--json", action="store_true", help="print one JSON result at the end instead of streaming")
 
@@ -100,7 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..engine import LocalEngine
     from ..executor import GraphExecutor
 
-    engine = LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse),
+    engine = LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse, kv_dtype=args.kv_dtype),
                          max_batch_tokens=args.max_batch_tokens)
     result = job.run(engine)
     return job.report(result, None)
@@ -247,7 +248,8 @@ def _run_on_pipeline(args, job: _Job) -> int:
         from ..engine import LocalEngine, generate
         from ..executor import GraphExecutor
 
-        reference = generate(LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse)), job.requests)
+        reference = generate(LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse, kv_dtype=args.kv_dtype)),
+                             job.requests)
         pipeline["check"] = reference.tokens == result.tokens
     return job.report(result, pipeline)
 

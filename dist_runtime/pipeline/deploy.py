@@ -86,7 +86,8 @@ def deploy(model_path: str | os.PathLike, stages: list[StageGraph], options: Sta
                 opts["resources"] = options.resources[stage.index]
             elif options.spread:
                 opts["scheduling_strategy"] = "SPREAD"
-            kwargs = dict(fuse=options.fuse, backends=options.backends, seed=options.seed, threads=options.threads)
+            kwargs = dict(fuse=options.fuse, backends=options.backends, seed=options.seed, threads=options.threads,
+                          kv_dtype=options.kv_dtype)
             if options.max_sessions:
                 kwargs["max_sessions"] = options.max_sessions
             actors.append(Actor.options(**opts).remote(stage, **kwargs))

@@ -21,7 +21,8 @@ from .subgraph import StageGraph, stages_for_plan
 
 
 def make_plan(graph, *, stages: int | None = None, budgets=None, speeds=None, reserve="0",
-              max_context: int = 4096, sessions: int = 1, model_name: str = "", tokens: int | None = None):
+              max_context: int = 4096, sessions: int = 1, model_name: str = "", tokens: int | None = None,
+              kv_dtype: str = "f32"):
     """A partitioner plan from the CLI's vocabulary (``--stages N`` or ``--budgets``); ``tokens``:
     the rows of the largest pass (``--max-batch-tokens``; default: the partitioner's)."""
     from dist_runtime.partitioner.machines import make_machines
@@ -34,7 +35,7 @@ def make_plan(graph, *, stages: int | None = None, budgets=None, speeds=None, re
     if tokens is not None:
         tokens = pass_rows(graph, max_context, tokens)
     return partition(graph, machines, max_context=max_context, sessions=sessions, model_name=model_name,
-                     tokens=tokens)
+                     tokens=tokens, kv_dtype=kv_dtype)
 
 
 DEFAULT_CONTEXT = 4096
@@ -93,7 +94,7 @@ class Pipeline:
             max_context = max_context or context_limit(model.metadata)
         self.plan = plan or make_plan(self.graph, stages=stages, budgets=budgets, speeds=speeds,
                                       reserve=reserve, max_context=max_context, sessions=sessions,
-                                      model_name=name, tokens=max_batch_tokens)
+                                      model_name=name, tokens=max_batch_tokens, kv_dtype=self.options.kv_dtype)
         self.stages: list[StageGraph] = stages_for_plan(self.graph, self.plan)
         self._started_ray = connect(address, num_cpus=num_cpus, timeout=connect_timeout)
         try:

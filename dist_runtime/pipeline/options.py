@@ -23,6 +23,7 @@ class StageOptions:
     weights: str = "auto"  # "auto": the file if it is there, else the object store
     worker_path: str | None = None  # where workers find the model (default: the driver's path)
     fuse: bool = True
+    kv_dtype: str = "f32"  # what the stages' KV caches keep K and V in (kernels.attention.KV_DTYPE_NAMES)
     backends: list[str] | None = None
     seed: int = 0
     spread: bool = True
@@ -100,4 +101,5 @@ def stage_options(args) -> StageOptions:
         names = [n.strip() for n in args.stage_resources.split(",") if n.strip()]
         resources = [{n: 0.001} for n in names]  # a sliver: several stages may share a node
     return StageOptions(cpus=args.cpus_per_stage, threads=args.threads_per_stage, resources=resources,
-                        weights=args.weights, worker_path=args.worker_path, fuse=not args.no_fuse)
+                        weights=args.weights, worker_path=args.worker_path, fuse=not args.no_fuse,
+                        kv_dtype=args.kv_dtype)

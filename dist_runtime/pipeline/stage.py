@@ -71,9 +71,9 @@ class StageWorker:
     """One stage.  ``load_file`` or ``load_weights`` must succeed before ``step``."""
 
     def __init__(self, stage: StageGraph, *, fuse: bool = True, backends=None, seed: int = 0,
-                 threads: int | None = None, max_sessions: int = MAX_SESSIONS) -> None:
+                 threads: int | None = None, max_sessions: int = MAX_SESSIONS, kv_dtype: str = "f32") -> None:
         self.stage = stage
-        self._fuse, self._backends, self._seed = fuse, backends, seed
+        self._fuse, self._backends, self._seed, self._kv_dtype = fuse, backends, seed, kv_dtype
         self.threads = threads
         self.thread_limit = limit_threads(threads) if threads else "none"
         self.max_sessions = max_sessions
@@ -129,7 +129,7 @@ class StageWorker:
 
             # Batch-invariant: a session's rows give the same bits in any batch (continuous batching).
             self._executor = GraphExecutor((self.stage.graph, self._weights), self._backends,
-                                           fuse=self._fuse, seed=self._seed)
+                                           fuse=self._fuse, seed=self._seed, kv_dtype=self._kv_dtype)
             # Hold the executor's copies (a huge-page buffer) rather than the file map's or the
             # object store's views, and give the file's pages of those back.
             held = self._executor.held_weights(self._weights)

@@ -25,7 +25,7 @@ from .served_model import ServedModel
 
 
 def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int, max_queue: int,
-                  fuse: bool = True) -> EngineBridge | Encoder:
+                  fuse: bool = True, kv_dtype: str = "f32") -> EngineBridge | Encoder:
     """The model in this process: a continuously batched ``LocalEngine``, or an encoder."""
     from ..engine import LocalEngine
     from ..executor import GraphExecutor
@@ -33,7 +33,7 @@ def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int
     if model.kind == "embed":
         executor = GraphExecutor(model.path, fuse=fuse)
         return Encoder(lambda batches: [executor.run(b) for b in batches])
-    engine = LocalEngine(GraphExecutor(model.path, fuse=fuse), max_batch_tokens=max_batch_tokens)
+    engine = LocalEngine(GraphExecutor(model.path, fuse=fuse, kv_dtype=kv_dtype), max_batch_tokens=max_batch_tokens)
     return EngineBridge(engine, metrics, max_queue=max_queue)
 
 

@@ -139,6 +139,8 @@ class Program:
                 except Exception:  # noqa: BLE001 -- one by one, the node names the error
                     return False
                 room = state.room(pos, m, cache.width)
+                if room is None:  # a cache the program does not write (F16 rows): one by one
+                    return False
             rooms[i] = room
         return True
 

@@ -1,0 +1,119 @@
+"""KV caches kept in F16 (``--kv-dtype f16``): half the memory, rows rounded to nearest even as numpy
+rounds them, the same bits for a session alone or batched and on pipeline stages, logits close to
+an F32 cache's, and plans sized for them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dist_runtime.batched_pass import Segment
+from dist_runtime.dtypes import DType
+from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
+from dist_runtime.executor import GraphExecutor
+from dist_runtime.kernels.attention import KvState, KvStates
+from dist_runtime.ir.ops import KvCache
+from dist_runtime.partitioner.graph_costs import graph_costs
+
+CFG = LlamaConfig(vocab=96, hidden=128, layers=2, heads=4, kv_heads=2, ffn=160)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from dist_runtime.model import save_model
+
+    path = tmp_path_factory.mktemp("kv") / "m.model"
+    save_model(path, llama_graph(CFG), llama_weights(CFG, seed=5), llama_metadata(CFG)).close()
+    return path
+
+
+def _rows(rng, t, width=16):
+    return (rng.standard_normal((t, width)) * 3).astype(np.float32)
+
+
+def test_an_f16_cache_keeps_rows_as_numpy_rounds_them():
+    rng = np.random.default_rng(0)
+    state = KvState(0, DType.F16)
+    k, v = _rows(rng, 5), _rows(rng, 5)
+    k[0, :3] = [65520.0, 1e-8, -0.0]  # past f16's largest (inf, as llama.cpp's), under its smallest, -0
+    k_all, v_all = state.write(0, k, v)
+    assert k_all.dtype == v_all.dtype == np.float16 and not k_all.flags.writeable
+    with np.errstate(over="ignore"):
+        assert np.array_equal(k_all.view(np.uint16), k.astype(np.float16).view(np.uint16))
+    assert np.isinf(k_all[0, 0])
+    assert np.array_equal(v_all.view(np.uint16), v.astype(np.float16).view(np.uint16))
+    again_k, _ = state.write(3, k[3:], v[3:])  # a replayed step: the same rows, the same bits
+    assert np.array_equal(again_k.view(np.uint16), k_all.view(np.uint16))
+    assert state.room(5, 1, 16) is None and not state.keeps_f32  # compiled writers take F32 caches only
+    assert KvState(0, DType.F32).keeps_f32 and KvState().keeps_f32
+    with pytest.raises(ValueError, match="KV caches store"):
+        KvState(0, DType.Q4_0)
+
+
+def test_a_session_s_states_are_made_in_its_element_type():
+    states = KvStates(DType.F16)
+    assert KvState.held_in(states, 3, KvCache(max_seq=8)).dtype == DType.F16
+    assert KvState.held_in({}, 3, KvCache(max_seq=8)).dtype is None
+
+
+def test_an_unknown_kv_dtype_names_the_choices(model):
+    with pytest.raises(ValueError, match=r"--kv-dtype 'q4' is not one of f32, f16"):
+        GraphExecutor(model, kv_dtype="q4")
+
+
+def test_f16_caches_give_a_session_the_same_bits_alone_or_batched(model):
+    rng = np.random.default_rng(1)
+    batched, alone = (GraphExecutor(model, kv_dtype="f16") for _ in range(2))
+    for round_ in range(4):  # prefills, then decode rows beside prompt chunks
+        segments = [Segment(s, int(rng.integers(1, 7)) if round_ == 0 or s == 2 else 1) for s in range(4)]
+        tokens = {seg.session: rng.integers(0, CFG.vocab, seg.rows).astype(np.int32) for seg in segments}
+        out = batched.run_batch({"tokens": np.concatenate([tokens[s.session] for s in segments])}, segments)
+        at = 0
+        for seg in segments:
+            want = alone.run({"tokens": tokens[seg.session]}, session=seg.session)["logits"]
+            assert np.array_equal(out["logits"][at:at + seg.rows], want), (round_, seg)
+            at += seg.rows
+
+
+def test_f16_caches_stay_close_to_f32_ones(model):
+    """Logits over a prompt and 24 decode steps within 2e-3 of the F32 cache's, relative to the
+    largest logit (measured: ~5e-4 on the 125M model)."""
+    f32, f16 = GraphExecutor(model), GraphExecutor(model, kv_dtype="f16")
+    assert f16.kv_dtype == DType.F16 and f32.kv_dtype == DType.F32
+    ids = np.random.default_rng(2).integers(0, CFG.vocab, 40).astype(np.int32)
+    worst = 0.0
+    for chunk in (ids[:16], *ids[16:, None]):
+        a, b = (e.run({"tokens": chunk})["logits"] for e in (f32, f16))
+        worst = max(worst, float(np.abs(a - b).max() / np.abs(a).max()))
+    assert 0 < worst < 2e-3
+
+
+def test_plans_size_f16_caches_at_half():
+    from test_partitioner_graph import llama
+
+    graph = llama()
+    f32, f16 = (graph_costs(graph, max_context=512, sessions=3, kv_dtype=d) for d in ("f32", "f16"))
+    assert f32.kv.sum() > 0 and np.array_equal(f16.kv * 2, f32.kv)
+    assert np.array_equal(f16.live, f32.live) and np.array_equal(f16.compute, f32.compute)
+
+
+def test_generate_takes_kv_dtype_and_refuses_what_it_does_not_know(model, capsys):
+    from dist_runtime.cli import main
+
+    path = model
+    assert main(["generate", str(path), "--ids", "1,2,3", "-n", "4", "--kv-dtype", "f16", "--show-ids"]) == 0
+    assert len(capsys.readouterr().out.split()) >= 4
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", str(path), "--ids", "1", "--kv-dtype", "q4"])
+    assert exit_.value.code == 2 and "invalid choice: 'q4' (choose from 'f32', 'f16')" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # Ray stages
+def test_f16_caches_on_pipeline_stages_give_the_tokens_of_one_process(model, capsys):
+    from dist_runtime.cli import main
+
+    code = main(["pipeline", str(model), "--stages", "2", "--sessions", "3", "--prompt-ids", "4,5,6",
+                 "--max-new-tokens", "6", "--max-context", "64", "--kv-dtype", "f16", "--cpus-per-stage", "0.5",
+                 "--check"])
+    out = capsys.readouterr().out
+    assert code == 0 and "check: the same tokens as one process" in out, out
