@@ -131,6 +131,20 @@ def _copy_into(a: Array, space: np.ndarray) -> Array:
     return QuantizedArray(view, a.dtype, a.shape) if isinstance(a, QuantizedArray) else view
 
 
+def process_memory() -> dict[str, int] | None:
+    """This process's resident memory now and at its peak, in bytes (``VmRSS``, ``VmHWM`` of
+    ``/proc/self/status``), or None where there is no such file."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    try:
+        return {"resident": int(fields["VmRSS"].split()[0]) * 1024, "peak": int(fields["VmHWM"].split()[0]) * 1024}
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
 def mappings() -> list[tuple[int, int, str, dict[str, int]]] | None:
     """This process's memory mappings from ``/proc/self/smaps``: (start, end, path or "", the
     per-mapping byte counts such as ``Rss`` and ``AnonHugePages``), or None where there is none."""

@@ -327,6 +327,12 @@ class GraphExecutor:
         """Forget a session and free its KV caches."""
         self._sessions.pop(session, None)
 
+    def kv_bytes(self) -> dict[str, int]:
+        """Bytes of every session's KV caches: ``in_use`` (the rows held) and ``reserved`` (what
+        their buffers can hold before they grow)."""
+        held = [state.nbytes() for s in self._sessions.values() for state in s.kv.values()]
+        return {"in_use": sum(h for h, _ in held), "reserved": sum(r for _, r in held)}
+
     def position(self, session: Hashable = DEFAULT_SESSION) -> int:
         return self.session(session).pos
 

@@ -420,6 +420,15 @@ class KvState:
         """Rows the buffers can hold before they grow again."""
         return 0 if self._k.buf is None else self._k.buf.shape[-2]
 
+    def nbytes(self) -> tuple[int, int]:
+        """Bytes of K and V (rows held, rows the buffers can hold)."""
+        held = reserved = 0
+        for rows in (self._k, self._v):
+            if rows.buf is not None:
+                per_row = rows.buf.nbytes // max(rows.buf.shape[-2], 1)
+                held, reserved = held + per_row * self.length, reserved + rows.buf.nbytes
+        return held, reserved
+
     def reset(self) -> None:
         """Forget every row; the buffers are kept for the next sequence."""
         self.length = 0

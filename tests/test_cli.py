@@ -1,6 +1,7 @@
 """The dist-runtime command line: inspect, validate, example; exit codes and --json."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -122,3 +123,16 @@ def test_inspect_plan_says_which_compiled_product_runs_a_quantized_weight_and_wh
     for dtype in (DType.Q8_0, DType.F32):  # the projections; the lm_head
         route = compiled.route(dtype, "f32")
         assert f"default; compiled product: {dtype.name} on {route.tile}, f32 activations {machine}" in reasons
+
+
+def test_generate_reports_its_memory(decoder_path, capsys):
+    """--json carries the process's resident memory (now, peak) and its KV caches' bytes; --stats
+    prints them."""
+    import json
+
+    assert main(["generate", str(decoder_path), "--ids", "1,2,3", "-n", "4", "--json", "--ignore-eos"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["peak"] >= memory["resident"] > 0
+    assert 0 < memory["kv_in_use"] <= memory["kv_reserved"]
+    assert main(["generate", str(decoder_path), "--ids", "1,2,3", "-n", "4", "--stats", "--show-ids"]) == 0
+    assert re.search(r"^memory: resident .+ \(peak .+\), KV in use .+ of .+ reserved$", capsys.readouterr().out, re.M)

@@ -165,6 +165,7 @@ def test_cli_pipeline_command(model_path, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "session 2: " in out and "bubble" in out and "check: the same tokens as one process" in out
+    assert "stage 1 memory: resident " in out and "; planned " in out
     assert svg.read_text().count("<title>") == 5 * 3  # 5 passes (3 sessions each) x (driver + 2 stages)
     # the cluster job script: the same command, here writing its example model first
     import importlib.util

@@ -78,7 +78,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s, measured: a long prompt must not stall the others)")
     p.add_argument("--no-fuse", action="store_true", help="run without the fusion pre-pass")
     add_kv_dtype(p)
-    p.add_argument("--stats", action="store_true", help="with stages: print the per-stage timing table")
+    p.add_argument("--stats", action="store_true", help="print the memory (each stage's beside its plan's "
+                                                        "estimate) and, with stages, the per-stage timing table")
     p.add_argument("--json", action="store_true", help="print one JSON result at the end instead of streaming")
 
 
@@ -101,10 +102,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..engine import LocalEngine
     from ..executor import GraphExecutor
 
-    engine = LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse, kv_dtype=args.kv_dtype),
-                         max_batch_tokens=args.max_batch_tokens)
-    result = job.run(engine)
-    return job.report(result, None)
+    executor = GraphExecutor(args.model, fuse=not args.no_fuse, kv_dtype=args.kv_dtype)
+    result = job.run(LocalEngine(executor, max_batch_tokens=args.max_batch_tokens))
+    return job.report(result, None, _memory(executor))
+
+
+def _memory(executor) -> dict:
+    """This process's memory after the run: resident bytes now and at peak, KV in use and reserved."""
+    from ..arena import process_memory
+
+    kv = executor.kv_bytes()
+    return {**(process_memory() or {}), "kv_in_use": kv["in_use"], "kv_reserved": kv["reserved"]}
+
+
+def _size(n: int | None) -> str:
+    from ..units import format_bytes
+
+    return "?" if n is None else format_bytes(n)
+
+
+def _memory_line(m: dict) -> str:
+    """One line of a process's memory (:func:`_memory`, or a stage's with its plan's estimate)."""
+    line = (f"resident {_size(m.get('resident'))} (peak {_size(m.get('peak'))}), KV in use "
+            f"{_size(m['kv_in_use'])} of {_size(m['kv_reserved'])} reserved")
+    if "weights" in m:
+        line += f", weights {_size(m['weights'])}"
+    plan = m.get("plan")
+    if plan:
+        line += (f"; planned {_size(plan['total'])} (weights {_size(plan['weights'])}, KV {_size(plan['kv'])}, "
+                 f"activations {_size(plan['activations'])})")
+    return line
 
 
 class _Job:
@@ -159,7 +186,7 @@ class _Job:
     def text(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
 
-    def report(self, result, pipeline: dict | None) -> int:
+    def report(self, result, pipeline: dict | None, memory: dict | None = None) -> int:
         args = self.args
         check = pipeline.get("check") if pipeline else None
         code = 0 if check in (None, True) and all(s.error is None for s in result.sessions) else 1
@@ -169,7 +196,8 @@ class _Job:
                               self.requests[0].sampling.describe(), "sessions": sessions,
                               "generated_tokens": result.generated, "seconds": result.seconds,
                               "tokens_per_second": result.generated / result.seconds if result.seconds else None,
-                              "pipeline": pipeline and {k: v for k, v in pipeline.items() if k != "table"}},
+                              "pipeline": pipeline and {k: v for k, v in pipeline.items() if k != "table"},
+                              "memory": memory},
                              indent=2, default=str))
             return code
         if self.live:
@@ -183,6 +211,8 @@ class _Job:
                 print(f"error: session {s.session}: {type(s.error).__name__}: {s.error}", file=sys.stderr)
         if pipeline:
             _print_pipeline(args, pipeline)
+        if memory and args.stats:
+            print(f"memory: {_memory_line(memory)}")
         print(_summary(result), file=sys.stderr)
         return code
 
@@ -233,7 +263,8 @@ def _run_on_pipeline(args, job: _Job) -> int:
         if args.trace:
             with open(args.trace, "w") as f:
                 json.dump(run.trace(), f)
-        pipeline = {"plan_hash": pipe.plan.hash, "stages": pipe.reports, "nodes": describe()["nodes"],
+        pipeline = {"plan_hash": pipe.plan.hash, "stages": pipe.reports, "memory": pipe.memory(),
+                    "nodes": describe()["nodes"],
                     "stats": run.summary(), "table": run.table(), "timeline": args.timeline, "trace": args.trace,
                     "micro_batches": pipe.micro_batches, "micro_batches_reason": pipe.micro_batches_reason,
                     "batching": pipe.coordinator.batching or "the rows of several sessions share each pass",
@@ -260,6 +291,8 @@ def _print_pipeline(args, pipeline: dict) -> None:
         for r in pipeline["stages"]:
             print(f"stage {r['stage']}: {r['host']} pid {r['pid']}, {len(r['weights'])} weights "
                   f"({r['weight_bytes']:,} bytes) from {r['source']}, {r['threads']} BLAS thread(s)")
+        for k, m in enumerate(pipeline["memory"]):
+            print(f"stage {k} memory: {_memory_line(m)}")
         print(pipeline["table"])
         print(f"batching: {pipeline['batching']}; {pipeline['micro_batches']} micro-batch(es) in flight "
               f"({pipeline['micro_batches_reason']})")

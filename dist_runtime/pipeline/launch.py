@@ -126,6 +126,16 @@ class Pipeline:
         self.channel = make_channel(self.channel_kind, self.actors)
         return self.actors, self.channel
 
+    def memory(self, timeout: float = 60.0) -> list[dict]:
+        """Each stage's memory now (:meth:`.stage.StageWorker.memory`: resident and peak bytes,
+        weights, KV in use and reserved) beside what the plan estimated for it."""
+        import ray
+
+        now = ray.get([actor.memory.remote() for actor in self.actors], timeout=timeout)
+        return [{**m, "plan": {"weights": st.memory.weights, "kv": st.memory.kv, "activations": st.memory.activations,
+                               "total": st.memory.total}}
+                for m, st in zip(now, self.plan.stages)]
+
     def close(self) -> None:
         """Tear down the channel, kill the stage actors, and stop Ray if this pipeline started it."""
         if self.channel is not None:

@@ -23,6 +23,7 @@ from typing import Any, Hashable
 
 import numpy as np
 
+from ..arena import process_memory
 from ..backends import threads_in_use
 from ..batched_pass import Segment
 from ..errors import DistRuntimeError, TransportError
@@ -265,7 +266,15 @@ class StageWorker:
             # why this stage runs one session per pass, or None when sessions share passes
             "batching": self._executor.rows.reason if self._executor is not None else None,
             "placement": self._executor.placement.reason if self._executor is not None else None,
+            "memory": self.memory(),
         }
+
+    def memory(self) -> dict[str, Any]:
+        """This stage's process: resident bytes now and at peak, its weights' bytes, and its KV
+        caches' bytes in use and reserved."""
+        kv = self._executor.kv_bytes() if self._executor is not None else {"in_use": 0, "reserved": 0}
+        return {**(process_memory() or {}), "weights": held_bytes(self._weights),
+                "kv_in_use": kv["in_use"], "kv_reserved": kv["reserved"]}
 
     # -- the direct channel's link (see links.py) -----------------------------------------------
     def open_link(self, token: bytes) -> tuple[str, int]:
