@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Hashable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -232,12 +232,16 @@ class GraphExecutor:
     in, ``"f32"`` or ``"f16"`` (half the memory, rounded to nearest even on the way in; the
     compiled program and the numba backend's attention chain write F32 caches only, so a pass over
     F16 caches runs their steps one by one, each session's bits the same alone or batched).
+    ``release``: for a ``(graph, weights)`` pair whose weights are views of a file's map, what
+    gives back a weight's pages once it is copied (the map's ``Model.release``; a loaded model or a
+    path releases its own).
     """
 
     def __init__(self, model, backends: Sequence[str | Backend] | None = None,
                  max_memory: int | None = None, *, fuse: bool = True, seed: int = 0,
                  huge_pages: bool | None = None,
-                 compiled_program: bool = True, kv_dtype: str = "f32") -> None:
+                 compiled_program: bool = True, kv_dtype: str = "f32",
+                 release: Callable[[list[str]], object] | None = None) -> None:
         if huge_pages not in (None, True, False):
             raise TypeError(f"huge_pages= takes True, False or None (decide), not {huge_pages!r}")
         if compiled_program not in (True, False):
@@ -264,7 +268,7 @@ class GraphExecutor:
         # the mapped pages of each weight copied leave resident memory as soon as it is copied
         # (a page read again later is read from the file again: safe for any caller's views)
         self._constants, self.placement = pack(constants, streamed, huge_pages,
-                                               None if mapped is None else mapped.release)
+                                               mapped.release if mapped is not None else release)
         self._steps = self._bind(widened)
         self._program_steps, self.program = self._with_program() if compiled_program else (None, "not asked for")
         self._program_at = next((i for i, s in enumerate(self._program_steps or ()) if s.kv_cache is _PROGRAM), -1)

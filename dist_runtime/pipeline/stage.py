@@ -129,14 +129,13 @@ class StageWorker:
             from ..executor import GraphExecutor
 
             # Batch-invariant: a session's rows give the same bits in any batch (continuous batching).
+            # The file's pages of each weight the executor copies (a huge-page buffer) are given
+            # back as soon as it is copied: the stage never holds its weights twice.
             self._executor = GraphExecutor((self.stage.graph, self._weights), self._backends,
-                                           fuse=self._fuse, seed=self._seed, kv_dtype=self._kv_dtype)
-            # Hold the executor's copies (a huge-page buffer) rather than the file map's or the
-            # object store's views, and give the file's pages of those back.
-            held = self._executor.held_weights(self._weights)
-            if self._model is not None:
-                self._model.release(n for n, w in held.items() if w is not self._weights[n])
-            self._weights = held
+                                           fuse=self._fuse, seed=self._seed, kv_dtype=self._kv_dtype,
+                                           release=self._model.release if self._model is not None else None)
+            # Hold the executor's copies rather than the file map's or the object store's views.
+            self._weights = self._executor.held_weights(self._weights)
             self.warmup = self._warm_up()
 
     def _warm_up(self) -> str:
