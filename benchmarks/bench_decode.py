@@ -213,6 +213,7 @@ def quantize_with_llama_cpp(source: Path, out: Path, ftype: str = "Q4_K_M") -> P
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = 2
+    params.allow_requantize = True  # a Q8_0 source, as the memory benchmark's
     if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {source} to {ftype}")
     return out
