@@ -117,3 +117,38 @@ def test_f16_caches_on_pipeline_stages_give_the_tokens_of_one_process(model, cap
                  "--check"])
     out = capsys.readouterr().out
     assert code == 0 and "check: the same tokens as one process" in out, out
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 20])
+@pytest.mark.parametrize("rows, keys", [(1, 40), (1, 3000), (7, 300)])  # a decode step, a long one, a chunk
+def test_compiled_attention_reads_f16_keys_and_values_as_their_f32_widening(head_dim, rows, keys):
+    """The compiled cores widen F16 rows exactly as they read them: the same bits as the same keys
+    and values given as F32, on one thread and over the threads (the pieces of a long context);
+    a head size without compiled cores widens them first."""
+    from dist_runtime.backends.compiled import attention
+
+    rng = np.random.default_rng(head_dim + rows)
+    heads, kv_heads = 4, 2
+    q = rng.standard_normal((rows, heads * head_dim)).astype(np.float32)
+    k16, v16 = (rng.standard_normal((keys, kv_heads * head_dim)).astype(np.float16) for _ in range(2))
+    for a in (k16, v16):
+        a.flags.writeable = False  # as a KV cache hands them out
+    got, want = np.empty_like(q), np.empty_like(q)
+    attention.attention_rows(q, k16, v16, heads, kv_heads, head_dim, True, 0, got)
+    attention.attention_rows(q, k16.astype(np.float32), v16.astype(np.float32), heads, kv_heads, head_dim, True,
+                             0, want)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_the_numba_backend_attends_over_f16_caches_compiled(model, monkeypatch):
+    """Over F16 caches the numba backend's attention runs the compiled cores, not the CPU library."""
+    import dist_runtime.backends.numba as numba_backend
+
+    reference = []
+    real = numba_backend.NumbaBackend.reference
+    monkeypatch.setattr(numba_backend.NumbaBackend, "reference", lambda self, node: (
+        lambda inputs, ctx, _r=real(self, node), _n=node: (reference.append(_n.op_name), _r(inputs, ctx))[1]))
+    ex = GraphExecutor(model, kv_dtype="f16")
+    ex.run({"tokens": np.arange(1, 9, dtype=np.int32)})
+    ex.run({"tokens": np.array([3], np.int32)})
+    assert "Sdpa" not in reference

@@ -200,6 +200,12 @@ def _bind_rope(backend: NumbaBackend, node: Node) -> BoundKernel:
     return run
 
 
+def _kv_rows(k, v) -> bool:
+    """Keys and values the compiled attention reads: both F32, or both F16 (a KV cache kept so)."""
+    return (type(k) is type(v) is np.ndarray and k.dtype == v.dtype
+            and k.dtype in (np.float32, np.float16) and k.size > 0)
+
+
 def _bind_attention(backend: NumbaBackend, node: Node) -> BoundKernel:
     op, reference = node.op, backend.reference(node)
     window = op.window if isinstance(op, SdpaWindow) else 0
@@ -208,7 +214,7 @@ def _bind_attention(backend: NumbaBackend, node: Node) -> BoundKernel:
     def run(inputs, ctx):
         q, k, v = inputs
         compiled_attention.warm(op.head_dim)
-        if not (_is_f32(q, k, v) and q.ndim == k.ndim == v.ndim == 2
+        if not (_is_f32(q) and _kv_rows(k, v) and q.ndim == k.ndim == v.ndim == 2
                 and k.shape[0] == v.shape[0]
                 and (q.shape[1], k.shape[1]) == widths and v.shape[1] == widths[1]
                 and not (op.causal and q.shape[0] > k.shape[0])):

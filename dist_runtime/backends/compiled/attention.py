@@ -71,11 +71,12 @@ def _prefetch(builder, ptr, span):
         simd.prefetch(builder, ptr, at, 3)
 
 
-def _dot_lanes(builder, path, ptr, qv):
-    """The 8 lanes of ``row . q`` (lane j: the products of elements j, j + 8, ... added in order)."""
+def _dot_lanes(builder, path, ptr, qv, fmt="f32"):
+    """The 8 lanes of ``row . q`` (lane j: the products of elements j, j + 8, ... added in order;
+    the row's elements widened from ``fmt`` exactly)."""
     acc = None
     for p, q in enumerate(qv):
-        kv = simd.load(builder, builder.gep(ptr, [_I64(p * LANES)]), "f32", LANES, path)
+        kv = simd.load(builder, builder.gep(ptr, [_I64(p * LANES)]), fmt, LANES, path)
         acc = builder.fmul(kv, q) if acc is None else simd.fma(builder, kv, q, acc, path)
     return acc
 
@@ -100,9 +101,15 @@ def _blocks(builder, lo, hi):
     return builder.add(lo, builder.mul(builder.sdiv(builder.sub(hi, lo), _I64(LANES)), _I64(LANES)))
 
 
+def _stored(ty) -> tuple[str, int]:
+    """The element format of a K or V array type as :func:`.simd.load` reads it, and its bytes:
+    F32 rows, or F16 ones (a KV cache kept in F16, passed as their uint16 bits)."""
+    return ("f16", 2) if ty.dtype == types.uint16 else ("f32", 4)
+
+
 def _prefetch_rows(context, builder, ty, array, first, count, kv_heads, hd):
     """Prefetch the ``kv_heads`` heads of rows ``first .. first + count - 1``."""
-    span = builder.mul(builder.mul(kv_heads, _I64(hd)), _I64(4))
+    span = builder.mul(builder.mul(kv_heads, _I64(hd)), _I64(_stored(ty)[1]))
     for j in range(count):
         _prefetch(builder, _slice(context, builder, ty, array, builder.add(first, _I64(j)), _I64(0)), span)
 
@@ -135,7 +142,7 @@ def _splat(builder, value):
 def scores(typingctx, spec, q, kv_heads, groups, k, lo, hi, scale, out, ahead):
     """``out[h, t - lo] = scale * (q[h*hd:(h+1)*hd] . k[t, g*hd:(g+1)*hd])`` for every head ``h``
     (on kv head ``g = h // groups``) and ``lo <= t < hi`` (``q`` 1-D f32; ``k``, ``out``
-    C-contiguous 2-D f32; ``hd`` from ``spec``).  Blocks of 8 key rows in order, all heads on a
+    C-contiguous 2-D f32, or ``k`` the uint16 bits of F16 keys, widened exactly; ``hd`` from ``spec``).  Blocks of 8 key rows in order, all heads on a
     block before the next: the rows stream from memory once, whole, in order, and stay in L1
     while the heads use them; each block's heads prefetch the rows ``ahead`` of it, a share each."""
     sig = types.void(spec, q, types.intp, types.intp, k, types.intp, types.intp, types.float32, out, types.intp)
@@ -146,6 +153,7 @@ def _scores_codegen(path, hd, context, builder, sig, args):
     _, q, kv_heads, groups, k, lo, hi, scale, out, ahead = args
     qbase = context.make_array(sig.args[1])(context, builder, q).data
     kty, oty = sig.args[4], sig.args[8]
+    fmt = _stored(kty)[0]
     scales = _splat(builder, scale)
     vec = simd.vector(simd.F32, LANES)
 
@@ -160,7 +168,7 @@ def _scores_codegen(path, hd, context, builder, sig, args):
             _prefetch_share(context, builder, kty, k, builder.add(t, ahead), h, heads, kv_heads, hd)
             koff = builder.mul(g, _I64(hd))
             qv = query(h)
-            lanes = [_dot_lanes(builder, path, _slice(context, builder, kty, k, builder.add(t, _I64(j)), koff), qv)
+            lanes = [_dot_lanes(builder, path, _slice(context, builder, kty, k, builder.add(t, _I64(j)), koff), qv, fmt)
                      for j in range(LANES)]
             dots = builder.fmul(_transpose_sum(builder, lanes), scales)
             at = _slice(context, builder, oty, out, h, builder.sub(t, lo))
@@ -169,7 +177,7 @@ def _scores_codegen(path, hd, context, builder, sig, args):
     with cgutils.for_range_slice(builder, blocked, hi, _I64(1)) as (t, _):
         def one(g, h):
             dot = simd.hsum(builder, _dot_lanes(builder, path, _slice(context, builder, kty, k, t, builder.mul(g, _I64(hd))),
-                                                query(h)))
+                                                query(h), fmt))
             builder.store(builder.fmul(dot, scale), _slice(context, builder, oty, out, h, builder.sub(t, lo)))
         _each_head(builder, kv_heads, groups, one)
     return context.get_dummy_value()
@@ -178,8 +186,8 @@ def _scores_codegen(path, hd, context, builder, sig, args):
 @intrinsic
 def weighted(typingctx, spec, p, kv_heads, groups, v, lo, hi, out, ahead):
     """``out[h*hd:(h+1)*hd] = sum over lo <= t < hi, in order, of p[h, t - lo] * v[t, g*hd:(g+1)*hd]``
-    for every head ``h`` (on kv head ``g = h // groups``; ``p``, ``v`` C-contiguous 2-D f32,
-    ``out`` 1-D f32; ``hd`` from ``spec``).  Blocks of 8 value rows in order, all heads on a
+    for every head ``h`` (on kv head ``g = h // groups``; ``p``, ``v`` C-contiguous 2-D f32, or
+    ``v`` the uint16 bits of F16 values, widened exactly; ``out`` 1-D f32; ``hd`` from ``spec``).  Blocks of 8 value rows in order, all heads on a
     block before the next (as :func:`scores`); each head's sums wait in ``out`` between blocks."""
     sig = types.void(spec, p, types.intp, types.intp, v, types.intp, types.intp, out, types.intp)
     return sig, functools.partial(_weighted_codegen, *SPECS.of(spec))
@@ -188,6 +196,7 @@ def weighted(typingctx, spec, p, kv_heads, groups, v, lo, hi, out, ahead):
 def _weighted_codegen(path, hd, context, builder, sig, args):
     _, p, kv_heads, groups, v, lo, hi, out, ahead = args
     pty, vty = sig.args[1], sig.args[4]
+    fmt = _stored(vty)[0]
     obase = context.make_array(sig.args[7])(context, builder, out).data
     vec = simd.vector(simd.F32, LANES)
     pieces = hd // LANES
@@ -215,7 +224,7 @@ def _weighted_codegen(path, hd, context, builder, sig, args):
                 t = builder.add(first, _I64(j))
                 row = _slice(context, builder, vty, v, t, builder.mul(g, _I64(hd)))
                 w = _splat(builder, builder.load(_slice(context, builder, pty, p, h, builder.sub(t, lo))))
-                accs = [simd.fma(builder, simd.load(builder, builder.gep(row, [_I64(i * LANES)]), "f32", LANES, path),
+                accs = [simd.fma(builder, simd.load(builder, builder.gep(row, [_I64(i * LANES)]), fmt, LANES, path),
                                  w, acc, path) for i, acc in enumerate(accs)]
             for ptr, acc in zip(ptrs, accs):
                 builder.store(acc, ptr, align=4)
@@ -534,12 +543,19 @@ def compile_ahead(described: list) -> None:
 def attention_rows(q, k, v, num_heads: int, kv_heads: int, head_dim: int, causal: bool, window: int,
                    out: np.ndarray) -> None:
     """Softmax attention of ``q [Tq, heads * head_dim]`` over ``k``, ``v [Tk, kv_heads *
-    head_dim]`` into ``out`` (all f32, C-contiguous rows): on the compiled cores for the head
-    sizes that have them (their pieces threaded from :data:`SERIAL_KV_BYTES` of K/V reads),
-    else numba's loops."""
+    head_dim]`` into ``out`` (C-contiguous rows; ``q``, ``out`` f32, ``k``, ``v`` both f32 or both
+    f16, a KV cache kept in F16): on the compiled cores for the head sizes that have them (their
+    pieces threaded from :data:`SERIAL_KV_BYTES` of K/V reads; F16 rows widened exactly as they
+    are read, so the result is the bits of the same keys and values given as F32), else numba's
+    loops (F16 rows widened first)."""
+    half = k.dtype == np.float16
     if head_dim not in HEAD_DIMS:
+        if half:
+            k, v = k.astype(np.float32), v.astype(np.float32)
         _attention_rows(q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
         return
+    if half:
+        k, v = k.view(np.uint16), v.view(np.uint16)
     spec = SPECS((cpu.PATH, head_dim))
     if serial(q.shape[0], k.shape[0], k.nbytes):
         _attention_serial(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out)
