@@ -121,10 +121,8 @@ def token_ids(text: str) -> list[int]:
 def add_kv_dtype(p, what: str = "the KV caches keep K and V in") -> None:
     """``--kv-dtype``: one option, the same on generate, pipeline, serve and partition."""
     p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default=KV_DTYPE_NAMES[0],
-                   help=f"what {what}: f32, or f16 for half the memory (logits within ~1e-3 of f32's; "
-                        f"a decode step takes ~1.2x the time: passes over f16 caches run step by step, not as one "
-                        f"compiled call) "
-                        f"(default: %(default)s)")
+                   help=f"what {what}: f32, or f16 for half the memory at the same speed (logits "
+                        f"within ~1e-3 of f32's) (default: %(default)s)")
 
 
 def run_command(func, args: argparse.Namespace) -> int:

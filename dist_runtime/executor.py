@@ -229,9 +229,8 @@ class GraphExecutor:
     the compiled program takes as one compiled call in passes without an ``observe``
     (:mod:`.backends.program`; the same bits), or every step from Python (False); ``program``
     says what it took, or why nothing.  ``kv_dtype``: what the sessions' KV caches keep K and V
-    in, ``"f32"`` or ``"f16"`` (half the memory, rounded to nearest even on the way in; the
-    compiled program and the numba backend's attention chain write F32 caches only, so a pass over
-    F16 caches runs their steps one by one, each session's bits the same alone or batched).
+    in, ``"f32"`` or ``"f16"`` (half the memory, each row rounded to nearest even as numpy
+    rounds it, whoever writes it: a session's bits are the same alone or batched).
     ``release``: for a ``(graph, weights)`` pair whose weights are views of a file's map, what
     gives back a weight's pages once it is copied (the map's ``Model.release``; a loaded model or a
     path releases its own).
@@ -300,7 +299,7 @@ class GraphExecutor:
         specs = {n: spec for n, spec in rows[3].items()
                  if len(spec.shape) != 2 or (spec.shape[0], rows[5][n].shape[0]) == (3, 5)}
         found = program.build(self._steps, self.graph, specs, self._constants, [a.backend for a in self.assignments],
-                              _pass_on)
+                              _pass_on, self.kv_dtype)
         if isinstance(found, str):
             return None, f"no compiled program: {found}"
         lo, hi, prog = found

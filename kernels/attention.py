@@ -386,13 +386,16 @@ class KvState:
         return (self._k.reserve(pos, k_new, self.length, self.capacity),
                 self._v.reserve(pos, v_new, self.length, self.capacity))
 
-    def room(self, pos: int, rows: int, width: int) -> tuple[int, int, int] | None:
+    def room(self, pos: int, rows: int, width: int, kept: DType = DType.F32) -> tuple[int, int, int] | None:
         """(K address, V address, rows each buffer holds) where F32 rows ``[pos, pos + rows)`` of
-        ``width`` fit as the buffers are (:meth:`reserve` would change nothing), else None: a
-        compiled caller's fast check (the executor's program), before it writes them itself and
-        :meth:`hold` s them."""
+        ``width`` fit as the buffers are (:meth:`reserve` would change nothing) and the buffers
+        keep them as ``kept`` (F32, or F16), else None: a compiled caller's fast check (the
+        executor's program), before it writes them itself and :meth:`hold` s them."""
         k, v = self._k, self._v
-        if not 0 <= pos <= self.length or k.buf is None or v.buf is None or not self.keeps_f32:
+        if not 0 <= pos <= self.length or k.buf is None or v.buf is None:
+            return None
+        element = np.float16 if kept == DType.F16 else np.float32
+        if k.buf.dtype != element or v.buf.dtype != element:
             return None
         layout = ((), width, DType.F32)
         capacity = min(k.buf.shape[-2], v.buf.shape[-2])

@@ -54,9 +54,9 @@ def test_the_child_is_told_the_signatures_execute_compiles(monkeypatch):
     ex, _ = executors(HEAD64)
     ex.run({"tokens": np.asarray([3, 17, 42], np.int32)})
     assert seen
-    code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec, kernels = seen[0]
-    given = tuple(numba.typeof(a) for a in (code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
-                                            threads, spec, *kernels))
+    code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, threads, spec, kernels = seen[0]
+    given = tuple(numba.typeof(a) for a in (code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts,
+                                            positions, threads, spec, *kernels))
     prepared = vm._prepare.overloads[vm._prepare_types(given)]
     work, launch = vm._signatures(given, prepared.signature.return_type)
     assert work in vm._work.overloads and launch in vm._launch.overloads

@@ -44,7 +44,9 @@ def test_an_f16_cache_keeps_rows_as_numpy_rounds_them():
     assert np.array_equal(v_all.view(np.uint16), v.astype(np.float16).view(np.uint16))
     again_k, _ = state.write(3, k[3:], v[3:])  # a replayed step: the same rows, the same bits
     assert np.array_equal(again_k.view(np.uint16), k_all.view(np.uint16))
-    assert state.room(5, 1, 16) is None and not state.keeps_f32  # compiled writers take F32 caches only
+    assert state.room(5, 1, 16) is None and not state.keeps_f32  # not F32 rows
+    k_at, v_at, rows = state.room(3, 2, 16, DType.F16)  # the compiled program of F16 caches writes here
+    assert (k_at, rows) == (state.addresses()[0], state.allocated) and v_at == state.addresses()[1]
     assert KvState(0, DType.F32).keeps_f32 and KvState().keeps_f32
     with pytest.raises(ValueError, match="KV caches store"):
         KvState(0, DType.Q4_0)
@@ -152,3 +154,46 @@ def test_the_numba_backend_attends_over_f16_caches_compiled(model, monkeypatch):
     ex.run({"tokens": np.arange(1, 9, dtype=np.int32)})
     ex.run({"tokens": np.array([3], np.int32)})
     assert "Sdpa" not in reference
+
+
+def test_halves_store_f32_values_as_numpy_rounds_them():
+    """The compiled conversion against numpy's, on random bit patterns (NaNs, infinities and
+    subnormals among them) and around every F16 value: each one, its neighbours, and the
+    midpoints to the next, where ties go to even."""
+    import numba
+
+    from dist_runtime.backends.compiled.halves import f16_bits
+
+    @numba.njit
+    def convert(a, out):
+        for i in range(a.shape[0]):
+            out[i] = f16_bits(a[i])
+
+    rng = np.random.default_rng(3)
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+    every = every.astype(np.int64)
+    bits = np.concatenate([rng.integers(0, 2**32, 1_000_000, dtype=np.uint64).astype(np.uint32),
+                           *(((every + d) % 2**32).astype(np.uint32) for d in (-1, 0, 1, 0xFFF, 0x1000, 0x1001)),
+                           np.array([0x477FEFFF, 0x477FF000, 0x47800000, 0x7F800001, 0x33000000, 0x32FFFFFF],
+                                    np.uint32)])
+    x = bits.view(np.float32)
+    got = np.empty(x.shape, np.uint16)
+    convert(x, got)
+    with np.errstate(all="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    assert np.array_equal(got, want)
+
+
+def test_the_program_writes_and_reads_f16_caches_with_the_steps_bits(model, monkeypatch):
+    """The compiled program of an executor with F16 caches runs (it is not left to the steps) and
+    gives the bits of the steps one by one, prefill, chunks and decode steps alike."""
+    import dist_runtime.backends.program.vm as vm
+
+    calls, real = [], vm.execute
+    monkeypatch.setattr(vm, "execute", lambda *args: (calls.append(1), real(*args))[1])
+    program, steps = GraphExecutor(model, kv_dtype="f16"), GraphExecutor(model, kv_dtype="f16", compiled_program=False)
+    ids = np.random.default_rng(4).integers(0, CFG.vocab, 30).astype(np.int32)
+    for chunk in (ids[:9], ids[9:20], *ids[20:, None]):
+        a, b = (e.run({"tokens": chunk})["logits"] for e in (program, steps))
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert len(calls) == 12

@@ -155,9 +155,10 @@ def test_a_thread_alone_does_every_task_planned_for_several(monkeypatch):
     attention's keys in pieces), in order, to the last task, and gives the steps' bits."""
     most = []
 
-    def alone(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, attention_spec, kernels):
+    def alone(code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, threads, attention_spec,
+              kernels):
         stages, pieces, sums, stats, counters = vm._prepare(code, slots, weights, m, starts, positions, 4)
-        vm._work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
+        vm._work(stages, counters, code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions,
                  attention_spec, pieces, sums, stats, *kernels)
         assert counters[vm._DONE] == counters[vm._CLAIMED] - 1 == stages[-1, 2] + stages[-1, 3]
         products = [tasks for i, _, tasks, _ in stages if code[i, 0] != instructions.ATTENTION]

@@ -14,6 +14,7 @@ from numba.extending import intrinsic
 
 from . import attention as compiled_attention
 from .cache import jit
+from .halves import kept
 
 # Reassociation lets the reductions vectorise; no "nnan"/"ninf", so NaN and inf propagate as in
 # numpy.  The numpy error model makes x / 0 an inf, not a ZeroDivisionError.
@@ -61,19 +62,28 @@ def rope_rows(x, cos, sin, head_dim, rope_dim, out):
 def rope_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos,
                        num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
     """A layer's attention chain in one call: ``q`` and ``k`` rotated (:func:`rope_rows`), the
-    rotated keys and ``v`` stored as rows ``pos..`` of the KV cache's buffers, and (``attend``)
-    the rotated queries attending over every row held (:func:`compiled_attention.attention_serial`)."""
+    rotated keys and ``v`` stored as rows ``pos..`` of the KV cache's buffers (F32, or uint16 for
+    a cache kept in F16: :func:`.halves.kept`), and (``attend``) the rotated queries attending
+    over every row held (:func:`compiled_attention.attention_serial`)."""
     rope_rows(q, cos, sin, rope_head_dim, rope_dim, q_rot)
     rope_rows(k, cos, sin, rope_head_dim, rope_dim, k_rot)
     stop = pos + k.shape[0]
     for t in range(k.shape[0]):  # by element: an array's slice assignment compiles numba's error message (~5 s)
         for j in range(k.shape[1]):
-            k_buf[pos + t, j] = k_rot[t, j]
+            k_buf[pos + t, j] = kept(k_rot[t, j], k_buf)
         for j in range(v.shape[1]):
-            v_buf[pos + t, j] = v[t, j]
+            v_buf[pos + t, j] = kept(v[t, j], v_buf)
     if attend:
         compiled_attention.attention_serial(spec, q_rot, k_buf[:stop], v_buf[:stop], num_heads, kv_heads,
                                             head_dim, causal, window, out)
+
+
+@intrinsic
+def element_at(typingctx, like, address):
+    """The pointer at ``address`` (an integer) to elements of ``like``'s type (an array's)."""
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[1], context.get_value_type(sig.return_type))
+    return types.CPointer(like.dtype)(like, types.int64), codegen
 
 
 @intrinsic

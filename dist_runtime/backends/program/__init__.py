@@ -22,14 +22,16 @@ call, reused after each value's last read.
 
 from __future__ import annotations
 
+from ...dtypes import DType
 from .builder import SHARED, KV_VIEW, borders, longest_run
 from .runtime import Program
 
 
-def build(steps: list, graph, specs: dict, constants: dict, backends: list, pass_on) -> tuple[int, int, Program] | str:
+def build(steps: list, graph, specs: dict, constants: dict, backends: list, pass_on,
+          kv_dtype: DType = DType.F32) -> tuple[int, int, Program] | str:
     """The longest run of steps ``steps[lo:hi]`` a program takes, as ``(lo, hi, program)``, or
     why none (``inspect --plan``).  ``specs``: the values whose rows follow the pass's (inferred
-    at T = 3 and 5), at T = 3."""
+    at T = 3 and 5), at T = 3; ``kv_dtype``: what the KV caches keep rows in (F32 or F16)."""
     found = longest_run(steps, graph, specs, constants, backends, pass_on)
     if isinstance(found, str):
         return found
@@ -38,4 +40,4 @@ def build(steps: list, graph, specs: dict, constants: dict, backends: list, pass
     for name in (*reads, *writes):
         if b.values.get(name.removesuffix(SHARED), KV_VIEW) == KV_VIEW:
             return f"value {name!r} crosses the program's border but is not F32 rows"
-    return lo, hi, Program(steps[lo:hi], b, reads, writes, constants)
+    return lo, hi, Program(steps[lo:hi], b, reads, writes, constants, kv_dtype)

@@ -13,6 +13,7 @@ from typing import Sequence
 import numba
 import numpy as np
 
+from dist_runtime.dtypes import DType
 from dist_runtime.kernels.attention import KvState
 from dist_runtime.kernels.positions import cos_sin_rows
 from dist_runtime.kernels.registry import KernelContext
@@ -32,8 +33,11 @@ class Program:
     """Steps ``steps`` (consecutive, their nodes from ``index`` on) as one step's kernel: reads
     :attr:`reads` (values made before it), writes :attr:`writes` (values read after it)."""
 
-    def __init__(self, steps: list, b: Builder, reads: tuple, writes: tuple, constants: dict) -> None:
+    def __init__(self, steps: list, b: Builder, reads: tuple, writes: tuple, constants: dict,
+                 kv_dtype: DType = DType.F32) -> None:
         self.steps, self.index, self.reads, self.writes = steps, steps[0].index, reads, writes
+        self.kv_dtype = kv_dtype  # what its sessions' KV caches keep rows in: F32, or F16
+        self._kv_like = np.empty(0, np.uint16 if kv_dtype == DType.F16 else F32)  # its element type, for vm
         self.constants = constants
         self.code = np.zeros((len(b.code), WIDTH), np.int64)
         for i, row in enumerate(b.code):
@@ -105,7 +109,7 @@ class Program:
             if cos.flags.writeable:  # computed, not cut from the cache: typed as the cached ones
                 cos.flags.writeable = sin.flags.writeable = False
         positions = np.array([ctx.pos for ctx in ctxs], np.int64)
-        args = (self.code, self.slots, self.weights, self.eps, kv, cos, sin, arena, m, starts, positions,
+        args = (self.code, self.slots, self.weights, self.eps, kv, self._kv_like, cos, sin, arena, m, starts, positions,
                 numba.get_num_threads(), self.attention_spec, self.kernels)
         if not self._ready:  # compiling ahead in a child: the steps one by one meanwhile
             if not vm.ready(*args):
@@ -129,7 +133,7 @@ class Program:
         refused."""
         for i, cache in enumerate(self.caches):
             state = KvState.held_in(kv, cache.key, cache.op)
-            room = state.room(pos, m, cache.width)
+            room = state.room(pos, m, cache.width, self.kv_dtype)
             if room is None:
                 if not 0 <= pos <= state.length:
                     return False
@@ -138,8 +142,8 @@ class Program:
                     state.reserve(pos, like, like)
                 except Exception:  # noqa: BLE001 -- one by one, the node names the error
                     return False
-                room = state.room(pos, m, cache.width)
-                if room is None:  # a cache the program does not write (F16 rows): one by one
+                room = state.room(pos, m, cache.width, self.kv_dtype)
+                if room is None:  # a cache kept in another type than the program's: one by one
                     return False
             rooms[i] = room
         return True

@@ -30,7 +30,7 @@ from ..compiled import attention as compiled_attention
 from ..compiled import ahead, cpu, floats, kquants, legacy, spin
 from ..compiled.cache import jit
 from ..compiled.registry import SERIAL_BYTES, block_sums, joint_chunks, joint_part
-from ..compiled.rows import f32_at, rms_rows, rope_append_attend, silu_mul, skip_rms_rows
+from ..compiled.rows import element_at, f32_at, rms_rows, rope_append_attend, silu_mul, skip_rms_rows
 from .instructions import (ADD, ADD_A, ADD_B, ADD_OUT, ATT_CACHE, ATT_CAUSAL, ATT_HEAD_DIM, ATT_HEADS, ATT_K,
                            ATT_K_ROT, ATT_KV_HEADS, ATT_OUT, ATT_Q, ATT_Q_ROT, ATT_ROPE_DIM, ATT_ROPE_HEAD_DIM, ATT_V,
                            ATT_WINDOW, ATTENTION, BLOCKS_KIND0, BLOCKS_KIND1, BLOCKS_KIND2, BLOCKS_Q8, JOINT, K_BLOCKS,
@@ -225,13 +225,13 @@ _legacy_f32_if, _legacy_q8_if = _gated7(_legacy_f32_parts), _gated7(_legacy_q8_p
 
 
 @jit(nogil=True, inline="always")
-def _rope_append(spec, c, slots, kv, cos, sin, arena, m, starts, positions, g, attend):
+def _rope_append(spec, c, slots, kv, kv_like, cos, sin, arena, m, starts, positions, g, attend):
     """The attention chain's compiled call (:class:`..numba.AttentionChain`) for segment ``g``
     (rows ``starts[g]:starts[g + 1]``, at ``positions[g]``) on its KV cache ``kv[c[ATT_CACHE], g]``,
     attending too if ``attend`` (:func:`_attends`; else the pieces' stages do, over the threads:
     the same bits)."""
     lo, hi, pos = starts[g], starts[g + 1], positions[g]
-    k_buf, v_buf = _cache(c, slots, kv, g)
+    k_buf, v_buf = _cache(c, slots, kv, kv_like, g)
     rope_append_attend(spec, _rows2d(arena, slots, c[ATT_Q], m)[lo:hi], _rows2d(arena, slots, c[ATT_K], m)[lo:hi],
                        _rows2d(arena, slots, c[ATT_V], m)[lo:hi], cos[lo:hi], sin[lo:hi], c[ATT_ROPE_HEAD_DIM],
                        c[ATT_ROPE_DIM], k_buf, v_buf, pos, c[ATT_HEADS], c[ATT_KV_HEADS], c[ATT_HEAD_DIM],
@@ -240,11 +240,13 @@ def _rope_append(spec, c, slots, kv, cos, sin, arena, m, starts, positions, g, a
 
 
 @jit(nogil=True)
-def _cache(c, slots, kv, g):
-    """Segment ``g``'s K and V buffers of an ATTENTION instruction's cache (every row they hold)."""
+def _cache(c, slots, kv, kv_like, g):
+    """Segment ``g``'s K and V buffers of an ATTENTION instruction's cache (every row they hold).
+    ``kv``: the caches' table (``[cache, segment]``: K address, V address, rows); ``kv_like``: an
+    empty array of the element type they keep (F32, or F16 as uint16 bits: a program per type)."""
     width, rows = slots[c[ATT_K], 1], kv[c[ATT_CACHE], g, 2]
-    return (numba.carray(f32_at(kv[c[ATT_CACHE], g, 0]), (rows, width)),
-            numba.carray(f32_at(kv[c[ATT_CACHE], g, 1]), (rows, width)))
+    return (numba.carray(element_at(kv_like, kv[c[ATT_CACHE], g, 0]), (rows, width)),
+            numba.carray(element_at(kv_like, kv[c[ATT_CACHE], g, 1]), (rows, width)))
 
 
 @jit(nogil=True)
@@ -328,7 +330,7 @@ def _stages(code, slots, weights, m, starts, positions, threads):
 
 # Inlined into _work, the one function that calls it: compiled once, in _work's code.
 @jit(nogil=True, inline="always")
-def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, attention_spec,
+def _task(c, phase, task, tasks, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, attention_spec,
           pieces, sums, stats, kernels):
     """Task ``task`` of ``tasks`` of instruction ``c``'s stage ``phase`` (:func:`_stages`)."""
     op = c[0]
@@ -380,14 +382,14 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, cos, sin, arena, m, st
         for j in range(out.shape[0]):
             out[j] = a[j] + b[j]
     elif phase == 0:  # ATTENTION: segment ``task``'s rotations and cache rows, and its attention if whole
-        _rope_append(attention_spec, c, slots, kv, cos, sin, arena, m, starts, positions, task,
+        _rope_append(attention_spec, c, slots, kv, kv_like, cos, sin, arena, m, starts, positions, task,
                      pieces[task + 1] == pieces[task])
     else:  # ATTENTION: one piece of a segment's keys (phase 1) or a segment's merge (phase 2)
         g = task if phase == 2 else np.searchsorted(pieces, task, side="right") - 1
         if pieces[g + 1] == pieces[g]:
             return
         lo, hi = starts[g], starts[g + 1]
-        k_buf, v_buf = _cache(c, slots, kv, g)
+        k_buf, v_buf = _cache(c, slots, kv, kv_like, g)
         at, stop = pieces[g], positions[g] + hi - lo
         heads, head_dim = c[ATT_HEADS], c[ATT_HEAD_DIM]
         mine = _segment_pieces(c, starts, positions, g)
@@ -407,7 +409,7 @@ _CLAIMED, _DONE = 0, 8
 
 
 @jit(nogil=True)
-def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
+def _work(stages, counters, code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions,
           attention_spec, pieces, sums, stats, k0, k1, k2, k3, k4, k5, k6, k7):
     """One thread's share of a call: it takes the next ticket (a task, the stages' in order)
     until none is left, each once every task of the stages before it is done.  Tickets are
@@ -424,7 +426,7 @@ def _work(stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, s
             s += 1
         spin.wait_until(counters, _DONE, stages[s, 3])
         i = stages[s, 0]
-        _task(code[i], stages[s, 1], ticket - stages[s, 3], stages[s, 2], slots, weights, eps, kv, cos, sin, arena,
+        _task(code[i], stages[s, 1], ticket - stages[s, 3], stages[s, 2], slots, weights, eps, kv, kv_like, cos, sin, arena,
               m, starts, positions, attention_spec, pieces[i], sums, stats, kernels)
         spin.fetch_add(counters, _DONE)
 
@@ -494,25 +496,25 @@ def _work_address(args: tuple) -> int:
     return address
 
 
-def execute(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, attention_spec, kernels):
+def execute(code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, threads, attention_spec, kernels):
     """Every instruction of ``code`` in order (:class:`.runtime.Program` builds them), on ``threads`` threads that
     stay from the first task to the last (:func:`_work`), spinning between stages rather than
     going back to numba's pool: one launch a call, not one a product, and no sleeping thread to
     wake after each stretch of serial work (~2-15 us each: :mod:`.compiled.threads`).  ``kernels``:
     the product kernels the code calls (:data:`KERNELS`)."""
     stages, pieces, sums, stats, counters = _prepare(code, slots, weights, m, starts, positions, threads)
-    args = (stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, attention_spec,
+    args = (stages, counters, code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, attention_spec,
             pieces, sums, stats, *kernels)
     _launch(_work_address(args), args, threads)
 
 
-def ready(code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, attention_spec, kernels):
+def ready(code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, threads, attention_spec, kernels):
     """Whether :func:`execute` runs these arguments now without compiling here: its code loaded
     or in the cache, or compiling ahead not enabled (it then compiles on the call).  Else a child
     compiles it (:mod:`.compiled.ahead`), and False until the child ends."""
     if not ahead.enabled():
         return True
-    given = tuple(numba.typeof(a) for a in (code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions,
+    given = tuple(numba.typeof(a) for a in (code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions,
                                             threads, attention_spec, *kernels))
     return _loaded(given) or not ahead.running(__name__, [ahead.describe(t) for t in given])
 
@@ -539,15 +541,15 @@ def _loaded(given: tuple) -> bool:
 
 
 def _prepare_types(given: tuple) -> tuple:
-    code, slots, weights, _, _, _, _, _, m, starts, positions, threads = given[:12]
+    code, slots, weights, _, _, _, _, _, _, m, starts, positions, threads = given[:13]
     return code, slots, weights, m, starts, positions, threads
 
 
 def _signatures(given: tuple, prepared) -> tuple:
     """:func:`_work`'s and :func:`_launch`'s argument types, as :func:`execute` calls them, from
     its own argument types and :func:`_prepare`'s return type."""
-    code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, threads, spec, *kernels = given
+    code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, threads, spec, *kernels = given
     stages, pieces, sums, stats, counters = prepared.types
-    work = (stages, counters, code, slots, weights, eps, kv, cos, sin, arena, m, starts, positions, spec, pieces,
+    work = (stages, counters, code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, spec, pieces,
             sums, stats, *kernels)
     return work, (types.int64, types.BaseTuple.from_types(work), threads)
