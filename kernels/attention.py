@@ -354,11 +354,6 @@ class KvState:
             state = states[key] = cls.for_op(op, getattr(states, "dtype", None))
         return state
 
-    @property
-    def keeps_f32(self) -> bool:
-        """Whether F32 rows are kept as F32 (compiled callers write them into the buffers)."""
-        return self.dtype in (None, DType.F32)
-
     def write(self, pos: int, k_new: Array, v_new: Array) -> tuple[Array, Array]:
         pos = int(pos)
         k_buf, v_buf = self.reserve(pos, k_new, v_new)

@@ -44,10 +44,9 @@ def test_an_f16_cache_keeps_rows_as_numpy_rounds_them():
     assert np.array_equal(v_all.view(np.uint16), v.astype(np.float16).view(np.uint16))
     again_k, _ = state.write(3, k[3:], v[3:])  # a replayed step: the same rows, the same bits
     assert np.array_equal(again_k.view(np.uint16), k_all.view(np.uint16))
-    assert state.room(5, 1, 16) is None and not state.keeps_f32  # not F32 rows
+    assert state.room(3, 2, 16) is None  # not F32 rows
     k_at, v_at, rows = state.room(3, 2, 16, DType.F16)  # the compiled program of F16 caches writes here
     assert (k_at, rows) == (state.addresses()[0], state.allocated) and v_at == state.addresses()[1]
-    assert KvState(0, DType.F32).keeps_f32 and KvState().keeps_f32
     with pytest.raises(ValueError, match="KV caches store"):
         KvState(0, DType.Q4_0)
 
@@ -63,9 +62,10 @@ def test_an_unknown_kv_dtype_names_the_choices(model):
         GraphExecutor(model, kv_dtype="q4")
 
 
-def test_f16_caches_give_a_session_the_same_bits_alone_or_batched(model):
+@pytest.mark.parametrize("program", [True, False], ids=["program", "attention-chain"])
+def test_f16_caches_give_a_session_the_same_bits_alone_or_batched(model, program):
     rng = np.random.default_rng(1)
-    batched, alone = (GraphExecutor(model, kv_dtype="f16") for _ in range(2))
+    batched, alone = (GraphExecutor(model, kv_dtype="f16", compiled_program=program) for _ in range(2))
     for round_ in range(4):  # prefills, then decode rows beside prompt chunks
         segments = [Segment(s, int(rng.integers(1, 7)) if round_ == 0 or s == 2 else 1) for s in range(4)]
         tokens = {seg.session: rng.integers(0, CFG.vocab, seg.rows).astype(np.int32) for seg in segments}
@@ -186,14 +186,15 @@ def test_halves_store_f32_values_as_numpy_rounds_them():
 
 def test_the_program_writes_and_reads_f16_caches_with_the_steps_bits(model, monkeypatch):
     """The compiled program of an executor with F16 caches runs (it is not left to the steps) and
-    gives the bits of the steps one by one, prefill, chunks and decode steps alike."""
+    gives the bits of the steps (the attention chain's compiled call), prefill, chunks and decode
+    steps alike."""
     import dist_runtime.backends.program.vm as vm
 
     calls, real = [], vm.execute
     monkeypatch.setattr(vm, "execute", lambda *args: (calls.append(1), real(*args))[1])
-    program, steps = GraphExecutor(model, kv_dtype="f16"), GraphExecutor(model, kv_dtype="f16", compiled_program=False)
+    runs = [GraphExecutor(model, kv_dtype="f16"), GraphExecutor(model, kv_dtype="f16", compiled_program=False)]
     ids = np.random.default_rng(4).integers(0, CFG.vocab, 30).astype(np.int32)
     for chunk in (ids[:9], ids[9:20], *ids[20:, None]):
-        a, b = (e.run({"tokens": chunk})["logits"] for e in (program, steps))
+        a, b = (e.run({"tokens": chunk})["logits"] for e in runs)
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert len(calls) == 12

@@ -200,6 +200,12 @@ def _bind_rope(backend: NumbaBackend, node: Node) -> BoundKernel:
     return run
 
 
+def _bits(buf: np.ndarray) -> np.ndarray:
+    """A KV cache's buffer as compiled code writes it: F32, or an F16 one as its uint16 bits
+    (:func:`.compiled.halves.kept`)."""
+    return buf.view(np.uint16) if buf.dtype == np.float16 else buf
+
+
 def _kv_rows(k, v) -> bool:
     """Keys and values the compiled attention reads: both F32, or both F16 (a KV cache kept so)."""
     return (type(k) is type(v) is np.ndarray and k.dtype == v.dtype
@@ -321,7 +327,7 @@ class AttentionChain:
     def __call__(self, inputs, ctx) -> tuple:
         q, pos, k, v = (inputs[i] for i in self.at)
         compiled_attention.warm(self.attn.head_dim)
-        if not (isinstance(ctx.state, KvState) and ctx.state.keeps_f32 and self._fits(q, k, v)):
+        if not (isinstance(ctx.state, KvState) and self._fits(q, k, v)):
             return run_chain(self.nodes, self.kernels, inputs, ctx)
         try:
             cos, sin, k_buf, v_buf, at_row, attend = self._prepare(pos, k, v, ctx)
@@ -329,7 +335,8 @@ class AttentionChain:
             return run_chain(self.nodes, self.kernels, inputs, ctx)
         q_rot, k_rot, out = np.empty(q.shape, F32), np.empty(k.shape, F32), np.empty(q.shape, F32)
         a, r = self.attn, self.rope
-        rope_append_attend(self.spec, q, k, v, cos, sin, r.head_dim, r.rope_dim, k_buf, v_buf, at_row, a.num_heads,
+        rope_append_attend(self.spec, q, k, v, cos, sin, r.head_dim, r.rope_dim, _bits(k_buf), _bits(v_buf), at_row,
+                           a.num_heads,
                             a.kv_heads, a.head_dim, bool(a.causal), self.window, attend, q_rot, k_rot, out)
         k_all, v_all = self._finish(ctx, at_row, k, v, attend, q_rot, out)
         return self._outputs(q_rot, k_rot, k_all, v_all, out)
@@ -342,7 +349,8 @@ class AttentionChain:
         f32 decode step: 0.96 / 0.93x the time of segment by segment."""
         q, pos, k, v = (inputs[i] for i in self.at)
         compiled_attention.warm(self.attn.head_dim)
-        if not (self._fits(q, k, v) and all(isinstance(c.state, KvState) and c.state.keeps_f32 for c in ctxs)):
+        if not (self._fits(q, k, v) and all(isinstance(c.state, KvState) for c in ctxs)
+                and len({c.state.dtype for c in ctxs}) == 1):
             return None
         try:
             made = [self._prepare(pos[i], k[cut], v[cut], ctx) for i, (cut, ctx) in enumerate(zip(cuts, ctxs))]
@@ -354,7 +362,7 @@ class AttentionChain:
         segments_append_attend(self.spec, q, k, v, np.concatenate(cos), np.concatenate(sin), r.head_dim, r.rope_dim,
                                 np.array([cut.start for cut in cuts] + [q.shape[0]], np.int64),
                                 np.array([ctx.state.addresses() for ctx in ctxs], np.int64),
-                                np.array([b.shape[0] for b in k_bufs], np.int64), np.array(at_rows, np.int64),
+                                _bits(k_bufs[0][:0]), np.array([b.shape[0] for b in k_bufs], np.int64), np.array(at_rows, np.int64),
                                 a.num_heads, a.kv_heads, a.head_dim, bool(a.causal), self.window, np.array(attend),
                                 q_rot, k_rot, out)
         k_alls, v_alls = zip(*(self._finish(ctx, at_rows[i], k[cut], v[cut], attend[i], q_rot[cut], out[cut])

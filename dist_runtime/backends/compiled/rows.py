@@ -95,26 +95,27 @@ def f32_at(typingctx, address):
 
 
 @_jit
-def _segment_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, rows, pos,
+def _segment_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
                            num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out, s):
     """:func:`rope_append_attend` for segment ``s`` of a batched pass: rows ``starts[s]:starts[s +
     1]`` of ``q``, ``k``, ``v`` (and of ``cos``, ``sin``: its positions'), its KV cache the buffers
-    at addresses ``buffers[s]`` (K, V) of ``rows[s]`` rows."""
+    at addresses ``buffers[s]`` (K, V) of ``rows[s]`` rows, of ``kv_like``'s element type (F32,
+    or uint16 for F16)."""
     lo, hi, width = starts[s], starts[s + 1], k.shape[1]
-    k_buf = numba.carray(f32_at(buffers[s, 0]), (rows[s], width))
-    v_buf = numba.carray(f32_at(buffers[s, 1]), (rows[s], width))
+    k_buf = numba.carray(element_at(kv_like, buffers[s, 0]), (rows[s], width))
+    v_buf = numba.carray(element_at(kv_like, buffers[s, 1]), (rows[s], width))
     rope_append_attend(spec, q[lo:hi], k[lo:hi], v[lo:hi], cos[lo:hi], sin[lo:hi], rope_head_dim, rope_dim,
                        k_buf, v_buf, pos[s], num_heads, kv_heads, head_dim, causal, window, attend[s],
                        q_rot[lo:hi], k_rot[lo:hi], out[lo:hi])
 
 
 @jit(nogil=True, parallel=True)
-def segments_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, rows, pos,
+def segments_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
                            num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
     """:func:`_segment_append_attend` for every segment, the threads taking segments (each its
     own rows and cache: the same bits on any thread)."""
     for s in numba.prange(starts.shape[0] - 1):
-        _segment_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, rows, pos,
+        _segment_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
                                num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out, s)
 
 
