@@ -23,7 +23,7 @@ from dist_runtime.kernels.attention import KvState, KvStates
 from dist_runtime.kernels.quant import to_float
 from dist_runtime.kernels.registry import KernelContext
 
-from .arena import pack
+from .arena import pack, process_memory
 from .backends import Backend, ChainedNodeError, chain_reads, make_backends, program
 from .backends.assign import Assignment, assign_backends
 from .backends.blas import WEIGHT_SLOTS
@@ -330,11 +330,13 @@ class GraphExecutor:
         """Forget a session and free its KV caches."""
         self._sessions.pop(session, None)
 
-    def kv_bytes(self) -> dict[str, int]:
-        """Bytes of every session's KV caches: ``in_use`` (the rows held) and ``reserved`` (what
-        their buffers can hold before they grow)."""
+    def memory(self) -> dict[str, int]:
+        """This process's resident bytes now and at peak (:func:`.arena.process_memory`) and every
+        session's KV caches' bytes: ``kv_in_use`` (the rows held) and ``kv_reserved`` (what their
+        buffers can hold before they grow)."""
         held = [state.nbytes() for s in self._sessions.values() for state in s.kv.values()]
-        return {"in_use": sum(h for h, _ in held), "reserved": sum(r for _, r in held)}
+        return {**(process_memory() or {}), "kv_in_use": sum(h for h, _ in held),
+                "kv_reserved": sum(r for _, r in held)}
 
     def position(self, session: Hashable = DEFAULT_SESSION) -> int:
         return self.session(session).pos

@@ -336,8 +336,7 @@ class AttentionChain:
         q_rot, k_rot, out = np.empty(q.shape, F32), np.empty(k.shape, F32), np.empty(q.shape, F32)
         a, r = self.attn, self.rope
         rope_append_attend(self.spec, q, k, v, cos, sin, r.head_dim, r.rope_dim, _bits(k_buf), _bits(v_buf), at_row,
-                           a.num_heads,
-                            a.kv_heads, a.head_dim, bool(a.causal), self.window, attend, q_rot, k_rot, out)
+                           a.num_heads, a.kv_heads, a.head_dim, bool(a.causal), self.window, attend, q_rot, k_rot, out)
         k_all, v_all = self._finish(ctx, at_row, k, v, attend, q_rot, out)
         return self._outputs(q_rot, k_rot, k_all, v_all, out)
 
@@ -362,7 +361,8 @@ class AttentionChain:
         segments_append_attend(self.spec, q, k, v, np.concatenate(cos), np.concatenate(sin), r.head_dim, r.rope_dim,
                                 np.array([cut.start for cut in cuts] + [q.shape[0]], np.int64),
                                 np.array([ctx.state.addresses() for ctx in ctxs], np.int64),
-                                _bits(k_bufs[0][:0]), np.array([b.shape[0] for b in k_bufs], np.int64), np.array(at_rows, np.int64),
+                                _bits(k_bufs[0][:0]), np.array([b.shape[0] for b in k_bufs], np.int64),
+                                np.array(at_rows, np.int64),
                                 a.num_heads, a.kv_heads, a.head_dim, bool(a.causal), self.window, np.array(attend),
                                 q_rot, k_rot, out)
         k_alls, v_alls = zip(*(self._finish(ctx, at_rows[i], k[cut], v[cut], attend[i], q_rot[cut], out[cut])

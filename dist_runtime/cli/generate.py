@@ -104,15 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     executor = GraphExecutor(args.model, fuse=not args.no_fuse, kv_dtype=args.kv_dtype)
     result = job.run(LocalEngine(executor, max_batch_tokens=args.max_batch_tokens))
-    return job.report(result, None, _memory(executor))
-
-
-def _memory(executor) -> dict:
-    """This process's memory after the run: resident bytes now and at peak, KV in use and reserved."""
-    from ..arena import process_memory
-
-    kv = executor.kv_bytes()
-    return {**(process_memory() or {}), "kv_in_use": kv["in_use"], "kv_reserved": kv["reserved"]}
+    return job.report(result, None, executor.memory())
 
 
 def _size(n: int | None) -> str:
@@ -122,7 +114,7 @@ def _size(n: int | None) -> str:
 
 
 def _memory_line(m: dict) -> str:
-    """One line of a process's memory (:func:`_memory`, or a stage's with its plan's estimate)."""
+    """One line of a process's memory (``GraphExecutor.memory``, or a stage's with its plan's estimate)."""
     line = (f"resident {_size(m.get('resident'))} (peak {_size(m.get('peak'))}), KV in use "
             f"{_size(m['kv_in_use'])} of {_size(m['kv_reserved'])} reserved")
     if "weights" in m:

@@ -271,9 +271,9 @@ class StageWorker:
     def memory(self) -> dict[str, Any]:
         """This stage's process: resident bytes now and at peak, its weights' bytes, and its KV
         caches' bytes in use and reserved."""
-        kv = self._executor.kv_bytes() if self._executor is not None else {"in_use": 0, "reserved": 0}
-        return {**(process_memory() or {}), "weights": held_bytes(self._weights),
-                "kv_in_use": kv["in_use"], "kv_reserved": kv["reserved"]}
+        own = self._executor.memory() if self._executor is not None else {
+            **(process_memory() or {}), "kv_in_use": 0, "kv_reserved": 0}
+        return {**own, "weights": held_bytes(self._weights)}
 
     # -- the direct channel's link (see links.py) -----------------------------------------------
     def open_link(self, token: bytes) -> tuple[str, int]:
