@@ -9,7 +9,7 @@ import json
 import sys
 
 from .errors import DistRuntimeError
-from .scheduling_defaults import KV_DTYPE_NAMES
+from .scheduling_defaults import DEFAULT_KV_DTYPE, KV_DTYPE_NAMES
 from .units import parse_bytes
 
 #: Exit statuses: a problem with the model, the plan or the run; a usage error (argparse's);
@@ -120,9 +120,9 @@ def token_ids(text: str) -> list[int]:
 
 def add_kv_dtype(p, what: str = "the KV caches keep K and V in") -> None:
     """``--kv-dtype``: one option, the same on generate, pipeline, serve and partition."""
-    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default=KV_DTYPE_NAMES[0],
-                   help=f"what {what}: f32, or f16 for half the memory at the same speed (logits "
-                        f"within ~1e-3 of f32's) (default: %(default)s)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES,
+                   help=f"what {what}: f16, half f32's memory at the same speed (logits within ~1e-3 "
+                        f"of f32's), or f32 (default: the model's kv_dtype metadata, else {DEFAULT_KV_DTYPE})")
 
 
 def run_command(func, args: argparse.Namespace) -> int:

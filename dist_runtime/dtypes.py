@@ -171,10 +171,12 @@ _LAYOUTS: dict[DType, _Layout] = {
 _FROM_NUMPY: dict[np.dtype, DType] = {}
 
 
-def kv_dtype(name: str) -> DType:
-    """The element type ``--kv-dtype NAME`` keeps KV caches in; ValueError naming the choices."""
-    from .scheduling_defaults import KV_DTYPE_NAMES
+def kv_dtype(name: str | None, declared: str | None = None) -> DType:
+    """The element type KV caches are kept in: ``name`` (``--kv-dtype``), else ``declared`` (the
+    model's ``kv_dtype`` metadata), else the default; ValueError naming the choices."""
+    from .scheduling_defaults import DEFAULT_KV_DTYPE, KV_DTYPE_NAMES
 
+    name = name or declared or DEFAULT_KV_DTYPE
     if name not in KV_DTYPE_NAMES:
         raise ValueError(f"--kv-dtype {name!r} is not one of {', '.join(KV_DTYPE_NAMES)}")
     return DType[name.upper()]

@@ -229,8 +229,9 @@ class GraphExecutor:
     the compiled program takes as one compiled call in passes without an ``observe``
     (:mod:`.backends.program`; the same bits), or every step from Python (False); ``program``
     says what it took, or why nothing.  ``kv_dtype``: what the sessions' KV caches keep K and V
-    in, ``"f32"`` or ``"f16"`` (half the memory, each row rounded to nearest even as numpy
-    rounds it, whoever writes it: a session's bits are the same alone or batched).
+    in, ``"f16"`` (half the memory, each row rounded to nearest even as numpy rounds it, whoever
+    writes it: a session's bits are the same alone or batched) or ``"f32"``; None: the model's
+    ``kv_dtype`` metadata, else f16.
     ``release``: for a ``(graph, weights)`` pair whose weights are views of a file's map, what
     gives back a weight's pages once it is copied (the map's ``Model.release``; a loaded model or a
     path releases its own).
@@ -239,14 +240,14 @@ class GraphExecutor:
     def __init__(self, model, backends: Sequence[str | Backend] | None = None,
                  max_memory: int | None = None, *, fuse: bool = True, seed: int = 0,
                  huge_pages: bool | None = None,
-                 compiled_program: bool = True, kv_dtype: str = "f32",
+                 compiled_program: bool = True, kv_dtype: str | None = None,
                  release: Callable[[list[str]], object] | None = None) -> None:
         if huge_pages not in (None, True, False):
             raise TypeError(f"huge_pages= takes True, False or None (decide), not {huge_pages!r}")
         if compiled_program not in (True, False):
             raise TypeError(f"compiled_program= takes True or False, not {compiled_program!r}")
-        self.kv_dtype = dtypes.kv_dtype(kv_dtype)
         graph, weights, declared_max, mapped = _open(model)
+        self.kv_dtype = dtypes.kv_dtype(kv_dtype, mapped.metadata.get("kv_dtype") if mapped else None)
         self.backends = make_backends(backends)
         checked = validate_graph(graph)  # structure and declared shapes; fusion keeps both
         self.warnings, specs = checked.warnings, checked.specs

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .dtypes import DType
+from .scheduling_defaults import KV_DTYPE_NAMES
 from .errors import DistRuntimeError, GraphValidationError, ModelFormatError
 from .ir.codec import decode_graph, encode_graph
 from .ir.graph import Graph, TensorSpec
@@ -73,7 +74,7 @@ _SECTION_RANK = {"metadata.toml": 0, "tensors.toml": 1, "graph": 2, "graph.toml"
 END = "end"
 _INDEX_KEYS = ("name", "shape", "dtype", "offset", "size")
 #: Reserved metadata keys and the type each must have.
-_RESERVED_METADATA = {"name": str, "architecture": str, "max_memory": int, "created_by": str}
+_RESERVED_METADATA = {"name": str, "architecture": str, "max_memory": int, "created_by": str, "kv_dtype": str}
 
 _PROGRESS_THRESHOLD = 64 * 2**20
 _WRITE_CHUNK = 16 * 2**20
@@ -246,6 +247,8 @@ def _check_metadata(meta: Mapping, fail) -> None:
             fail(f"metadata key {key!r} must be a {typ.__name__}, got {value!r}")
         if key == "max_memory" and value < 0:
             fail(f"metadata key 'max_memory' must be >= 0, got {value}")
+        if key == "kv_dtype" and value not in KV_DTYPE_NAMES:
+            fail(f"metadata key 'kv_dtype' must be one of {', '.join(KV_DTYPE_NAMES)}, got {value!r}")
 
 
 # -- the tensors index -------------------------------------------------------------------------

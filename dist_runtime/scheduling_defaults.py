@@ -9,6 +9,8 @@ imports nothing, so that ``--help`` loads no numpy; the partitioner plans with t
 DEFAULT_BATCH_TOKENS = 24
 #: Prompt rows a pass may take while no session is generating (no one waits between tokens).
 IDLE_PREFILL_TOKENS = 512
-#: What a KV cache may keep K and V in, by the name a user gives (``--kv-dtype``); the first is the
-#: default.  F16 halves the caches' memory (kernels/attention.py's ``KvState``).
-KV_DTYPE_NAMES = ("f32", "f16")
+#: What a KV cache may keep K and V in, by the name a user gives (``--kv-dtype``, or a model's
+#: ``kv_dtype`` metadata).  F16 halves the caches' memory at the same decode speed, as llama.cpp's
+#: default does (kernels/attention.py's ``KvState``; docs/architecture.md states its accuracy).
+KV_DTYPE_NAMES = ("f16", "f32")
+DEFAULT_KV_DTYPE = "f16"

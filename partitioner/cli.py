@@ -56,6 +56,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
+    from dist_runtime.dtypes import kv_dtype
     from dist_runtime.model import load_model
 
     from .planner import partition
@@ -69,7 +70,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
             raise DistRuntimeError(f"{args.model} has no graph section: there is nothing to partition")
         plan = partition(
             model.graph, machines, max_context=args.max_context, sessions=args.sessions,
-            microbatches=args.microbatches, tokens=args.tokens, granularity=args.granularity, kv_dtype=args.kv_dtype,
+            microbatches=args.microbatches, tokens=args.tokens, granularity=args.granularity,
+            kv_dtype=kv_dtype(args.kv_dtype, model.metadata.get("kv_dtype")).name.lower(),
             allow_empty=args.allow_empty, model_name=str(model.metadata.get("name") or Path(args.model).name),
         )
     if args.out:

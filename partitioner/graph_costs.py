@@ -103,11 +103,11 @@ def graph_costs(
     tokens: int | None = None,
     weights: Mapping[str, TensorSpec] | None = None,
     order: Sequence[int] | None = None,
-    kv_dtype: str = "f32",
+    kv_dtype: str | None = None,
 ) -> CostModel:
     """The cost model of ``graph`` in execution ``order`` (default: the listed order when it is
     topological, else :func:`~partitioner.order.execution_order`), its KV caches' F32 rows kept
-    in ``kv_dtype`` (``--kv-dtype``)."""
+    in ``kv_dtype`` (``--kv-dtype``; None: the default, f16)."""
     for what, value in (("max_context", max_context), ("sessions", sessions), ("microbatches", microbatches)):
         if value < 1:
             raise DistRuntimeError(f"{what} must be at least 1, got {value}")

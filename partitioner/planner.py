@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from dist_runtime.dtypes import kv_dtype as kv_dtype_of
 from dist_runtime.errors import DistRuntimeError, InfeasiblePlanError
 from dist_runtime.ir.graph import Graph, TensorSpec
 
@@ -63,7 +64,7 @@ def partition(
     allow_empty: bool = False,
     weights: Mapping[str, TensorSpec] | None = None,
     model_name: str | None = None,
-    kv_dtype: str = "f32",
+    kv_dtype: str | None = None,
 ) -> Plan:
     """Plan ``graph`` on ``machines`` (in order) for ``sessions`` in flight at ``max_context``, their
     KV caches kept in ``kv_dtype`` (``--kv-dtype``).
@@ -71,6 +72,7 @@ def partition(
     Raises ``InfeasiblePlanError`` (``.kind`` says why) or ``GraphValidationError``.
     """
     started = time.perf_counter()
+    kv_dtype = kv_dtype_of(kv_dtype).name.lower()  # the plan records the one it sized caches for
     options = dict(max_context=max_context, sessions=sessions, microbatches=microbatches,
                    tokens=tokens, weights=weights, kv_dtype=kv_dtype)
     costs = graph_costs(graph, **options)

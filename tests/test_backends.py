@@ -151,53 +151,53 @@ def plan_by_op(ex: GraphExecutor) -> dict[str, set[tuple[str, str]]]:
 
 def test_default_backend_takes_what_it_supports_and_the_rest_falls_back_to_cpu():
     graph, weights = llama()
-    ex = GraphExecutor((graph, weights), backends=["numpy-blas"], fuse=False)
+    ex = GraphExecutor((graph, weights), kv_dtype="f32", backends=["numpy-blas"], fuse=False)
     plan = plan_by_op(ex)
     assert plan["Matmul"] == {("numpy-blas", "default")}
     for op in ("RmsNorm", "Rope", "KvCache", "Sdpa", "Add", "SwiGlu", "TokenEmbed", "Sample"):
         assert plan[op] == {("cpu", "default numpy-blas does not support it; fallback to cpu")}, op
     assert [p["id"] for p in ex.plan()] == [n.id for n in graph.nodes]
-    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), fuse=False)))
+    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), kv_dtype="f32", fuse=False)))
 
 
 def test_fused_graph_on_numpy_blas_agrees_with_unfused_cpu():
     graph, weights = llama()
-    ex = GraphExecutor((graph, weights), backends=["numpy-blas"])
+    ex = GraphExecutor((graph, weights), kv_dtype="f32", backends=["numpy-blas"])
     plan = plan_by_op(ex)
     assert plan["FusedSwiGlu"] == {("numpy-blas", "default")}
     assert plan["FusedNormMatmul"] == {("numpy-blas", "default")}
     assert plan["FusedSkipNorm"] == {("cpu", "default numpy-blas does not support it; fallback to cpu")}
-    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), fuse=False)))
+    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), kv_dtype="f32", fuse=False)))
 
 
 def test_f16_weights_on_numpy_blas_are_widened_once_and_agree():
     graph, weights = llama(np.float16)
-    ex = GraphExecutor((graph, weights), backends=["numpy-blas"])
-    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights))), rtol=1e-2, atol=1e-2)
+    ex = GraphExecutor((graph, weights), kv_dtype="f32", backends=["numpy-blas"])
+    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), kv_dtype="f32")), rtol=1e-2, atol=1e-2)
 
 
 def test_hint_is_honoured_over_the_default():
     graph, weights = llama(hints={"Matmul": BackendHint.WGPU, "RmsNorm": BackendHint.WGPU})
     blas = NumpyBlasBackend(hint=BackendHint.WGPU)  # serves the nodes hinted wgpu
-    ex = GraphExecutor((graph, weights), backends=["cpu", blas], fuse=False)  # default: cpu
+    ex = GraphExecutor((graph, weights), kv_dtype="f32", backends=["cpu", blas], fuse=False)  # default: cpu
     plan = plan_by_op(ex)
     assert plan["Matmul"] == {("numpy-blas", "hint wgpu")}
     assert plan["RmsNorm"] == {("cpu", "hint wgpu does not support it; default")}
     assert plan["Rope"] == {("cpu", "default")}
-    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), fuse=False)))
+    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), kv_dtype="f32", fuse=False)))
 
 
 def test_hint_for_a_backend_not_in_use_falls_back_to_default_then_cpu():
     graph, weights = llama(hints={"Matmul": BackendHint.TORCH, "RmsNorm": BackendHint.TORCH,
                                   "Sdpa": BackendHint.METAL})
-    ex = GraphExecutor((graph, weights), backends=["numpy-blas"], fuse=False)
+    ex = GraphExecutor((graph, weights), kv_dtype="f32", backends=["numpy-blas"], fuse=False)
     plan = plan_by_op(ex)
     assert plan["Matmul"] == {("numpy-blas", "hint torch not in use; default")}
     assert plan["RmsNorm"] == {
         ("cpu", "hint torch not in use; default numpy-blas does not support it; fallback to cpu")}
     assert plan["Sdpa"] == {
         ("cpu", "hint metal not in use; default numpy-blas does not support it; fallback to cpu")}
-    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), fuse=False)))
+    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), kv_dtype="f32", fuse=False)))
 
 
 def test_a_node_the_hinted_backend_declines_for_its_dtypes_goes_to_cpu():
@@ -207,14 +207,14 @@ def test_a_node_the_hinted_backend_declines_for_its_dtypes_goes_to_cpu():
     weights[name] = quantize(weights[name], DType.Q8_0)
     graph = Graph(graph.nodes, graph.inputs, graph.outputs,
                   {**graph.weights, name: TensorSpec(weights[name].shape, DType.Q8_0)})
-    ex = GraphExecutor((graph, weights), backends=[NumpyBlasBackend(hint=BackendHint.WGPU)], fuse=False)
+    ex = GraphExecutor((graph, weights), kv_dtype="f32", backends=[NumpyBlasBackend(hint=BackendHint.WGPU)], fuse=False)
     by_id = {p["id"]: p for p in ex.plan()}
     q_node = next(n for n in graph.nodes if n.inputs[1:] == [name])
     assert (by_id[q_node.id]["backend"], by_id[q_node.id]["reason"]) == (
         "cpu", "hint wgpu does not support it; default numpy-blas does not support it; fallback to cpu")
     others = [p for p in ex.plan() if p["op"] == "Matmul" and p["id"] != q_node.id]
     assert {(p["backend"], p["reason"]) for p in others} == {("numpy-blas", "hint wgpu")}
-    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), fuse=False)))
+    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), kv_dtype="f32", fuse=False)))
 
 
 class CpuWithoutSdpa(CpuBackend):
@@ -230,7 +230,7 @@ def test_no_backend_accepts_is_an_error_naming_the_node():
     with pytest.raises(GraphValidationError, match=rf"node {sdpa.id} \(Sdpa\): no backend accepts it "
                                                    r"\(default numpy-blas does not support it; cpu has no "
                                                    r"kernel\); backends in use: \['numpy-blas', 'cpu'\]"):
-        GraphExecutor((graph, weights), backends=[NumpyBlasBackend(), CpuWithoutSdpa()])
+        GraphExecutor((graph, weights), kv_dtype="f32", backends=[NumpyBlasBackend(), CpuWithoutSdpa()])
 
 
 def test_acceptor_mirrors_the_chain_a_fused_node_would_go_through():
@@ -255,10 +255,10 @@ class CpuWithoutFused(CpuBackend):
 
 def test_executor_does_not_form_fused_nodes_no_backend_takes():
     graph, weights = llama()
-    ex = GraphExecutor((graph, weights), backends=[NumpyBlasBackend(), CpuWithoutFused()])
+    ex = GraphExecutor((graph, weights), kv_dtype="f32", backends=[NumpyBlasBackend(), CpuWithoutFused()])
     ops = {n.op_name for n in ex.graph.nodes}
     assert "FusedSkipNorm" not in ops and "FusedSwiGlu" in ops and "FusedNormMatmul" in ops  # blas takes it
-    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), fuse=False)))
+    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), kv_dtype="f32", fuse=False)))
 
 
 @pytest.mark.parametrize("name", ["numba"])

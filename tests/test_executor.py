@@ -22,6 +22,7 @@ CFG = LlamaConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48)
 
 def executor(cfg=CFG, weights=None, **kw) -> GraphExecutor:
     weights = llama_weights(cfg) if weights is None else weights
+    kw.setdefault("kv_dtype", "f32")  # the references here are F32 decoders, compared at 1e-5
     return GraphExecutor((with_specs(llama_graph(cfg), weights), weights), fuse=False, **kw)
 
 
@@ -222,7 +223,7 @@ def test_runs_from_a_model_file(tmp_path):
 
     w = llama_weights(CFG)
     save_model(tmp_path / "m.model", llama_graph(CFG), w, llama_metadata(CFG)).close()
-    got = GraphExecutor(tmp_path / "m.model").run({"tokens": TOKENS})["logits"]
+    got = GraphExecutor(tmp_path / "m.model", kv_dtype="f32").run({"tokens": TOKENS})["logits"]
     np.testing.assert_allclose(got, executor(weights=w).run({"tokens": TOKENS})["logits"], rtol=1e-6, atol=1e-6)
 
 

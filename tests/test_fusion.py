@@ -46,8 +46,8 @@ def ops(graph: Graph) -> Counter:
 
 def assert_runs_agree(graph: Graph, weights: dict, steps: list[dict], rtol=1e-5, atol=1e-5) -> None:
     """Run ``steps`` (one inputs dict per run: a prefill, then decode steps) unfused and fused."""
-    unfused = GraphExecutor((graph, weights), fuse=False)
-    fused = GraphExecutor((graph, weights), fuse=True)
+    unfused = GraphExecutor((graph, weights), kv_dtype="f32", fuse=False)
+    fused = GraphExecutor((graph, weights), kv_dtype="f32", fuse=True)
     assert len(fused.graph.nodes) < len(unfused.graph.nodes)
     for inputs in steps:
         want, got = unfused.run(inputs), fused.run(inputs)
@@ -101,7 +101,7 @@ def test_real_models_fused_and_unfused_agree_with_transformers(name, fused_count
     steps = [{"tokens": prompt.astype(np.int32)}] + [{"tokens": np.array([t], np.int32)} for t in tokens[:6]]
     if fused_counts:
         assert_runs_agree(graph, imported.weights, steps)
-    ex = GraphExecutor((graph, imported.weights))
+    ex = GraphExecutor((graph, imported.weights), kv_dtype="f32")
     ours = np.concatenate([ex.run(s)["logits"] for s in steps])
     ref_rows = logits[: len(ours)]
     assert np.abs(ours - ref_rows).max() <= 1e-4 * np.abs(ref_rows).max()
@@ -146,9 +146,9 @@ def test_llama_norm_into_qkv_only_when_asked():
     assert ops(no_skip)["FusedNormMatmul"] == 3 * CONFIGS[0].layers + 1
     assert ops(no_skip)["FusedSkipNorm"] == 0
     weights = {n: w for n, w in llama(CONFIGS[0])[1].items()}
-    a = GraphExecutor((graph, weights), fuse=False).run({"tokens": PROMPT})["logits"]
+    a = GraphExecutor((graph, weights), kv_dtype="f32", fuse=False).run({"tokens": PROMPT})["logits"]
     for g in (fused, no_skip):
-        b = GraphExecutor((g, weights), fuse=False).run({"tokens": PROMPT})["logits"]
+        b = GraphExecutor((g, weights), kv_dtype="f32", fuse=False).run({"tokens": PROMPT})["logits"]
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
 
 
@@ -227,9 +227,9 @@ def run_both(graph: Graph, inputs=("x",)) -> tuple[Graph, dict]:
     fused = fuse_graph(graph)
     assert validate_graph(fused).warnings == validate_graph(graph).warnings
     feed = {n: X[n] for n in inputs}
-    want = GraphExecutor((graph, WEIGHTS), fuse=False).run(feed)
-    got = GraphExecutor((fused, WEIGHTS), fuse=False).run(feed)
-    assert GraphExecutor((graph, WEIGHTS)).graph == fused  # the executor's default pre-pass
+    want = GraphExecutor((graph, WEIGHTS), kv_dtype="f32", fuse=False).run(feed)
+    got = GraphExecutor((fused, WEIGHTS), kv_dtype="f32", fuse=False).run(feed)
+    assert GraphExecutor((graph, WEIGHTS), kv_dtype="f32").graph == fused  # the executor's default pre-pass
     for name in graph.outputs:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
     return fused, got
@@ -262,8 +262,8 @@ def test_norm_with_several_matmuls_is_left_by_default_and_fused_per_consumer_whe
         (0, "FusedNormMatmul", ["q"]), (2, "Relu", ["q2"]),
         (3, "FusedNormMatmul", ["k"]), (4, "FusedNormMatmul", ["v"])]  # each where its Matmul was
     feed = {"x": X["x"]}
-    want = GraphExecutor((g, WEIGHTS), fuse=False).run(feed)
-    got = GraphExecutor((fused, WEIGHTS), fuse=False).run(feed)
+    want = GraphExecutor((g, WEIGHTS), kv_dtype="f32", fuse=False).run(feed)
+    got = GraphExecutor((fused, WEIGHTS), kv_dtype="f32", fuse=False).run(feed)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
 
@@ -397,8 +397,8 @@ def test_groups_whose_fused_node_is_rejected_stay_unfused():
     assert counts["FusedSkipNorm"] == 2 * CONFIGS[0].layers - 1 and counts["FusedNormMatmul"] == 1
     assert ("FusedSwiGlu", [(-1, 32), (48, 32), (48, 32)]) in seen
     assert fuse_graph(graph, lambda n, s: False) == graph  # nothing accepted: nothing fused
-    a = GraphExecutor((graph, weights), fuse=False).run({"tokens": PROMPT})["logits"]
-    b = GraphExecutor((fused, weights), fuse=False).run({"tokens": PROMPT})["logits"]
+    a = GraphExecutor((graph, weights), kv_dtype="f32", fuse=False).run({"tokens": PROMPT})["logits"]
+    b = GraphExecutor((fused, weights), kv_dtype="f32", fuse=False).run({"tokens": PROMPT})["logits"]
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
 
 
@@ -430,8 +430,8 @@ def test_rejected_fused_nodes_already_in_the_graph_are_expanded():
     assert expanded.nodes[2].op.eps == pytest.approx(1e-4)
     assert validate_graph(expanded).warnings == []
     feed = {"x": X["x"], "r": X["r"]}
-    want = GraphExecutor((g, WEIGHTS), fuse=False).run(feed)
-    got = GraphExecutor((expanded, WEIGHTS), fuse=False).run(feed)
+    want = GraphExecutor((g, WEIGHTS), kv_dtype="f32", fuse=False).run(feed)
+    got = GraphExecutor((expanded, WEIGHTS), kv_dtype="f32", fuse=False).run(feed)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
 

@@ -119,7 +119,7 @@ def rewrite(tmp_path: Path, rename, extra: dict | None = None, config: dict | No
 
 def prefill(model_dir: Path):
     imported = load_hf_dir(model_dir)
-    logits = GraphExecutor((imported.graph, imported.weights)).run({"tokens": reference()["prompt"].astype(np.int32)})
+    logits = GraphExecutor((imported.graph, imported.weights), kv_dtype="f32").run({"tokens": reference()["prompt"].astype(np.int32)})
     return imported, logits["logits"]
 
 

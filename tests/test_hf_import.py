@@ -6,7 +6,8 @@ checkpoint; Phi with partial rotary, parallel attention/MLP and LayerNorm, store
 with a sliding window of 8, stored in bf16) and the logits transformers computed for it.  The tests
 convert the checkpoint (no torch here), then check:
 
-* prefill: our logits over the prompt match transformers' within 1e-4 of the logits' scale;
+* prefill: our logits over the prompt match transformers' within 1e-4 of the logits' scale (an F32
+  KV cache; the default F16 one within 2e-3);
 * decode: each step of a 32-token greedy run, one token at a time through the KV cache, matches
   the row of transformers' single full forward pass over the same tokens, and our greedy tokens are
   transformers' ``generate`` tokens.
@@ -37,6 +38,9 @@ pytest.importorskip("safetensors")
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 MODELS = ("llama", "qwen2", "phi", "mistral")
 TOLERANCE = 1e-4  # of the logits' scale (max |logit| of the reference)
+#: An F16 KV cache (the default) rounds K and V to 11 significant bits: at most 6.7e-4 of the logits'
+#: scale on these fixtures (qwen2), the same greedy tokens.
+F16_TOLERANCE = 2e-3
 
 
 def reference(name: str) -> dict[str, np.ndarray]:
@@ -54,10 +58,10 @@ def converted(tmp_path_factory) -> dict[str, Path]:
     return {name: convert_hf(FIXTURES / name, out / f"{name}.model").out for name in MODELS}
 
 
-def greedy_run(model, prompt: np.ndarray, steps: int, feed: np.ndarray | None = None):
+def greedy_run(model, prompt: np.ndarray, steps: int, feed: np.ndarray | None = None, kv_dtype: str = "f32"):
     """Prefill then ``steps`` single-token runs; the token fed at each step is our own greedy pick,
     or ``feed[i]`` (teacher forcing).  Returns (logits [P + steps, V], our greedy picks)."""
-    ex = GraphExecutor(model)
+    ex = GraphExecutor(model, kv_dtype=kv_dtype)
     rows = [ex.run({"tokens": prompt.astype(np.int32)})["logits"]]
     picks = []
     for i in range(steps):
@@ -68,16 +72,17 @@ def greedy_run(model, prompt: np.ndarray, steps: int, feed: np.ndarray | None = 
 
 
 # -- agreement with transformers -------------------------------------------------------------------
+@pytest.mark.parametrize("kv_dtype, tolerance", [("f32", TOLERANCE), ("f16", F16_TOLERANCE)])
 @pytest.mark.parametrize("name", MODELS)
-def test_prefill_and_greedy_decode_match_transformers(name, converted):
+def test_prefill_and_greedy_decode_match_transformers(name, kv_dtype, tolerance, converted):
     ref = reference(name)
     prompt, tokens, logits = ref["prompt"], ref["tokens"], ref["logits"]
     p = len(prompt)
-    ours, picks = greedy_run(converted[name], prompt, len(tokens))
+    ours, picks = greedy_run(converted[name], prompt, len(tokens), kv_dtype=kv_dtype)
     assert ours.shape == logits.shape and ours.dtype == np.float32
-    assert relative_error(ours[:p], logits[:p]) <= TOLERANCE, "prefill"
+    assert relative_error(ours[:p], logits[:p]) <= tolerance, "prefill"
     for step in range(len(tokens)):  # row p + step: after feeding generated token `step`
-        assert relative_error(ours[p + step], logits[p + step]) <= TOLERANCE, f"decode step {step}"
+        assert relative_error(ours[p + step], logits[p + step]) <= tolerance, f"decode step {step}"
     assert picks == tokens.tolist()
 
 

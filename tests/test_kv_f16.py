@@ -1,4 +1,4 @@
-"""KV caches kept in F16 (``--kv-dtype f16``): half the memory, rows rounded to nearest even as numpy
+"""KV caches kept in F16 (the default; ``--kv-dtype``): half the memory, rows rounded to nearest even as numpy
 rounds them, the same bits for a session alone or batched and on pipeline stages, logits close to
 an F32 cache's, and plans sized for them."""
 
@@ -58,7 +58,7 @@ def test_a_session_s_states_are_made_in_its_element_type():
 
 
 def test_an_unknown_kv_dtype_names_the_choices(model):
-    with pytest.raises(ValueError, match=r"--kv-dtype 'q4' is not one of f32, f16"):
+    with pytest.raises(ValueError, match=r"--kv-dtype 'q4' is not one of f16, f32"):
         GraphExecutor(model, kv_dtype="q4")
 
 
@@ -80,7 +80,7 @@ def test_f16_caches_give_a_session_the_same_bits_alone_or_batched(model, program
 def test_f16_caches_stay_close_to_f32_ones(model):
     """Logits over a prompt and 24 decode steps within 2e-3 of the F32 cache's, relative to the
     largest logit (measured: ~5e-4 on the 125M model)."""
-    f32, f16 = GraphExecutor(model), GraphExecutor(model, kv_dtype="f16")
+    f32, f16 = GraphExecutor(model, kv_dtype="f32"), GraphExecutor(model)  # f16: the default
     assert f16.kv_dtype == DType.F16 and f32.kv_dtype == DType.F32
     ids = np.random.default_rng(2).integers(0, CFG.vocab, 40).astype(np.int32)
     worst = 0.0
@@ -88,6 +88,19 @@ def test_f16_caches_stay_close_to_f32_ones(model):
         a, b = (e.run({"tokens": chunk})["logits"] for e in (f32, f16))
         worst = max(worst, float(np.abs(a - b).max() / np.abs(a).max()))
     assert 0 < worst < 2e-3
+
+
+def test_a_model_may_declare_its_kv_dtype_and_the_caller_overrides_it(model, tmp_path):
+    from dist_runtime.model import save_model
+
+    graph, weights = llama_graph(CFG), llama_weights(CFG, seed=5)
+    declared = tmp_path / "f32.model"
+    save_model(declared, graph, weights, {**llama_metadata(CFG), "kv_dtype": "f32"}).close()
+    assert GraphExecutor(declared).kv_dtype == DType.F32
+    assert GraphExecutor(declared, kv_dtype="f16").kv_dtype == DType.F16
+    assert GraphExecutor(model).kv_dtype == DType.F16  # nothing declared: the default
+    with pytest.raises(ValueError, match=r"metadata key 'kv_dtype' must be one of f16, f32, got 'q4'"):
+        save_model(tmp_path / "bad.model", graph, weights, {**llama_metadata(CFG), "kv_dtype": "q4"})
 
 
 def test_plans_size_f16_caches_at_half():
@@ -107,7 +120,7 @@ def test_generate_takes_kv_dtype_and_refuses_what_it_does_not_know(model, capsys
     assert len(capsys.readouterr().out.split()) >= 4
     with pytest.raises(SystemExit) as exit_:
         main(["generate", str(path), "--ids", "1", "--kv-dtype", "q4"])
-    assert exit_.value.code == 2 and "invalid choice: 'q4' (choose from 'f32', 'f16')" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "invalid choice: 'q4' (choose from 'f16', 'f32')" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # Ray stages

@@ -68,9 +68,9 @@ def test_cost_model_of_a_llama_graph():
     assert costs.compute[pos["l0_q"]] == 2 * 16 * 64 * 64
     # Sdpa: q [16, 64] against 64 cached keys (max context): 4 * 16*64 * 64 + 5 * 16 * 4 heads * 64.
     assert costs.compute[pos["l0_attn"]] == 4 * 16 * 64 * 64 + 5 * 16 * 4 * 64
-    # KV cache: K and V, [max_context, kv_heads * head_dim] f32, per session.
+    # KV cache: K and V, [max_context, kv_heads * head_dim] kept in f16 (the default), per session.
     kv_node = pos["l0_k_all"]
-    assert costs.kv[kv_node] == 2 * 64 * 32 * 4 * 3
+    assert costs.kv[kv_node] == 2 * 64 * 32 * 2 * 3
     assert costs.kv.sum() == 2 * costs.kv[kv_node]
     # Weights: every weight once, bytes from dtype x shape.
     assert set(costs.weight_names) == set(g.weights)
@@ -144,7 +144,7 @@ def test_llama_splits_at_layer_boundaries_with_embedding_and_lm_head_accounted(t
         assert m.weights == nbytes(graph, stage.weights)  # each weight in its stage, once
         assert m.total <= m.budget
         layers = {w.split(".")[2] for w in stage.weights if w.startswith("model.layers.")}
-        assert m.kv == len(layers) * 2 * 256 * 32 * 4 * 4  # K and V per layer, 4 sessions
+        assert m.kv == len(layers) * 2 * 256 * 32 * 2 * 4  # K and V per layer in f16, 4 sessions
     assert sorted(w for s in plan.stages for w in s.weights) == sorted(graph.weights)
     assert plan.stages[1].compute > plan.stages[0].compute  # the speed-2 machine takes more
 

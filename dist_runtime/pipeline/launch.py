@@ -7,9 +7,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
+from ..dtypes import kv_dtype
 from ..errors import DistRuntimeError
 from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
 from .channels import DEFAULT_CHANNEL, make_channel
@@ -22,7 +24,7 @@ from .subgraph import StageGraph, stages_for_plan
 
 def make_plan(graph, *, stages: int | None = None, budgets=None, speeds=None, reserve="0",
               max_context: int = 4096, sessions: int = 1, model_name: str = "", tokens: int | None = None,
-              kv_dtype: str = "f32"):
+              kv_dtype: str | None = None):
     """A partitioner plan from the CLI's vocabulary (``--stages N`` or ``--budgets``); ``tokens``:
     the rows of the largest pass (``--max-batch-tokens``; default: the partitioner's)."""
     from dist_runtime.partitioner.machines import make_machines
@@ -92,6 +94,8 @@ class Pipeline:
             self.graph = model.graph
             name = str(model.metadata.get("name") or self.path.name)
             max_context = max_context or context_limit(model.metadata)
+            kv = kv_dtype(self.options.kv_dtype, model.metadata.get("kv_dtype")).name.lower()
+            self.options = dataclasses.replace(self.options, kv_dtype=kv)
         self.plan = plan or make_plan(self.graph, stages=stages, budgets=budgets, speeds=speeds,
                                       reserve=reserve, max_context=max_context, sessions=sessions,
                                       model_name=name, tokens=max_batch_tokens, kv_dtype=self.options.kv_dtype)

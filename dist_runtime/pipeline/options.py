@@ -23,7 +23,7 @@ class StageOptions:
     weights: str = "auto"  # "auto": the file if it is there, else the object store
     worker_path: str | None = None  # where workers find the model (default: the driver's path)
     fuse: bool = True
-    kv_dtype: str = "f32"  # what the stages' KV caches keep K and V in (kernels.attention.KV_DTYPE_NAMES)
+    kv_dtype: str | None = None  # what the stages' KV caches keep K and V in (None: the model's, else f16)
     backends: list[str] | None = None
     seed: int = 0
     spread: bool = True

@@ -72,7 +72,7 @@ class StageWorker:
     """One stage.  ``load_file`` or ``load_weights`` must succeed before ``step``."""
 
     def __init__(self, stage: StageGraph, *, fuse: bool = True, backends=None, seed: int = 0,
-                 threads: int | None = None, max_sessions: int = MAX_SESSIONS, kv_dtype: str = "f32") -> None:
+                 threads: int | None = None, max_sessions: int = MAX_SESSIONS, kv_dtype: str | None = None) -> None:
         self.stage = stage
         self._fuse, self._backends, self._seed, self._kv_dtype = fuse, backends, seed, kv_dtype
         self.threads = threads
