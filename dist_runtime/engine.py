@@ -115,6 +115,7 @@ class LocalEngine:
         for work in batch:
             if work.reset:
                 self.executor.reset(work.session)
+            self.executor.set_kv_ceiling(work.session, work.live.kv_rows)
         tokens = np.asarray([t for w in batch for t in w.tokens], np.int32)
         segments = [Segment(w.session, len(w.tokens), w.pos) for w in batch]
         logits = self.executor.run_batch({self.input_name: tokens}, segments)[self.logits_name]

@@ -327,6 +327,11 @@ class GraphExecutor:
         for s in targets:
             s.reset()
 
+    def set_kv_ceiling(self, session: Hashable, rows: int) -> None:
+        """``session``'s KV caches grow to at most ``rows`` rows (the rows its request may reach,
+        which the scheduler admitted it for; 0: no ceiling), unless a write itself goes past it."""
+        self.session(session).kv.set_ceiling(rows)
+
     def close_session(self, session: Hashable) -> None:
         """Forget a session and free its KV caches."""
         self._sessions.pop(session, None)

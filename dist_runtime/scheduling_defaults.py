@@ -14,3 +14,7 @@ IDLE_PREFILL_TOKENS = 512
 #: default does (kernels/attention.py's ``KvState``; docs/architecture.md states its accuracy).
 KV_DTYPE_NAMES = ("f16", "f32")
 DEFAULT_KV_DTYPE = "f16"
+#: Rows a KV cache grows by: a session's caches take whole blocks as its context grows, at least an
+#: eighth more each time (appends stay amortised O(1)), never past its request's ceiling
+#: (kernels/attention.py's ``KvState``).  llama.cpp pads its context to 256 rows too.
+KV_BLOCK = 256

@@ -12,11 +12,13 @@ product (a decode step is KV matrix-vector-like products, not H of them).
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
 from dist_runtime import arena
 from dist_runtime.dtypes import DType
+from dist_runtime.scheduling_defaults import KV_BLOCK
 from dist_runtime.ir.ops import FlashAttention, KvCache, Sdpa, SdpaCross, SdpaWindow
 from dist_runtime.tensor import Array, QuantizedArray, dtype_of
 
@@ -273,17 +275,17 @@ class _Rows:
                                   f"{_describe(*layout)} while the cache holds {held} rows "
                                   f"(leading dims, width and dtype must stay; reset() first)")
 
-    def reserve(self, pos: int, new: Array, held: int, capacity_hint: int) -> np.ndarray:
-        """The buffer, grown as needed (its first ``min(pos, held)`` rows kept), with room for
-        ``new``'s rows at ``[pos, pos + T)``, which the caller fills."""
+    def reserve(self, pos: int, new: Array, held: int, grown: Callable[[int, int], int]) -> np.ndarray:
+        """The buffer, grown as needed to ``grown(stop, rows it holds now)`` rows (its first
+        ``min(pos, held)`` rows kept), with room for ``new``'s rows at ``[pos, pos + T)``, which
+        the caller fills."""
         raw, layout = self._raw(new)
         stop = pos + raw.shape[-2]
         if self.buf is None or layout != self.layout:  # first write, or a new layout after reset
             self.buf, self.layout = None, layout
-            self._grow(raw, max(stop, capacity_hint), keep=0)
+            self._grow(raw, grown(stop, 0), keep=0)
         elif stop > self.buf.shape[-2]:
-            # Geometric growth keeps appends amortised O(1) (never a concatenate per token).
-            self._grow(raw, max(stop, 2 * self.buf.shape[-2]), keep=min(pos, held))
+            self._grow(raw, grown(stop, self.buf.shape[-2]), keep=min(pos, held))
         return self.buf
 
     def view(self, stop: int, new: Array) -> Array:
@@ -312,12 +314,20 @@ KV_DTYPES = (None, DType.F32, DType.F16)
 
 
 class KvStates(dict):
-    """A session's KV states, by node, and the element type they keep F32 rows in (``dtype``:
-    :data:`KV_DTYPES`)."""
+    """A session's KV states, by node, the element type they keep F32 rows in (``dtype``:
+    :data:`KV_DTYPES`) and the rows they grow to at most (``ceiling``: :class:`KvState`)."""
 
-    def __init__(self, dtype: DType | None = None) -> None:
+    def __init__(self, dtype: DType | None = None, ceiling: int = 0) -> None:
         super().__init__()
-        self.dtype = dtype
+        self.dtype, self.ceiling = dtype, ceiling
+
+    def set_ceiling(self, rows: int) -> None:
+        """The session's caches grow to at most ``rows`` rows from now on (0: no ceiling)."""
+        if rows == self.ceiling:
+            return
+        self.ceiling = rows
+        for state in self.values():
+            state.ceiling = rows
 
 
 class KvState:
@@ -327,23 +337,36 @@ class KvState:
     read-only views of rows ``[0, pos + T)``.  Rows are keyed by position, so a retried step
     (the same ``pos`` again) overwrites what it wrote before and returns the same result; a
     ``pos`` before the end rewinds the cache to ``pos + T`` rows.  A ``pos`` past the rows held
-    would leave a gap and is an error.  ``capacity`` (the payload's ``max_seq``) preallocates rows;
-    it never limits: the buffers double when full.  ``dtype`` F16 keeps F32 rows as f16 (half the
-    memory; numpy's rounding to nearest even, the same bits whoever writes them), read back as
-    f16 views; None keeps rows as given.
+    would leave a gap and is an error.  ``dtype`` F16 keeps F32 rows as f16 (half the memory;
+    numpy's rounding to nearest even, the same bits whoever writes them), read back as f16 views;
+    None keeps rows as given.
+
+    Memory: the buffers take whole blocks of :data:`KV_BLOCK` rows as the rows written grow, at
+    least an eighth more each time (appends stay amortised O(1), at most ~1/8 of a buffer unused),
+    and never more than ``ceiling`` rows (the rows the session's request may reach, which the
+    scheduler admitted it for; 0: none) unless a write itself goes past it.  ``capacity`` (the
+    payload's ``max_seq``) is the first allocation's size; it never limits.
     """
 
-    def __init__(self, capacity: int = 0, dtype: DType | None = None) -> None:
+    def __init__(self, capacity: int = 0, dtype: DType | None = None, ceiling: int = 0) -> None:
         if dtype not in KV_DTYPES:
             raise ValueError(f"KV caches store {', '.join(d.name.lower() for d in KV_DTYPES if d)}, not {dtype!r}")
-        self.capacity = capacity
+        self.capacity, self.ceiling = capacity, ceiling
         self.dtype = dtype
         self.length = 0  # rows held
         self._k, self._v = _Rows(dtype), _Rows(dtype)
 
     @classmethod
-    def for_op(cls, op: KvCache, dtype: DType | None = None) -> KvState:
-        return cls(op.max_seq, dtype)
+    def for_op(cls, op: KvCache, dtype: DType | None = None, ceiling: int = 0) -> KvState:
+        return cls(op.max_seq, dtype, ceiling)
+
+    def _grown(self, stop: int, now: int) -> int:
+        """Rows a buffer holding ``now`` rows grows to for a write reaching row ``stop``."""
+        if now == 0 and self.capacity >= stop:
+            rows = self.capacity  # the payload's hint, as given
+        else:
+            rows = -(-max(stop, now + now // 8) // KV_BLOCK) * KV_BLOCK
+        return min(rows, max(stop, self.ceiling)) if self.ceiling else rows
 
     @classmethod
     def held_in(cls, states: dict, key, op: KvCache) -> KvState:
@@ -351,7 +374,7 @@ class KvState:
         element type ``states`` keeps them in (a :class:`KvStates`; a plain dict: as given)."""
         state = states.get(key)
         if state is None:
-            state = states[key] = cls.for_op(op, getattr(states, "dtype", None))
+            state = states[key] = cls.for_op(op, getattr(states, "dtype", None), getattr(states, "ceiling", 0))
         return state
 
     def write(self, pos: int, k_new: Array, v_new: Array) -> tuple[Array, Array]:
@@ -378,8 +401,8 @@ class KvState:
                                   f"agree on every dim but the last")
         self._k.check(k_new, self.length, "k_new")
         self._v.check(v_new, self.length, "v_new")
-        return (self._k.reserve(pos, k_new, self.length, self.capacity),
-                self._v.reserve(pos, v_new, self.length, self.capacity))
+        return (self._k.reserve(pos, k_new, self.length, self._grown),
+                self._v.reserve(pos, v_new, self.length, self._grown))
 
     def room(self, pos: int, rows: int, width: int, kept: DType = DType.F32) -> tuple[int, int, int] | None:
         """(K address, V address, rows each buffer holds) where F32 rows ``[pos, pos + rows)`` of

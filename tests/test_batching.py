@@ -228,6 +228,20 @@ def test_admission_holds_exactly_max_sessions():
     assert _run_to_the_end(sched) == {f"r{i}": [3, 3] for i in range(3)}
 
 
+def test_each_session_s_caches_hold_no_more_rows_than_its_request_may_reach(model):
+    """Prompt + new tokens is the ceiling the engine gives a session's KV caches: they never take
+    a whole block (256 rows) for a short request, and the tokens are the same as without one."""
+    ex, seen = _executor(model), {}
+    requests = [Request("short", [1, 2, 3], 5), Request("longer", list(range(1, 40)), 9)]
+    for event in LocalEngine(ex, max_batch_tokens=16).stream(requests):
+        states = ex.session(event.session).kv.values()
+        seen[event.session] = max(seen.get(event.session, 0), *(s.allocated for s in states))
+    assert seen == {"short": 3 + 5, "longer": 39 + 9}
+    unbounded = GraphExecutor(model)
+    unbounded.set_kv_ceiling = lambda session, rows: None
+    assert generate(LocalEngine(unbounded), requests).tokens == generate(LocalEngine(_executor(model)), requests).tokens
+
+
 def test_local_engine_batches_and_matches_one_session_per_pass(model):
     requests = _random_requests(np.random.default_rng(7), 6)
     ex = _executor(model)

@@ -243,22 +243,42 @@ def test_kv_cache_replay_is_idempotent_and_views_are_zero_copy():
     assert ctx.state.length == 4
 
 
-def test_kv_cache_grows_geometrically_and_honours_the_hint():
+def test_kv_cache_grows_in_blocks_and_honours_the_hint():
     op, row = KvCache(), np.ones((2, 1, 3), np.float32)
     ctx = cache_ctx()
     sizes = set()
-    for pos in range(1000):
+    for pos in range(4000):
         ctx.pos = pos
         k, _ = run(op, row * pos, row, ctx=ctx)
         sizes.add(ctx.state.allocated)
-    assert k.shape == (2, 1000, 3) and np.all(k[:, :, 0] == np.arange(1000))
-    assert len(sizes) <= 11  # doublings: amortised O(1) appends, not a copy per token
+        # whole blocks, at most an eighth (and a block) beyond the rows held
+        assert ctx.state.allocated % A.KV_BLOCK == 0 and ctx.state.allocated <= (pos + 1) * 9 // 8 + A.KV_BLOCK
+    assert k.shape == (2, 4000, 3) and np.all(k[:, :, 0] == np.arange(4000))
+    assert len(sizes) <= 16  # amortised O(1) appends, not a copy per token or per block
     hinted = cache_ctx(max_seq=64)
     run(op, row, row, ctx=hinted)
     assert hinted.state.allocated == 64
     hinted.pos = 1
     run(op, np.ones((2, 70, 3), np.float32), np.ones((2, 70, 3), np.float32), ctx=hinted)
     assert hinted.state.allocated >= 71 and hinted.state.length == 71  # a hint never limits
+
+
+def test_kv_cache_grows_to_its_ceiling_and_past_it_only_when_a_write_does():
+    op, row = KvCache(), np.ones((2, 1, 3), np.float32)
+    ctx = KernelContext(state=A.KvState.for_op(op, ceiling=300))
+    for pos in range(300):
+        ctx.pos = pos
+        run(op, row * pos, row, ctx=ctx)
+        assert ctx.state.allocated <= 300  # the rows the request was admitted for, never a block more
+    assert ctx.state.allocated == 300 and ctx.state.nbytes() == (2 * 2 * 300 * 3 * 4,) * 2
+    ctx.pos = 300
+    k, _ = run(op, row * 300, row, ctx=ctx)  # a write past it still succeeds
+    assert ctx.state.allocated == 301 and np.all(k[:, :, 0] == np.arange(301))
+    states = A.KvStates(ceiling=40)
+    state = A.KvState.held_in(states, "n", op)
+    assert state.ceiling == 40
+    states.set_ceiling(600)
+    assert state.ceiling == 600
 
 
 def test_kv_cache_edge_cases_and_errors():

@@ -320,10 +320,41 @@ def test_a_step_header_from_the_wire_is_checked_field_by_field(meta, words):
 
 
 def test_a_step_header_round_trips_through_its_meta():
+    from dist_runtime.pipeline.header import BatchSegment
+
     for h in (StepHeader("s", 3, 7), StepHeader(4, 0, 1, reset=True, close=True, logits="all"),
-              StepHeader(4, 0, 1, logits="argmax")):
+              StepHeader(4, 0, 1, logits="argmax"), StepHeader("s", 0, 2, ceiling=96),
+              StepHeader("a", 0, 3, batch=(BatchSegment("a", 0, 2, True, 40), BatchSegment("b", 5, 1)))):
         assert StepHeader.from_meta(h.to_meta()) == h
     assert StepHeader("s", 3, 7).to_meta() == {"session": "s", "pos": 3, "step": 7}
+    four = StepHeader.from_meta({"session": "a", "pos": 0, "step": 1, "batch": [["a", 0, 2, True]]})
+    assert four.batch == (BatchSegment("a", 0, 2, True, 0),)  # a segment without a ceiling: none
+
+
+@pytest.mark.parametrize("meta, says", [
+    ({"ceiling": -1}, "meta 'ceiling' must be a non-negative integer, got -1"),
+    ({"ceiling": True}, "meta 'ceiling' must be a non-negative integer, got True"),
+    ({"batch": [["a", 0, 1, False, "x"]]}, "meta 'ceiling' must be a non-negative integer, got 'x'"),
+    ({"batch": [["a", 0, 1, False, 2, 3]]}, "must be [session, pos, rows, reset, ceiling]"),
+])
+def test_a_bad_ceiling_on_the_wire_is_a_transport_error(meta, says):
+    from dist_runtime.errors import TransportError
+
+    with pytest.raises(TransportError) as err:
+        StepHeader.from_meta({"session": "a", "pos": 0, "step": 1, **meta})
+    assert says in str(err.value)
+
+
+def test_a_stage_grows_a_session_s_caches_to_the_ceiling_its_segment_carries(model, model_path):
+    from dist_runtime.pipeline.header import BatchSegment
+
+    stages = stages_for_plan(model.graph, make_plan(model.graph, stages=2, max_context=64))
+    workers = _workers(stages, model_path)
+    header = StepHeader("a", 0, 1, batch=(BatchSegment("a", 0, 3, True, 10), BatchSegment("b", 0, 2, True)))
+    _run(workers, encode_message({"tokens": np.asarray([1, 2, 3, 4, 5], np.int32)}, header.to_meta()))
+    for w in workers:
+        sizes = {sid: {s.allocated for s in w._executor.session(sid).kv.values()} for sid in ("a", "b")}
+        assert sizes == {"a": {10}, "b": {256}}  # "b" carried none: a whole block
 
 
 def test_the_last_stage_sends_greedy_tokens_when_asked(model, model_path):

@@ -476,14 +476,15 @@ class Coordinator:
         """A pass over ``works``; ``logits``: what the last stage sends back (``StepHeader.logits``)."""
         if len(works) == 1:
             w = works[0]
-            return self._message(w.session, w.tokens, w.pos, step, w.reset, logits)
+            return self._message(w.session, w.tokens, w.pos, step, w.reset, logits, w.live.kv_rows)
         header = StepHeader(works[0].session, works[0].pos, step, logits=logits,
-                            batch=tuple(BatchSegment(w.session, w.pos, len(w.tokens), w.reset) for w in works))
+                            batch=tuple(BatchSegment(w.session, w.pos, len(w.tokens), w.reset, w.live.kv_rows)
+                                        for w in works))
         tokens = np.asarray([t for w in works for t in w.tokens], dtype=np.int32)
         return encode_message({self.input_name: tokens}, header.to_meta())
 
-    def _message(self, session, tokens, pos, step, reset, logits: str) -> bytes:
-        header = StepHeader(session, int(pos), step, reset=bool(reset), logits=logits)
+    def _message(self, session, tokens, pos, step, reset, logits: str, ceiling: int = 0) -> bytes:
+        header = StepHeader(session, int(pos), step, reset=bool(reset), logits=logits, ceiling=ceiling)
         return encode_message({self.input_name: np.asarray(tokens, dtype=np.int32)}, header.to_meta())
 
     def _collect(self, run: RunTelemetry) -> None:

@@ -15,12 +15,14 @@ from ..errors import TransportError
 
 
 class BatchSegment(NamedTuple):
-    """One session's rows in a batched step: ``rows`` rows at ``pos``; ``reset`` its first."""
+    """One session's rows in a batched step: ``rows`` rows at ``pos``; ``reset`` its first;
+    ``ceiling`` the KV rows its request may reach (``GraphExecutor.set_kv_ceiling``; 0: none)."""
 
     session: int | str
     pos: int
     rows: int
     reset: bool = False
+    ceiling: int = 0
 
 
 #: Segments one batched step may carry (the stages' session limit bounds it further).
@@ -45,10 +47,13 @@ class StepHeader:
     # A batched step (continuous batching): the sessions whose rows the tensors hold, in order;
     # ``session``/``pos`` are then its first segment's.  Empty for a step of one session.
     batch: tuple[BatchSegment, ...] = ()
+    ceiling: int = 0  # the KV rows the session's request may reach (a step of one session; 0: none)
 
     def to_meta(self) -> dict:
         meta = {"session": self.session, "pos": self.pos, "step": self.step}
         meta.update({k: True for k in ("reset", "close") if getattr(self, k)})
+        if self.ceiling:
+            meta["ceiling"] = self.ceiling
         if self.logits != "last":
             meta["logits"] = self.logits
         if self.batch:
@@ -61,7 +66,7 @@ class StepHeader:
         if logits not in LOGITS:
             raise TransportError(f"meta 'logits' must be one of {', '.join(map(repr, LOGITS))}, got {logits!r}")
         return cls(_session(meta.get("session"), "'session'"), _count(meta, "pos"), _count(meta, "step"), _flag(meta, "reset"), _flag(meta, "close"),
-                   logits, _batch(meta.get("batch", [])))
+                   logits, _batch(meta.get("batch", [])), _count(meta, "ceiling", 0))
 
 
 def _batch(items) -> tuple[BatchSegment, ...]:
@@ -69,10 +74,11 @@ def _batch(items) -> tuple[BatchSegment, ...]:
         raise TransportError(f"meta 'batch' must be a list of at most {MAX_SEGMENTS} segments")
     segments = []
     for i, item in enumerate(items):
-        if not isinstance(item, list) or len(item) != 4:
-            raise TransportError(f"meta 'batch'[{i}] must be [session, pos, rows, reset], got {item!r}")
-        fields = dict(zip(("session", "pos", "rows", "reset"), item))
-        seg = BatchSegment(_session(fields["session"], f"'batch'[{i}] session"), _count(fields, "pos"), _count(fields, "rows"), _flag(fields, "reset"))
+        if not isinstance(item, list) or len(item) not in (4, 5):
+            raise TransportError(f"meta 'batch'[{i}] must be [session, pos, rows, reset, ceiling], got {item!r}")
+        fields = dict(zip(("session", "pos", "rows", "reset", "ceiling"), item))
+        seg = BatchSegment(_session(fields["session"], f"'batch'[{i}] session"), _count(fields, "pos"), _count(fields, "rows"),
+                           _flag(fields, "reset"), _count(fields, "ceiling", 0))
         if seg.rows < 1:
             raise TransportError(f"meta 'batch'[{i}] has no rows")
         segments.append(seg)
@@ -87,8 +93,8 @@ def _session(value, what: str) -> int | str:
     return value
 
 
-def _count(meta: dict, key: str) -> int:
-    value = meta.get(key)
+def _count(meta: dict, key: str, default: int | None = None) -> int:
+    value = meta.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise TransportError(f"meta {key!r} must be a non-negative integer, got {value!r}")
     return value

@@ -212,7 +212,7 @@ class StageWorker:
 
     def _run(self, tensors: dict, header: StepHeader) -> dict:
         stage, ex = self.stage, self._executor
-        segments = header.batch or (BatchSegment(header.session, header.pos, 0, header.reset),)
+        segments = header.batch or (BatchSegment(header.session, header.pos, 0, header.reset, header.ceiling),)
         outputs = {name: tensors[name] for name in stage.forwards}
         if ex is not None:
             known = ex.sessions()
@@ -223,6 +223,8 @@ class StageWorker:
             for seg in segments:
                 if seg.reset:
                     ex.reset(seg.session)
+                if seg.ceiling:
+                    ex.set_kv_ceiling(seg.session, seg.ceiling)
             inputs = {n: tensors[n] for n in stage.executor_inputs}
             if header.batch:
                 outputs.update(ex.run_batch(inputs, [Segment(seg.session, seg.rows, seg.pos) for seg in segments]))
