@@ -1,8 +1,10 @@
 """A plan drawn as SVG, by hand: per stage, its memory against its budget and its compute.
 
 Left: a stacked bar of weights / KV cache / activations / reserve, with the budget marked; all
-stages share one byte scale.  Right: the stage's time (compute / speed) against the slowest
-stage, labelled with its share of the total compute.  No dependencies: the markup is written out.
+stages share one byte scale.  Under the bar, each part's bytes; beside it, the total against the
+budget; hovering a part (or the bar) gives exact bytes.  Right: the stage's time (compute /
+speed) against the slowest stage, labelled with its share of the total compute.  No
+dependencies: the markup is written out.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dist_runtime.units import format_bytes
 from .plan import Plan
 
 COLORS = {"weights": "#4e79a7", "KV cache": "#f28e2b", "activations": "#59a14f", "reserve": "#bab0ac"}
-ROW, TOP, MEM_X, MEM_W, TIME_X, TIME_W = 36, 56, 200, 400, 730, 220
+# TIME_X leaves room for the widest total / budget beside a bar ("1023.9 MiB / 1023.9 MiB").
+ROW, TOP, MEM_X, MEM_W, TIME_X, TIME_W = 50, 56, 200, 400, 750, 220
 MIN_WIDTH = TIME_X + TIME_W + 50
 
 
@@ -68,18 +71,7 @@ def plan_svg(plan: Plan) -> str:
         out.append(_text(10, y + 15, fit(f"stage {s.index} on {s.machine} (speed {s.speed})", MEM_X - 20, 12, "bold"),
                          weight="bold"))
         out.append(_text(10, y + 29, fit(span, MEM_X - 20, 11), size=11))
-        out.append(_rect(MEM_X, y + 4, MEM_W, 24, "#f4f4f4"))  # the shared byte scale
-        x = MEM_X
-        m = s.memory
-        for (name, color), value in zip(COLORS.items(), (m.weights, m.kv, m.activations, m.reserve)):
-            w = MEM_W * value / scale
-            out.append(_rect(x, y + 4, w, 24, color, f"{name}: {format_bytes(value)} ({value:,} bytes)"))
-            x += w
-        if m.budget is not None:
-            bx = MEM_X + MEM_W * m.budget / scale
-            out.append(f'<line x1="{bx:.1f}" y1="{y + 1}" x2="{bx:.1f}" y2="{y + 31}" stroke="#b22222" stroke-width="2"/>')
-        budget = "no limit" if m.budget is None else format_bytes(m.budget)
-        out.append(text(MEM_X + MEM_W + 4, y + 20, f"{format_bytes(m.total)} / {budget}", size=10))
+        out += _memory_bar(s.memory, y, scale, text)
         w = TIME_W * s.time / slowest
         color = "#e15759" if s.time == slowest else "#76b7b2"
         out.append(_rect(TIME_X, y + 4, w, 24, color, f"{s.compute:,} FLOPs / speed {s.speed} = {s.time:.4g}"))
@@ -96,6 +88,43 @@ def plan_svg(plan: Plan) -> str:
                      f"plan {plan.hash[:12]}", size=11))
     out.append("</svg>")
     return "\n".join(fitted_svg(out, texts, MIN_WIDTH, height)) + "\n"
+
+
+def _parts(m) -> dict[str, int]:
+    """A stage's memory estimate by part, in the order the bar stacks them."""
+    return dict(zip(COLORS, (m.weights, m.kv, m.activations, m.reserve)))
+
+
+def _against_budget(m) -> list[str]:
+    """["2.4 MiB / 3.0 MiB", "80% of budget"], or ["2.4 MiB / no limit"]."""
+    if m.budget is None:
+        return [f"{format_bytes(m.total)} / no limit"]
+    share = [f"{m.total / m.budget:.0%} of budget"] if m.budget > 0 else []
+    return [f"{format_bytes(m.total)} / {format_bytes(m.budget)}", *share]
+
+
+def _memory_bar(m, y: float, scale: int, text) -> list[str]:
+    """One stage's memory: the stacked bar on the shared byte scale, its budget mark, the total
+    against the budget beside it and each part's bytes under it (fitted before the time column)."""
+    exact = "; ".join(f"{name} {value:,}" for name, value in _parts(m).items())
+    budget = "no budget" if m.budget is None else f"budget {m.budget:,}"
+    out = [_rect(MEM_X, y + 4, MEM_W, 24, "#f4f4f4",  # the shared byte scale
+                 f"{', '.join(_against_budget(m))}: {exact} bytes; total {m.total:,} of {budget} bytes")]
+    x = MEM_X
+    for (name, value), color in zip(_parts(m).items(), COLORS.values()):
+        w = MEM_W * value / scale
+        out.append(_rect(x, y + 4, w, 24, color, f"{name}: {format_bytes(value)} ({value:,} bytes)"))
+        x += w
+    if m.budget is not None:
+        bx = MEM_X + MEM_W * m.budget / scale
+        out.append(f'<line x1="{bx:.1f}" y1="{y + 1}" x2="{bx:.1f}" y2="{y + 31}" stroke="#b22222" stroke-width="2"/>')
+    lines = _against_budget(m)
+    for k, line in enumerate(lines):  # beside the bar, before the time column
+        out.append(text(MEM_X + MEM_W + 4, y + (20 if len(lines) == 1 else 15 + 12 * k),
+                        fit(line, TIME_X - MEM_X - MEM_W - 10, 10), size=10))
+    parts = " · ".join(f"{name} {format_bytes(value)}" for name, value in _parts(m).items())
+    out.append(text(MEM_X, y + 42, fit(parts, TIME_X - MEM_X - 20, 10), size=10))
+    return out
 
 
 def fit(s: str, width: float, size: float, weight: str = "normal") -> str:

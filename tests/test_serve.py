@@ -288,9 +288,9 @@ def test_health_metrics_and_page(server, client):
     assert httpx.get(server.url + "/metrics").status_code == 401
     client.completions.create(model="tiny", prompt="w5", max_tokens=2)
     text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    assert "# TYPE dist_runtime_generated_tokens counter" in text
-    assert 'dist_runtime_requests{endpoint="/v1/completions",status="200"}' in text
-    assert "dist_runtime_running_sessions 0" in text
+    assert "# TYPE dist_runtime_generated_tokens_total counter" in text
+    assert 'dist_runtime_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert "dist_runtime_running_sessions 0.0" in text
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and "/v1/chat/completions" in page.text
 

@@ -83,7 +83,8 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
                               "description": "Prometheus' text exposition format"},
                         **answers(client_errors=keyed)})
     async def metrics_text():
-        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
+        # on a thread: a scrape may wait (briefly) for the stages' memory
+        return Response(await asyncio.to_thread(metrics.text), media_type=metrics.content_type)
 
     @app.get("/v1/models", dependencies=auth, responses=answers(ModelList, client_errors=keyed))
     async def list_models():

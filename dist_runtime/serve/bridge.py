@@ -5,8 +5,9 @@ inbox=...)`` takes requests and cancellations from an :class:`~dist_runtime.requ
 before every pass and returns when no session is left.  The engine thread waits until the inbox
 has something, streams until it is empty again, and hands each token to the asyncio queue of the
 request that owns the session (``call_soon_threadsafe``); a finished session is closed at once
-(its KV caches freed: a server sees an unbounded number of sessions).  Encoders run one call at a time on a
-thread of their own.
+(its KV caches freed: a server sees an unbounded number of sessions).  Each session's moments --
+arrival, taken by the engine, every token, its end -- go to the metrics' latency histograms.
+Encoders run one call at a time on a thread of their own.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class EngineBridge:
         self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
         self.stream_options = stream_options or {}
         self.after_stream = after_stream  # e.g. the pipeline's telemetry into the metrics
-        self.inbox = Inbox()
+        self.inbox = _TimedInbox(metrics)
         self._lock = threading.Lock()
         self._routes: dict[Hashable, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # Events on their way to each event loop: one wake-up of a loop carries every event of a
@@ -106,6 +107,7 @@ class EngineBridge:
             for r in requests:
                 self._routes[r.session] = (loop, sub.queue)
                 self._waiting.add(r.session)
+                self.metrics.arrived(r.session, len(r.prompt))  # before the engine can take it
                 self.inbox.put(r)
             self._update_gauges()
         self._wake.set()
@@ -119,6 +121,7 @@ class EngineBridge:
             self._waiting.discard(session)
             self._update_gauges()
             self.inbox.cancel(session)
+        self.metrics.ended(session)
         self._wake.set()
 
     def stop(self) -> None:
@@ -162,12 +165,15 @@ class EngineBridge:
                 return
             self._waiting.discard(event.session)
             self._update_gauges()
+            # Timed before the event can reach its client: an answer is never ahead of its metrics.
+            if event.token is not None:
+                self.metrics.token(event.session)
+            if event.done:
+                self.metrics.ended(event.session)
             loop, queue = route
             pending = self._pending.setdefault(loop, [])
             pending.append((queue, event))
             wake = len(pending) == 1  # else a wake-up is on its way and will carry this one too
-        if event.token is not None:
-            self.metrics.count("generated_tokens")
         if wake:
             try:
                 loop.call_soon_threadsafe(self._deliver, loop)
@@ -188,6 +194,7 @@ class EngineBridge:
             self._waiting.clear()
             self._update_gauges()
         for session, (loop, queue) in routes.items():
+            self.metrics.ended(session)
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(session, None, 0, True, error))
             except RuntimeError:  # its event loop is already closed: nobody is listening
@@ -196,6 +203,20 @@ class EngineBridge:
     def _update_gauges(self) -> None:
         self.metrics.set("queued_sessions", len(self._waiting))
         self.metrics.set("running_sessions", len(self._routes) - len(self._waiting))
+
+
+class _TimedInbox(Inbox):
+    """The inbox, telling the metrics when the engine takes requests (their queue time ends)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        super().__init__()
+        self.metrics = metrics
+
+    def take(self) -> tuple[list[Request], list[Hashable]]:
+        requests, cancelled = super().take()
+        if requests:
+            self.metrics.scheduled(r.session for r in requests)
+        return requests, cancelled
 
 
 class Encoder:

@@ -49,7 +49,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .served_model import ServedModel
     from .server import Server, local_backend, pipeline_backend, pipeline_health
 
-    metrics = Metrics()
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     model = ServedModel.open(args.model, context=args.max_context, tokenizer=args.tokenizer,
                              chat_template=args.chat_template, name=args.name)
@@ -58,6 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         if args.max_context is None:  # the stages' KV caches are sized for what the Pipeline plans
             model.context = context_limit(model.metadata)
+        metrics = Metrics(max_length=model.context)
         pipe = open_pipeline(args, min(args.max_queue, MAX_SESSIONS))
         try:
             backend = pipeline_backend(model, pipe, metrics, max_queue=args.max_queue,
@@ -69,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise
         where = f"{len(pipe.stages)} pipeline stages"
     else:
+        metrics = Metrics(max_length=model.context)
         backend = local_backend(model, metrics, max_batch_tokens=args.max_batch_tokens,
                                 max_queue=args.max_queue, fuse=not args.no_fuse, kv_dtype=args.kv_dtype)
         server = Server(model, backend, metrics, host=args.host, port=args.port, api_key=api_key,

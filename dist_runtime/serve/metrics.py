@@ -1,50 +1,225 @@
-"""The server's counters and gauges, written in Prometheus' text exposition format (version
-0.0.4) for ``GET /metrics``."""
+"""The server's metrics for ``GET /metrics``, on prometheus-client: counters, gauges, latency and
+length histograms of the engine requests, and each pipeline stage's memory beside the plan's
+estimate (read when scraped).
+
+Every :class:`Metrics` has a registry of its own, never the process-wide default: tests start many
+servers in one process, and each must count only its own requests.  The engine thread and the
+event loop both record; prometheus-client's objects are thread safe, and the per-request times
+below are kept under a lock.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable, Iterable
 
-#: name -> (type, help); every metric is exported as ``dist_runtime_<name>``.
-METRICS = {
-    "requests": ("counter", "HTTP API requests answered, by endpoint and status code"),
-    "prompt_tokens": ("counter", "prompt tokens accepted"),
-    "generated_tokens": ("counter", "tokens generated"),
-    "queued_sessions": ("gauge", "sessions waiting for their first token (queued or in prefill)"),
-    "running_sessions": ("gauge", "sessions generating: the batch the engine runs"),
-    "stage_busy_seconds": ("counter", "seconds each pipeline stage spent computing"),
-    "recoveries": ("counter", "sessions rebuilt on a pipeline stage that replaced a failed one"),
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+PREFIX = "dist_runtime_"
+
+#: name -> (help, labels); exported as ``dist_runtime_<name>_total`` (prometheus-client adds it).
+COUNTERS = {
+    "requests": ("HTTP API requests answered, by endpoint and status code", ("endpoint", "status")),
+    "prompt_tokens": ("prompt tokens accepted", ()),
+    "generated_tokens": ("tokens generated", ()),
+    "stage_busy_seconds": ("seconds each pipeline stage spent computing", ("stage",)),
+    "recoveries": ("sessions rebuilt on a pipeline stage that replaced a failed one", ()),
 }
+GAUGES = {
+    "queued_sessions": "sessions waiting for their first token (queued or in prefill)",
+    "running_sessions": "sessions generating: the batch the engine runs",
+}
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so that dashboards and alerts written for it read
+# these alike.  Inter-token latency adds 1 ms and 5 ms below vLLM's first bucket: a small model on
+# CPU makes tokens faster than 10 ms.  Queue time is part of the time to first token: its buckets.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+DEFAULT_MAX_LENGTH = 100_000  # lengths' buckets when the model states no context
+
+#: name -> (help, buckets; None: lengths, 1-2-5 up to the context)
+HISTOGRAMS = {
+    "time_to_first_token_seconds": ("seconds from a request's arrival to its first token", TTFT_BUCKETS),
+    "inter_token_latency_seconds": ("seconds between two consecutive tokens of a request", ITL_BUCKETS),
+    "e2e_request_latency_seconds": ("seconds from a request's arrival to its end", REQUEST_BUCKETS),
+    "request_queue_time_seconds": ("seconds from a request's arrival until the engine took it", TTFT_BUCKETS),
+    "request_prompt_tokens": ("prompt tokens of a request", None),
+    "request_generation_tokens": ("tokens a request generated", None),
+}
+
+#: How long a scrape waits for the stages' memory before it shows the last values read.
+MEMORY_WAIT = 1.0
+
+
+def length_buckets(most: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``most`` (vLLM's ``build_1_2_5_buckets``)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > most:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+@dataclass
+class _Times:
+    """One engine request's moments so far (``time.monotonic()``)."""
+    arrival: float
+    prompt: int
+    last: float | None = None  # its latest token
+    tokens: int = 0
 
 
 class Metrics:
-    """Values by (name, labels); thread safe (the engine thread counts tokens)."""
+    """The server's metrics (see the module docstring); ``max_length``: the model's context, the
+    top of the length histograms' buckets."""
 
-    def __init__(self) -> None:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, max_length: int | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self._metrics: dict[str, Counter | Gauge | Histogram] = {}
+        for name, (help_, labels) in COUNTERS.items():
+            self._metrics[name] = Counter(PREFIX + name, help_, labels, registry=self.registry)
+        for name, help_ in GAUGES.items():
+            self._metrics[name] = Gauge(PREFIX + name, help_, registry=self.registry)
+        lengths = length_buckets(max_length or DEFAULT_MAX_LENGTH)
+        for name, (help_, buckets) in HISTOGRAMS.items():
+            self._metrics[name] = Histogram(PREFIX + name, help_, buckets=buckets or lengths, registry=self.registry)
         self._lock = threading.Lock()
-        self._values: dict[tuple[str, tuple], float] = {("queued_sessions", ()): 0, ("running_sessions", ()): 0}
+        self._requests: dict[Hashable, _Times] = {}
+        self._memory: StageMemory | None = None
 
+    # -- plain values ----------------------------------------------------------------------------
     def count(self, name: str, amount: float = 1, **labels) -> None:
-        key = (name, tuple(sorted(labels.items())))
-        with self._lock:
-            self._values[key] = self._values.get(key, 0) + amount
+        self._labelled(name, labels).inc(amount)
 
     def set(self, name: str, value: float, **labels) -> None:
-        with self._lock:
-            self._values[(name, tuple(sorted(labels.items())))] = value
+        self._labelled(name, labels).set(value)
+
+    def observe(self, name: str, value: float) -> None:
+        self._metrics[name].observe(value)
 
     def get(self, name: str, **labels) -> float:
-        with self._lock:
-            return self._values.get((name, tuple(sorted(labels.items()))), 0)
+        """A counter's or gauge's value now (0 when never set); a histogram's count."""
+        wanted = {k: str(v) for k, v in labels.items()}
+        names = {PREFIX + name + suffix for suffix in ("", "_total", "_count")}
+        for family in self._metrics[name].collect():
+            for sample in family.samples:
+                if sample.name in names and sample.labels == wanted:
+                    return sample.value
+        return 0
 
     def text(self) -> str:
+        """Everything, in the exposition format of :attr:`content_type`."""
+        return generate_latest(self.registry).decode()
+
+    def _labelled(self, name: str, labels: dict):
+        metric = self._metrics[name]
+        return metric.labels(**{k: str(v) for k, v in labels.items()}) if labels else metric
+
+    # -- an engine request's moments (the bridge reports them) -----------------------------------
+    def arrived(self, session: Hashable, prompt_tokens: int) -> None:
         with self._lock:
-            values = sorted(self._values.items())
-        lines = []
-        for name, (kind, help_) in METRICS.items():
-            lines += [f"# HELP dist_runtime_{name} {help_}", f"# TYPE dist_runtime_{name} {kind}"]
-            for (n, labels), value in values:
-                if n == name:
-                    tags = ",".join(f'{k}="{v}"' for k, v in labels)
-                    lines.append(f"dist_runtime_{name}{{{tags}}} {value:g}" if tags else f"dist_runtime_{name} {value:g}")
-        return "\n".join(lines) + "\n"
+            self._requests[session] = _Times(time.monotonic(), prompt_tokens)
+
+    def scheduled(self, sessions: Iterable[Hashable]) -> None:
+        """The engine took ``sessions`` into its batching (before its next pass)."""
+        now = time.monotonic()
+        with self._lock:
+            waited = [now - self._requests[s].arrival for s in sessions if s in self._requests]
+        for seconds in waited:
+            self.observe("request_queue_time_seconds", seconds)
+
+    def token(self, session: Hashable) -> None:
+        """``session`` generated a token: counted, and timed from its arrival or previous token."""
+        self.count("generated_tokens")
+        now = time.monotonic()
+        with self._lock:
+            times = self._requests.get(session)
+            if times is None:  # it ended meanwhile (cancelled)
+                return
+            since, first = (times.arrival, True) if times.last is None else (times.last, False)
+            times.last, times.tokens = now, times.tokens + 1
+        self.observe("time_to_first_token_seconds" if first else "inter_token_latency_seconds", now - since)
+
+    def ended(self, session: Hashable) -> None:
+        """``session`` left the engine: finished, stopped by a stop string, cancelled or failed."""
+        with self._lock:
+            times = self._requests.pop(session, None)
+        if times is not None:
+            self.observe("e2e_request_latency_seconds", time.monotonic() - times.arrival)
+            self.observe("request_prompt_tokens", times.prompt)
+            self.observe("request_generation_tokens", times.tokens)
+
+    # -- memory ------------------------------------------------------------------------------------
+    def watch_memory(self, read: Callable[[], list[dict]], planned: list[dict] | None = None,
+                     wait: float = MEMORY_WAIT) -> None:
+        """Export each stage's memory, ``read()`` when scraped (a dict of bytes by kind per
+        stage), and ``planned``, the plan's estimate per stage (see :class:`StageMemory`); it
+        replaces what an earlier call watched (one backend's memory at a time)."""
+        if self._memory is not None:
+            self.registry.unregister(self._memory)
+        self._memory = StageMemory(read, planned or [], wait)
+        self.registry.register(self._memory)
+
+
+class StageMemory:
+    """A collector: ``dist_runtime_stage_memory_bytes{stage, kind}`` read when scraped, and
+    ``dist_runtime_stage_memory_planned_bytes{stage, kind}``, the plan's estimate.
+
+    One read runs at a time, on a thread of its own; a scrape waits for it at most ``wait``
+    seconds, then shows the last values read (a busy or dead stage must not hold /metrics up, nor
+    scrapes pile reads on it).  A read that fails keeps the last values too.
+    """
+
+    def __init__(self, read: Callable[[], list[dict]], planned: list[dict], wait: float) -> None:
+        self.read, self.planned, self.wait = read, planned, wait
+        self._lock = threading.Lock()
+        self._last: list[dict] = []
+        self._reading: threading.Thread | None = None
+
+    def describe(self):
+        return []  # nothing to check at registration: its names are its own
+
+    def collect(self):
+        yield _family("stage_memory_bytes", "bytes each pipeline stage's process holds, by kind "
+                      "(resident, peak, weights, kv_in_use, kv_reserved)", self._latest())
+        if self.planned:
+            yield _family("stage_memory_planned_bytes", "the plan's estimate of each stage's memory, by kind "
+                          "(weights, kv, activations, reserve, total, budget)", self.planned)
+
+    def _latest(self) -> list[dict]:
+        with self._lock:
+            if self._reading is None or not self._reading.is_alive():
+                self._reading = threading.Thread(target=self._refresh, name="dist-runtime memory", daemon=True)
+                self._reading.start()
+            reading = self._reading
+        reading.join(self.wait)
+        with self._lock:
+            return self._last
+
+    def _refresh(self) -> None:
+        try:
+            values = self.read()
+        except Exception:  # noqa: BLE001 -- a stage died or is being replaced: the last values stand
+            return
+        with self._lock:
+            self._last = values
+
+
+def _family(name: str, help_: str, stages: list[dict]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(PREFIX + name, help_, labels=("stage", "kind"))
+    for k, kinds in enumerate(stages):
+        for kind, value in kinds.items():
+            if isinstance(value, (int, float)):  # not the pipeline's nested "plan"
+                family.add_metric((str(k), kind), value)
+    return family

@@ -23,25 +23,32 @@ from .bridge import EngineBridge, Encoder
 from .metrics import Metrics
 from .served_model import ServedModel
 
+#: Seconds a read of the stages' memory may take (a scrape shows the last values meanwhile).
+MEMORY_TIMEOUT = 30.0
+
 
 def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int, max_queue: int,
-                  fuse: bool = True, kv_dtype: str = "f32") -> EngineBridge | Encoder:
+                  fuse: bool = True, kv_dtype: str | None = None) -> EngineBridge | Encoder:
     """The model in this process: a continuously batched ``LocalEngine``, or an encoder."""
     from ..engine import LocalEngine
     from ..executor import GraphExecutor
 
     if model.kind == "embed":
         executor = GraphExecutor(model.path, fuse=fuse)
+        metrics.watch_memory(_process_memory(executor, model))
         return Encoder(lambda batches: [executor.run(b) for b in batches])
-    engine = LocalEngine(GraphExecutor(model.path, fuse=fuse, kv_dtype=kv_dtype), max_batch_tokens=max_batch_tokens)
-    return EngineBridge(engine, metrics, max_queue=max_queue)
+    executor = GraphExecutor(model.path, fuse=fuse, kv_dtype=kv_dtype)
+    metrics.watch_memory(_process_memory(executor, model))
+    return EngineBridge(LocalEngine(executor, max_batch_tokens=max_batch_tokens), metrics, max_queue=max_queue)
 
 
 def pipeline_backend(model: ServedModel, pipe, metrics: Metrics, *, max_queue: int,
                      max_in_flight: int | None = None) -> EngineBridge | Encoder:
     """The model on a deployed ``Pipeline``'s stages; after every stream the stages' busy time
-    and the recoveries go into the metrics."""
+    and the recoveries go into the metrics, and each scrape reads the stages' memory."""
     coordinator = pipe.coordinator
+    metrics.watch_memory(lambda: pipe.memory(timeout=MEMORY_TIMEOUT),
+                         planned=[_planned(st.memory) for st in pipe.plan.stages])
     if model.kind == "embed":
         return Encoder(coordinator.run_many)
     recovered = [0]
@@ -50,7 +57,7 @@ def pipeline_backend(model: ServedModel, pipe, metrics: Metrics, *, max_queue: i
         run = coordinator.last_run
         if run is not None and run.steps:
             for k, seconds in enumerate(_stage_busy(run)):
-                metrics.count("stage_busy_seconds", seconds, stage=k)
+                metrics.count("stage_busy_seconds", max(seconds, 0.0), stage=k)  # a counter refuses < 0
         metrics.count("recoveries", len(coordinator.recoveries) - recovered[0])
         recovered[0] = len(coordinator.recoveries)
 
@@ -75,6 +82,32 @@ def pipeline_health(pipe) -> Callable[[], str | dict | None]:
         return {"status": "recovering", **recovering.describe()}
 
     return health
+
+
+def _process_memory(executor, model: ServedModel) -> Callable[[], list[dict]]:
+    """The one-process server's memory as one stage: the executor's (resident, peak, KV caches)
+    and the model's weights, as stored."""
+    from ..model import load_model
+
+    with load_model(model.path, tensors=[]) as m:
+        weights = sum(spec.size for spec in m.index.values())
+
+    def read() -> list[dict]:
+        for _ in range(3):  # the engine thread may add a session while its KV caches are summed
+            try:
+                return [{**executor.memory(), "weights": weights}]
+            except RuntimeError:
+                continue
+        raise RuntimeError("the sessions kept changing while their KV caches were summed")
+
+    return read
+
+
+def _planned(memory) -> dict:
+    """A plan's ``StageMemory`` as bytes by kind (no budget: unlimited)."""
+    kinds = {"weights": memory.weights, "kv": memory.kv, "activations": memory.activations,
+             "reserve": memory.reserve, "total": memory.total}
+    return kinds | ({"budget": memory.budget} if memory.budget is not None else {})
 
 
 def _stage_busy(run) -> list[float]:
