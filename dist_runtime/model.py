@@ -74,7 +74,8 @@ _SECTION_RANK = {"metadata.toml": 0, "tensors.toml": 1, "graph": 2, "graph.toml"
 END = "end"
 _INDEX_KEYS = ("name", "shape", "dtype", "offset", "size")
 #: Reserved metadata keys and the type each must have.
-_RESERVED_METADATA = {"name": str, "architecture": str, "max_memory": int, "created_by": str, "kv_dtype": str}
+_RESERVED_METADATA = {"name": str, "architecture": str, "max_memory": int, "created_by": str, "kv_dtype": str,
+                      "chat_template": str}
 
 _PROGRESS_THRESHOLD = 64 * 2**20
 _WRITE_CHUNK = 16 * 2**20

@@ -65,6 +65,9 @@ def _report(path: str, max_memory: int | None) -> dict:
 def _print_inspect(r: dict) -> None:
     print(f"model: {r['path']}")
     for key, value in r["metadata"].items():
+        if key == "chat_template" and isinstance(value, str):  # kilobytes of jinja: its size and start
+            first = value.strip().splitlines()[0] if value.strip() else ""
+            value = f"{len(value)} characters, used by serve for chat: {first[:60]!r}{'...' if len(first) > 60 else ''}"
         print(f"  {key}: {value}")
     total = sum(t["size"] for t in r["tensors"])
     print(f"\ntensors: {len(r['tensors'])}, {format_bytes(total)}")

@@ -35,6 +35,7 @@ from ..dtypes import DType
 from ..errors import DistRuntimeError
 from ..ir.graph import TensorSpec
 from ..tensor import Array, Deferred, QuantizedArray
+from .chat_template import checked
 from .common import DTYPES, ConvertReport, Imported, Progress, storage_targets, with_weight_specs, write_imported
 from .hf.common import HFImportError
 from .hf.llama import DecoderConfig, decoder_graph, weight_shapes
@@ -610,7 +611,7 @@ def load(path: str | Path, dtype: str | None = None, *, progress: bool = False, 
     weights, source_dtypes = _read_weights(reader, cfg, graph, {hf: tensors[g] for hf, g in names.items()},
                                            _Storage(graph, dtype), progress, deferred)
     tokenizer, why = tokenizer_json(fields)
-    metadata = _metadata(fields, path, cfg, dtype, source_dtypes, why) | token_ids
+    metadata = _metadata(fields, path, cfg, dtype, source_dtypes, why) | token_ids | _chat_template(fields)
     ignored = sorted(set(tensors) - set(names.values()))
     return Imported(with_weight_specs(graph, weights), weights, metadata, cfg.architecture, source_dtypes,
                     ignored, tokenizer, cfg)
@@ -661,6 +662,15 @@ def _release(reader, t) -> None:
     hi = min(-(-(int(t.data_offset) + int(t.n_bytes)) // page) * page, len(mm))
     if hi > lo:
         mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def _chat_template(fields: _Fields) -> dict:
+    """``{"chat_template": ...}`` from ``tokenizer.chat_template``, when the file has one."""
+    try:
+        template = checked(fields.string("tokenizer.chat_template"), "tokenizer.chat_template")
+    except DistRuntimeError as e:
+        raise fields.error(str(e)) from None
+    return {"chat_template": template} if template else {}
 
 
 def _metadata(fields: _Fields, path: Path, cfg: DecoderConfig, dtype: str | None, source_dtypes: dict,

@@ -113,8 +113,8 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
         _require(model, "generate", "/v1/chat/completions")
         _check_model(model, body.model)
         if model.chat_template is None:
-            raise APIError(400, f"model {model.id!r} has no chat template (no tokenizer_config.json with a "
-                                f"chat_template beside its tokenizer; see `dist-runtime serve --chat-template`): "
+            raise APIError(400, f"model {model.id!r} has no chat template (its source had none for `convert` "
+                                f"to keep; see `dist-runtime serve --chat-template`): "
                                 f"use /v1/completions", param="messages", code="no_chat_template")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")

@@ -53,7 +53,7 @@ class ServedModel:
         return cls(id=name or path.stem, path=path, kind=kind, metadata=metadata,
                    context=min(known) if known else None, vocab=config.get("vocab"),
                    stop=stop_ids(metadata), tokenizer_path=tok_path, tokenizer=tok,
-                   chat_template=find_chat_template(tok_path, chat_template) if kind == "generate" else None)
+                   chat_template=find_chat_template(tok_path, chat_template, metadata) if kind == "generate" else None)
 
     def special_tokens(self) -> dict:
         """The names a chat template may use for the special tokens (bos_token, eos_token)."""

@@ -9,41 +9,21 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import DistRuntimeError
+from ..importers.chat_template import checked, read_template, template_in
 
-#: Files that hold a chat template, looked for beside the tokenizer (Hugging Face's names, and the
-#: ``NAME.`` prefix ``convert`` gives the tokenizer it copies).
-TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
-
-
-def find_chat_template(tokenizer: Path | None, override: str | Path | None = None) -> str | None:
-    """The chat template: ``override`` (a .jinja file or a tokenizer_config.json), else one in a
-    file beside ``tokenizer``; None when there is none (chat is then refused)."""
+def find_chat_template(tokenizer: Path | None, override: str | Path | None = None,
+                       metadata: dict | None = None) -> str | None:
+    """The chat template: ``override`` (a .jinja file or a tokenizer_config.json), else the one
+    ``convert`` stored in the model's ``metadata``, else one in a file beside ``tokenizer`` (a
+    model converted without it); None when there is none (chat is then refused)."""
     if override is not None:
-        return _read_template(Path(override))
+        return read_template(Path(override))
+    if metadata and metadata.get("chat_template"):
+        return checked(metadata["chat_template"], "the model's metadata")
     if tokenizer is None:
         return None
     prefix = tokenizer.name[:-len("tokenizer.json")] if tokenizer.name.endswith("tokenizer.json") else ""
-    for name in TEMPLATE_FILES:
-        for candidate in {tokenizer.parent / (prefix + name), tokenizer.parent / name}:
-            if candidate.is_file() and (template := _read_template(candidate)) is not None:
-                return template
-    return None
-
-
-def _read_template(path: Path) -> str | None:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise DistRuntimeError(f"cannot read chat template {path}: {e.strerror}") from None
-    if path.suffix != ".json":
-        return text
-    try:
-        template = json.loads(text).get("chat_template")
-    except (ValueError, AttributeError):
-        raise DistRuntimeError(f"{path} is not a JSON object (a tokenizer_config.json)") from None
-    if isinstance(template, list):  # named templates: Hugging Face uses "default"
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    return template if isinstance(template, str) else None
+    return template_in(tokenizer.parent, prefix)
 
 
 def render_chat(template: str, messages: Sequence[dict], special_tokens: dict) -> str:

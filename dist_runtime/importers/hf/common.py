@@ -19,6 +19,7 @@ from ...dtypes import DType
 from ...errors import DistRuntimeError
 from ...ir.graph import Graph, TensorSpec
 from ...tensor import Array, Deferred
+from ..chat_template import template_in
 from ..common import DTYPES, Progress, storage_targets, with_weight_specs
 
 
@@ -42,6 +43,15 @@ def read_config(hf_dir: str | Path) -> dict:
     if not isinstance(config, dict):
         raise HFImportError(f"{path} must hold a JSON object")
     return config
+
+
+def chat_template_of(hf_dir: Path) -> dict:
+    """``{"chat_template": ...}`` when the directory carries one (:mod:`..chat_template`)."""
+    try:
+        template = template_in(hf_dir)
+    except DistRuntimeError as e:
+        raise HFImportError(str(e)) from None
+    return {"chat_template": template} if template else {}
 
 
 def token_ids(hf_dir: Path, config: Mapping) -> dict:

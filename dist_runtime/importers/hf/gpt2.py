@@ -29,7 +29,7 @@ from ...ir.builder import GraphBuilder
 from ...ir.graph import POS, Graph, TensorSpec
 from ...ir.ops import Add, Gelu, KvCache, LayerNorm, PosEmbed, Sdpa, Split, TokenEmbed
 from ..common import Imported
-from .common import HFImportError, read_config, read_weights, token_ids
+from .common import HFImportError, chat_template_of, read_config, read_weights, token_ids
 
 _GELU = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
 #: config keys whose value changes the computation, and the one value this importer implements.
@@ -148,6 +148,7 @@ def load(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False, defe
         "dtype": dtype,
         "config": asdict(cfg),
         **token_ids(hf_dir, config),
+        **chat_template_of(hf_dir),
     }
     tokenizer = hf_dir / "tokenizer.json"
     return Imported(graph, weights, metadata, "gpt2", source_dtypes, ignored,

@@ -41,7 +41,7 @@ from ...ir.graph import POS, Graph, TensorSpec
 from ...ir.ops import (Add, Gelu, KvCache, LayerNorm, RmsNorm, Rope, Sample, Sdpa, SdpaWindow,
                        SwiGlu, TokenEmbed)
 from ..common import ConvertReport, Imported, write_imported
-from .common import HFImportError, read_config, read_weights, token_ids
+from .common import HFImportError, chat_template_of, read_config, read_weights, token_ids
 
 #: model_type -> the transformers class of each supported architecture.
 SUPPORTED = {
@@ -322,6 +322,7 @@ def load_hf(hf_dir: str | Path, dtype: str = "f32", *, progress: bool = False, d
         "dtype": dtype,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "sample"},
         **token_ids(hf_dir, config),
+        **chat_template_of(hf_dir),
     }
     tokenizer = hf_dir / "tokenizer.json"
     return Imported(graph, weights, metadata, cfg.architecture, source_dtypes, ignored,
