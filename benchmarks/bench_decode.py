@@ -6,8 +6,8 @@ issue's benchmark model), seeded random weights with Hugging Face names, so the 
 load into ``transformers.LlamaForCausalLM``.  Each engine: a 16-token prompt, then ``--tokens``
 greedy decode steps; the median step time over ``--repeat`` runs.  Ours runs as a user gets it
 (the default backends: numba's compiled small ops and products, then the CPU library), once more on
-the CPU library alone, to show what the compiled ops are worth, on Q8_0 weights (f32 and Q8_0
-activations, ``numba-q8``), and on a Q4_K_M GGUF made from the F32 one by llama.cpp's own quantizer
+the CPU library alone, to show what the compiled ops are worth, on Q8_0 weights (with Q8_0
+activations, the default numerics, and with f32 ones, ``--numerics f32``), and on a Q4_K_M GGUF made from the F32 one by llama.cpp's own quantizer
 (``llama_model_quantize``) and converted by our importer, next to llama.cpp on the same file.  The
 ratios to llama.cpp on the same weights are printed (of the medians, round by round, and from short
 blocks of steps, ours and llama.cpp's alternating: :func:`paired_speed`; the machine's speed moves
@@ -342,14 +342,14 @@ def main() -> None:
     ours = {"ours f32 (fused)": our_executor(w, True),
             "ours f32 (unfused)": our_executor(w, False),
             "ours f32 (CPU library)": our_executor(w, True, ["cpu"]),
-            "ours Q8_0 (fused)": our_executor(q8, True),
-            "ours Q8_0 (q8 activations)": our_executor(q8, True, ["numba-q8"])}
+            "ours Q8_0 (f32 activations)": our_executor(q8, True, ["numba-f32"]),
+            "ours Q8_0 (q8 activations, the default)": our_executor(q8, True)}
     tmp = tempfile.TemporaryDirectory()
     files = {} if args.no_llama_cpp else write_gguf_files(w, Path(tmp.name))
     if files and quantize_with_llama_cpp(files["f32"], Path(tmp.name) / "bench-q4_k_m.gguf"):
         files["q4_k_m"] = Path(tmp.name) / "bench-q4_k_m.gguf"
-        ours["ours Q4_K_M (its GGUF)"] = gguf_executor(files["q4_k_m"], Path(tmp.name))
-        ours["ours Q4_K_M (q8 activations)"] = gguf_executor(files["q4_k_m"], Path(tmp.name), ["numba-q8"])
+        ours["ours Q4_K_M (f32 activations)"] = gguf_executor(files["q4_k_m"], Path(tmp.name), ["numba-f32"])
+        ours["ours Q4_K_M (q8 activations, the default)"] = gguf_executor(files["q4_k_m"], Path(tmp.name))
     steppers = {name: ours_stepper(ex) for name, ex in ours.items()}
     engines = {name: (lambda st=st: st.run(args.tokens)) for name, st in steppers.items()}
     torch_run = torch_decoder(w)
@@ -386,10 +386,10 @@ def main() -> None:
         print(f"llama.cpp {name.upper()} vs ours f32, logits of the prompt's last position: max |diff| / max |logit| = {err:.1e}")
     timed = dict(rows)
     for ours_name, theirs in (("ours f32 (fused)", "llama.cpp F32"),
-                              ("ours Q8_0 (fused)", "llama.cpp Q8_0"),
-                              ("ours Q8_0 (q8 activations)", "llama.cpp Q8_0"),
-                              ("ours Q4_K_M (its GGUF)", "llama.cpp Q4_K_M"),
-                              ("ours Q4_K_M (q8 activations)", "llama.cpp Q4_K_M")):
+                              ("ours Q8_0 (f32 activations)", "llama.cpp Q8_0"),
+                              ("ours Q8_0 (q8 activations, the default)", "llama.cpp Q8_0"),
+                              ("ours Q4_K_M (f32 activations)", "llama.cpp Q4_K_M"),
+                              ("ours Q4_K_M (q8 activations, the default)", "llama.cpp Q4_K_M")):
         if timed.get(ours_name) and timed.get(theirs):
             # Each round's own ratio too: the two ran seconds apart, under the same load.
             rounds = ", ".join(f"{statistics.median(t) / statistics.median(o):.2f}"
@@ -398,7 +398,7 @@ def main() -> None:
                   f"(round by round: {rounds})")
             paired, per_run = paired_speed(steppers[ours_name], steppers[theirs], args.tokens, args.repeat)
             print(f"  in alternating blocks of {BLOCK} steps: {paired:.2f}x (each run: {', '.join(f'{r:.2f}' for r in per_run)})")
-    for name in ("ours f32 (fused)", "ours Q8_0 (fused)", "ours Q8_0 (q8 activations)"):
+    for name in ("ours f32 (fused)", "ours Q8_0 (f32 activations)", "ours Q8_0 (q8 activations, the default)"):
         one, eight, paired = rows_ratio(ours[name], 8)
         print(f"{name}: a step of 8 rows takes {paired:.2f}x the time of 1 row (median of paired runs; "
               f"medians {eight * 1e3:.2f} / {one * 1e3:.2f} ms)")

@@ -9,7 +9,7 @@ import json
 import sys
 
 from .errors import DistRuntimeError
-from .scheduling_defaults import DEFAULT_KV_DTYPE, KV_DTYPE_NAMES
+from .scheduling_defaults import DEFAULT_KV_DTYPE, KV_DTYPE_NAMES, NUMERICS_NAMES
 from .units import parse_bytes
 
 #: Exit statuses: a problem with the model, the plan or the run; a usage error (argparse's);
@@ -123,6 +123,15 @@ def add_kv_dtype(p, what: str = "the KV caches keep K and V in") -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES,
                    help=f"what {what}: f16, half f32's memory at the same speed (logits within ~1e-3 "
                         f"of f32's), or f32 (default: the model's kv_dtype metadata, else {DEFAULT_KV_DTYPE})")
+
+
+def add_numerics(p) -> None:
+    """``--numerics``: one option, the same on generate, pipeline, serve and inspect."""
+    p.add_argument("--numerics", choices=NUMERICS_NAMES, default=NUMERICS_NAMES[0],
+                   help="how quantized weights are multiplied: auto, each weight type's faster way "
+                        "(GGML block types with Q8_0 activations, as llama.cpp; float types in f32); f32 "
+                        "activations everywhere (closest to the unquantized model); or q8 everywhere "
+                        "(default: %(default)s)")
 
 
 def run_command(func, args: argparse.Namespace) -> int:

@@ -231,7 +231,9 @@ class GraphExecutor:
     says what it took, or why nothing.  ``kv_dtype``: what the sessions' KV caches keep K and V
     in, ``"f16"`` (half the memory, each row rounded to nearest even as numpy rounds it, whoever
     writes it: a session's bits are the same alone or batched) or ``"f32"``; None: the model's
-    ``kv_dtype`` metadata, else f16.
+    ``kv_dtype`` metadata, else f16.  ``numerics``: how the default backend's products multiply
+    quantized weights (``"auto"``, ``"f32"``, ``"q8"``: :data:`.backends.NUMERICS`; None: auto),
+    for ``backends=None`` only.
     ``release``: for a ``(graph, weights)`` pair whose weights are views of a file's map, what
     gives back a weight's pages once it is copied (the map's ``Model.release``; a loaded model or a
     path releases its own).
@@ -240,7 +242,7 @@ class GraphExecutor:
     def __init__(self, model, backends: Sequence[str | Backend] | None = None,
                  max_memory: int | None = None, *, fuse: bool = True, seed: int = 0,
                  huge_pages: bool | None = None,
-                 compiled_program: bool = True, kv_dtype: str | None = None,
+                 compiled_program: bool = True, kv_dtype: str | None = None, numerics: str | None = None,
                  release: Callable[[list[str]], object] | None = None) -> None:
         if huge_pages not in (None, True, False):
             raise TypeError(f"huge_pages= takes True, False or None (decide), not {huge_pages!r}")
@@ -248,7 +250,7 @@ class GraphExecutor:
             raise TypeError(f"compiled_program= takes True or False, not {compiled_program!r}")
         graph, weights, declared_max, mapped = _open(model)
         self.kv_dtype = dtypes.kv_dtype(kv_dtype, mapped.metadata.get("kv_dtype") if mapped else None)
-        self.backends = make_backends(backends)
+        self.backends = make_backends(backends, numerics)
         checked = validate_graph(graph)  # structure and declared shapes; fusion keeps both
         self.warnings, specs = checked.warnings, checked.specs
         if fuse:  # a fused node that no backend in use takes is not formed (or is expanded back)

@@ -18,3 +18,7 @@ DEFAULT_KV_DTYPE = "f16"
 #: eighth more each time (appends stay amortised O(1)), never past its request's ceiling
 #: (kernels/attention.py's ``KvState``).  llama.cpp pads its context to 256 rows too.
 KV_BLOCK = 256
+#: How the compiled products multiply quantized weights (``--numerics``): each weight type's
+#: faster way within its stated tolerance (block types: llama.cpp's Q8_0 activations), f32
+#: activations everywhere, or Q8_0 activations everywhere (dist_runtime/backends/numba.py).
+NUMERICS_NAMES = ("auto", "f32", "q8")

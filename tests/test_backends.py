@@ -214,7 +214,7 @@ def test_a_node_the_hinted_backend_declines_for_its_dtypes_goes_to_cpu():
         "cpu", "hint wgpu does not support it; default numpy-blas does not support it; fallback to cpu")
     others = [p for p in ex.plan() if p["op"] == "Matmul" and p["id"] != q_node.id]
     assert {(p["backend"], p["reason"]) for p in others} == {("numpy-blas", "hint wgpu")}
-    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), kv_dtype="f32", fuse=False)))
+    assert_close_runs(decode(ex), decode(GraphExecutor((graph, weights), kv_dtype="f32", numerics="f32", fuse=False)))
 
 
 class CpuWithoutSdpa(CpuBackend):
@@ -273,7 +273,7 @@ def test_optional_backends_by_name_and_a_missing_package_is_named(monkeypatch, n
 
 def test_one_registry_every_name_is_made_or_names_what_is_missing():
     assert available_backends() == sorted(backends_module._REGISTRY)
-    assert available_backends() == ["cpu", "numba", "numba-q8", "numpy-blas"]
+    assert available_backends() == ["cpu", "numba", "numba-f32", "numba-q8", "numpy-blas"]
     for name in available_backends():
         try:
             made = make_backends([name])

@@ -116,13 +116,15 @@ def test_inspect_plan_says_which_compiled_product_runs_a_quantized_weight_and_wh
     cfg = LlamaConfig(vocab=64, hidden=64, layers=1, heads=4, kv_heads=2, ffn=128)
     weights = {n: quantize(w, DType.Q8_0) if n.endswith("proj.weight") else w for n, w in llama_weights(cfg).items()}
     save_model(tmp_path / "q8.model", llama_graph(cfg), weights, {}).close()
-    code, out, _ = run(capsys, "inspect", str(tmp_path / "q8.model"), "--plan", "--no-fuse", "--json")
-    reasons = {p["reason"] for p in json.loads(out)["plan"] if p["op"] == "Matmul"}
-    assert code == 0
     machine = f"({cpu.REASON}; {threads.REASON})"
-    for dtype in (DType.Q8_0, DType.F32):  # the projections; the lm_head
-        route = compiled.route(dtype, "f32")
-        assert f"default; compiled product: {dtype.name} on {route.tile}, f32 activations {machine}" in reasons
+    for numerics, q8_acts in (("f32", "f32"), ("auto", "q8_0"), ("q8", "q8_0")):
+        code, out, _ = run(capsys, "inspect", str(tmp_path / "q8.model"), "--plan", "--no-fuse", "--json",
+                           "--numerics", numerics)
+        reasons = {p["reason"] for p in json.loads(out)["plan"] if p["op"] == "Matmul"}
+        assert code == 0
+        for dtype, acts in ((DType.Q8_0, q8_acts), (DType.F32, "f32")):  # the projections; the lm_head
+            route = compiled.route(dtype, acts)
+            assert f"default; compiled product: {dtype.name} on {route.tile}, {acts} activations {machine}" in reasons
 
 
 def test_generate_reports_its_memory(decoder_path, capsys):

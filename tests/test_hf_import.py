@@ -58,10 +58,11 @@ def converted(tmp_path_factory) -> dict[str, Path]:
     return {name: convert_hf(FIXTURES / name, out / f"{name}.model").out for name in MODELS}
 
 
-def greedy_run(model, prompt: np.ndarray, steps: int, feed: np.ndarray | None = None, kv_dtype: str = "f32"):
+def greedy_run(model, prompt: np.ndarray, steps: int, feed: np.ndarray | None = None, kv_dtype: str = "f32",
+               numerics: str = "f32"):
     """Prefill then ``steps`` single-token runs; the token fed at each step is our own greedy pick,
     or ``feed[i]`` (teacher forcing).  Returns (logits [P + steps, V], our greedy picks)."""
-    ex = GraphExecutor(model, kv_dtype=kv_dtype)
+    ex = GraphExecutor(model, kv_dtype=kv_dtype, numerics=numerics)
     rows = [ex.run({"tokens": prompt.astype(np.int32)})["logits"]]
     picks = []
     for i in range(steps):
@@ -125,10 +126,12 @@ def test_graphs_have_each_architectures_features(converted):
 
 
 # -- --dtype ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("numerics, tolerance", [("f32", 5e-2), ("auto", 7.5e-2)])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_q8_0_stays_close(name, tmp_path):
+def test_q8_0_stays_close(name, numerics, tolerance, tmp_path):
     """Matmul weights (and the embedding table) in Q8_0, norms and biases in f32; logits within a
-    few percent of transformers' with teacher forcing (measured: llama 1.3e-2, qwen2 3.4e-2)."""
+    few percent of transformers' with teacher forcing (measured: llama 1.3e-2, qwen2 3.4e-2 with
+    f32 activations; 1.8e-2 and 5.0e-2 with the default's Q8_0 ones)."""
     report = convert_hf(FIXTURES / name, tmp_path / "q.model", "q8_0")
     with load_model(report.out, tensors=[]) as model:
         dtypes = {n: s.dtype for n, s in model.index.items()}
@@ -137,8 +140,8 @@ def test_q8_0_stays_close(name, tmp_path):
     assert sorted(n for n, d in report.stored.items() if d == "f32") == sorted(n for n, d in dtypes.items() if d == DType.F32)
     assert report.dtypes == {"q8_0": sum(d == DType.Q8_0 for d in dtypes.values()), "f32": sum(d == DType.F32 for d in dtypes.values())}
     ref = reference(name)
-    ours, _ = greedy_run(report.out, ref["prompt"], len(ref["tokens"]), feed=ref["tokens"])
-    assert relative_error(ours, ref["logits"]) < 5e-2
+    ours, _ = greedy_run(report.out, ref["prompt"], len(ref["tokens"]), feed=ref["tokens"], numerics=numerics)
+    assert relative_error(ours, ref["logits"]) < tolerance
 
 
 def test_other_dtypes(tmp_path):

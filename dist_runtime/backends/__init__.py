@@ -140,8 +140,12 @@ _REGISTRY: dict[str, Callable[[], Backend] | str] = {
     "cpu": "dist_runtime.backends.cpu",
     "numpy-blas": "dist_runtime.backends.blas",
     "numba": "dist_runtime.backends.numba",
+    "numba-f32": "dist_runtime.backends.numba",  # the same, activations f32 whatever the weights
     "numba-q8": "dist_runtime.backends.numba",  # the same, activations quantized as llama.cpp does
 }
+
+#: ``--numerics NAME``: the compiled backend that multiplies the weights so (see NumbaBackend).
+NUMERICS = {"auto": "numba", "f32": "numba-f32", "q8": "numba-q8"}
 
 
 def register_backend(name: str, factory: Callable[[], Backend]) -> None:
@@ -154,10 +158,12 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def default_backends() -> list[str]:
-    """What ``backends=None`` means: the compiled small ops (``numba``) when numba is installed,
-    then the CPU library."""
-    return ["numba"] if importlib.util.find_spec("numba") is not None else []
+def default_backends(numerics: str = "auto") -> list[str]:
+    """What ``backends=None`` means: the compiled small ops (``numba``, its products' activations
+    as ``numerics`` says: :data:`NUMERICS`) when numba is installed, then the CPU library."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"--numerics {numerics!r} is not one of {', '.join(NUMERICS)}")
+    return [NUMERICS[numerics]] if importlib.util.find_spec("numba") is not None else []
 
 
 def make_backend(name: str) -> Backend:
@@ -192,11 +198,13 @@ def threads_in_use() -> str:
     return f"{numba.get_num_threads()} on {compiled.threads.LAYER}: {compiled.threads.REASON}"
 
 
-def make_backends(spec: Sequence[str | Backend] | None) -> list[Backend]:
-    """Backend objects from names or instances (None: :func:`default_backends`); the CPU library
-    is always appended last."""
+def make_backends(spec: Sequence[str | Backend] | None, numerics: str | None = None) -> list[Backend]:
+    """Backend objects from names or instances (None: :func:`default_backends` for ``numerics``,
+    which only that default takes); the CPU library is always appended last."""
+    if spec is not None and numerics is not None:
+        raise ValueError("give backends or numerics, not both (numerics chooses the default backend)")
     out = [make_backend(item) if isinstance(item, str) else item
-           for item in (default_backends() if spec is None else spec)]
+           for item in (default_backends(numerics or "auto") if spec is None else spec)]
     if not any(b.name == "cpu" for b in out):
         out.append(make_backend("cpu"))
     return out

@@ -24,8 +24,10 @@ and the matmul family -- Matmul (the lm_head and tied embeddings included), Fuse
 FusedSwiGlu, LoraApply -- on the compiled products of :mod:`dist_runtime.backends.compiled`:
 weights as stored (F32, F16, BF16, GGML blocks), read in place, threads over output rows,
 batch-invariant; FusedSwiGlu's ``silu(gate) * up`` and FusedNormMatmul's norm compiled too.
-``NumbaBackend(activations="q8_0")`` (the backend name ``numba-q8``) quantizes the activations per
-block as llama.cpp does.  ``inspect --plan`` says per product which path runs it and why.
+Which activations a product multiplies its weight with is the product table's default for the
+weight type (``NumbaBackend()``, the backend ``numba``: block types quantize the activations per
+block as llama.cpp does, float types keep them f32), or one kind for all
+(``activations="f32"``, ``numba-f32``; ``"q8_0"``, ``numba-q8``): ``--numerics auto|f32|q8``.  ``inspect --plan`` says per product which path runs it and why.
 
 Every kernel here is batch-invariant (:attr:`NumbaBackend.batch_invariant`): a row's result is the
 same bits whatever other rows share the call (a prompt fed in chunks, sessions batched), which
@@ -417,12 +419,12 @@ class NumbaBackend(TableBackend):
     #: Every kernel computes a row as it would alone (see the module docstring).
     batch_invariant = True
 
-    def __init__(self, hint: BackendHint = BackendHint.NUMBA, *, activations: str = "f32") -> None:
+    def __init__(self, hint: BackendHint = BackendHint.NUMBA, *, activations: str = "auto") -> None:
         if activations not in compiled.ACTIVATIONS:
             raise ValueError(f"activations must be one of {compiled.ACTIVATIONS}, got {activations!r}")
         self.hint = BackendHint(hint)
         self.activations = activations
-        self.name = "numba" if activations == "f32" else "numba-q8"
+        self.name = {"auto": "numba", "f32": "numba-f32", "q8_0": "numba-q8"}[activations]
         self.machine = compiled.init()  # the CPU path and threading layer, for inspect --plan
         self._cpu = CpuBackend()
 
@@ -492,6 +494,8 @@ class NumbaBackend(TableBackend):
         return self._cpu.bind(node)
 
 
+# Each weight type's default activations (the product table's), f32 ones everywhere, or llama.cpp's
+# numerics everywhere: activations quantized to Q8_0 per block before integer dot products.
 register_backend("numba", NumbaBackend)
-# llama.cpp's numerics: activations quantized to Q8_0 per block before integer dot products.
+register_backend("numba-f32", lambda: NumbaBackend(activations="f32"))
 register_backend("numba-q8", lambda: NumbaBackend(activations="q8_0"))

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..commands import handle_sigterm, positive_int, run_command, size
+from ..commands import add_numerics, handle_sigterm, positive_int, run_command, size
 from ..errors import DistRuntimeError
 from ..importers import DTYPES
 from ..partitioner.cli import register as register_partition
@@ -91,12 +91,13 @@ def _print_inspect(r: dict) -> None:
         print(f"warning: {w}")
 
 
-def _backend_plan(path: str, backends: list[str] | None, fuse: bool) -> tuple[list[dict], str, str, str]:
+def _backend_plan(path: str, backends: list[str] | None, fuse: bool,
+                  numerics: str | None = None) -> tuple[list[dict], str, str, str]:
     """Per node: the backend the executor would choose, and why; whether sessions can share
     passes; where the matrix weights are held; what the compiled program takes (nothing is run)."""
     from ..executor import GraphExecutor
 
-    ex = GraphExecutor(path, backends=backends, fuse=fuse)
+    ex = GraphExecutor(path, backends=backends, fuse=fuse, numerics=None if backends else numerics)
     return ex.plan(), ex.batching(), ex.placement.reason, ex.program
 
 
@@ -104,7 +105,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     report = _report(args.model, args.max_memory)
     if args.plan:
         report["plan"], report["batching"], report["weights"], report["program"] = _backend_plan(
-            args.model, args.backends, not args.no_fuse)
+            args.model, args.backends, not args.no_fuse, args.numerics)
         if not args.json:
             _print_inspect(report)
             print("\nbackend plan (batch-invariant, as generation runs it):")
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "library is always last; default: numba when installed, then cpu; "
                               "'cpu' alone plans the CPU library only)")
     inspect.add_argument("--no-fuse", action="store_true", help="with --plan: plan the unfused graph")
+    add_numerics(inspect)
     model_command("validate", "Check a model file and its graph; exit 0 if valid, 1 with a "
                   "message naming the problem otherwise.", cmd_validate)
 

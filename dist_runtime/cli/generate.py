@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 
-from ..commands import USAGE, add_kv_dtype, check_signals, positive_int, token_ids
+from ..commands import USAGE, add_kv_dtype, add_numerics, check_signals, positive_int, token_ids
 from ..errors import DistRuntimeError, SamplingError
 from ..pipeline.options import add_deployment_options, wants_pipeline
 from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
@@ -78,6 +78,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s, measured: a long prompt must not stall the others)")
     p.add_argument("--no-fuse", action="store_true", help="run without the fusion pre-pass")
     add_kv_dtype(p)
+    add_numerics(p)
     p.add_argument("--stats", action="store_true", help="print the memory (each stage's beside its plan's "
                                                         "estimate) and, with stages, the per-stage timing table")
     p.add_argument("--json", action="store_true", help="print one JSON result at the end instead of streaming")
@@ -102,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..engine import LocalEngine
     from ..executor import GraphExecutor
 
-    executor = GraphExecutor(args.model, fuse=not args.no_fuse, kv_dtype=args.kv_dtype)
+    executor = GraphExecutor(args.model, fuse=not args.no_fuse, kv_dtype=args.kv_dtype, numerics=args.numerics)
     result = job.run(LocalEngine(executor, max_batch_tokens=args.max_batch_tokens))
     return job.report(result, None, executor.memory())
 
@@ -271,7 +272,7 @@ def _run_on_pipeline(args, job: _Job) -> int:
         from ..engine import LocalEngine, generate
         from ..executor import GraphExecutor
 
-        reference = generate(LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse, kv_dtype=args.kv_dtype)),
+        reference = generate(LocalEngine(GraphExecutor(args.model, fuse=not args.no_fuse, kv_dtype=args.kv_dtype, numerics=args.numerics)),
                              job.requests)
         pipeline["check"] = reference.tokens == result.tokens
     return job.report(result, pipeline)

@@ -102,4 +102,11 @@ def stage_options(args) -> StageOptions:
         resources = [{n: 0.001} for n in names]  # a sliver: several stages may share a node
     return StageOptions(cpus=args.cpus_per_stage, threads=args.threads_per_stage, resources=resources,
                         weights=args.weights, worker_path=args.worker_path, fuse=not args.no_fuse,
-                        kv_dtype=args.kv_dtype)
+                        kv_dtype=args.kv_dtype, backends=_numerics_backends(getattr(args, "numerics", None)))
+
+
+def _numerics_backends(numerics: str | None) -> list[str] | None:
+    """The stages' backends for ``--numerics`` (None: the default, auto)."""
+    from ..backends import NUMERICS
+
+    return None if numerics in (None, "auto") else [NUMERICS[numerics]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..commands import add_kv_dtype, port, positive_float, positive_int
+from ..commands import add_kv_dtype, add_numerics, port, positive_float, positive_int
 from ..pipeline.options import MAX_SESSIONS, add_deployment_options, wants_pipeline
 from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
 
@@ -40,6 +40,7 @@ def register(sub) -> None:
                     help="SSE comment interval while a stream waits for a token (default: %(default)g)")
     sv.add_argument("--no-fuse", action="store_true", help="run without the fusion pre-pass")
     add_kv_dtype(sv)
+    add_numerics(sv)
     add_deployment_options(sv)
     sv.set_defaults(func=cmd_serve)
 
@@ -71,7 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         metrics = Metrics(max_length=model.context)
         backend = local_backend(model, metrics, max_batch_tokens=args.max_batch_tokens,
-                                max_queue=args.max_queue, fuse=not args.no_fuse, kv_dtype=args.kv_dtype)
+                                max_queue=args.max_queue, fuse=not args.no_fuse, kv_dtype=args.kv_dtype,
+                                numerics=args.numerics)
         server = Server(model, backend, metrics, host=args.host, port=args.port, api_key=api_key,
                         keep_alive=args.keep_alive)
         where = "this process"

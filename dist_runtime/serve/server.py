@@ -28,7 +28,7 @@ MEMORY_TIMEOUT = 30.0
 
 
 def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int, max_queue: int,
-                  fuse: bool = True, kv_dtype: str | None = None) -> EngineBridge | Encoder:
+                  fuse: bool = True, kv_dtype: str | None = None, numerics: str | None = None) -> EngineBridge | Encoder:
     """The model in this process: a continuously batched ``LocalEngine``, or an encoder."""
     from ..engine import LocalEngine
     from ..executor import GraphExecutor
@@ -37,7 +37,7 @@ def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int
         executor = GraphExecutor(model.path, fuse=fuse)
         metrics.watch_memory(_process_memory(executor, model))
         return Encoder(lambda batches: [executor.run(b) for b in batches])
-    executor = GraphExecutor(model.path, fuse=fuse, kv_dtype=kv_dtype)
+    executor = GraphExecutor(model.path, fuse=fuse, kv_dtype=kv_dtype, numerics=numerics)
     metrics.watch_memory(_process_memory(executor, model))
     return EngineBridge(LocalEngine(executor, max_batch_tokens=max_batch_tokens), metrics, max_queue=max_queue)
 
