@@ -750,6 +750,7 @@ def _write_weights(f, plan: Sequence, index: dict[str, TensorSpec], total: int, 
                 if bar is not None:
                     bar.update(chunk.size)
             del made, raw
+            chunk = None  # the last chunk is a view of this weight: hold nothing of it while the next is made
             if isinstance(value, Deferred) and value.done is not None:
                 value.done()
             pos = spec.offset + spec.size

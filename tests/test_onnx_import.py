@@ -8,7 +8,8 @@ with the GraphExecutor.
   match ONNX's reference implementation, onnxruntime and torch, through ``load`` and through
   ``dist-runtime convert``.
 * Folding, dynamic dims, quantized storage, and the errors: unsupported operators (all listed at
-  once), unreadable files, external data, a missing initializer; nothing is written on failure.
+  once), unreadable files, a missing external file, a missing initializer; nothing is written on
+  failure.
 """
 
 from __future__ import annotations
@@ -283,12 +284,14 @@ def test_a_file_over_the_size_cap_is_refused():
         load(FIXTURES / "cnn.onnx", max_bytes=1000)
 
 
-def test_external_data_is_refused(tmp_path):
+def test_external_data_is_read(tmp_path):
+    """More in tests/test_onnx_external.py."""
     model = onnx.load(str(FIXTURES / "cnn.onnx"))
     path = tmp_path / "external.onnx"
     onnx.save_model(model, str(path), save_as_external_data=True, location="weights.bin", size_threshold=0)
-    with pytest.raises(OnnxImportError, match="external data.*save_as_external_data=False"):
-        load(path)
+    feeds, _ = fixture("cnn")
+    imported = load(path)
+    assert_matches_references("cnn", GraphExecutor((imported.graph, imported.weights)).run(feeds))
 
 
 def test_a_tensor_named_pos_is_refused():
@@ -307,6 +310,7 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, case, capsys):
     else:
         onnx.save_model(onnx.load(str(FIXTURES / "cnn.onnx")), str(path), save_as_external_data=True,
                         location="w.bin", size_threshold=0)
+        (tmp_path / "w.bin").unlink()  # a missing external file
     before = set(tmp_path.iterdir())
     out = tmp_path / "out" / "m.model"
     with pytest.raises(OnnxImportError):

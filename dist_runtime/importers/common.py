@@ -18,11 +18,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from ..dtypes import DType
 from . import DTYPES  # noqa: F401  (re-exported: every importer checks --dtype against it)
 from ..ir.graph import Graph, TensorSpec
 from ..ir.ops import TokenEmbed
-from ..tensor import Array, Deferred, dtype_of
+from ..tensor import Array, Deferred, QuantizedArray, dtype_of
 
 
 @dataclass
@@ -167,6 +169,33 @@ def _counted(weights: Mapping[str, Array | Deferred], progress: bool) -> tuple[d
     def counted(done):
         return lambda: (done and done(), bar.update())
     return {n: replace(w, done=counted(w.done)) if isinstance(w, Deferred) else w for n, w in weights.items()}, bar
+
+
+#: Bytes of f32 rows re-encoded at once (a band's encoder temporaries, several times its input,
+#: stay small whatever the matrix: one 96 MiB matrix at once peaked at 816 MiB).
+QUANTIZE_BAND = 16 * 2**20
+
+
+def quantize_rows(w: Array, target: DType) -> Array:
+    """``w`` (f32/f16 rows, or a block-quantized matrix, decoded band by band) re-encoded as
+    ``target`` a band of rows at a time: the same bytes as the whole matrix at once (every
+    encoder works row by row), within a small bound of memory beyond the result."""
+    from ..kernels.quant import dequantize, quantize
+
+    rows, width = (w.shape[0], w.shape[-1]) if len(w.shape) > 1 else (1, w.shape[0])
+    if len(w.shape) != 2 or rows == 0:
+        return quantize(dequantize(w) if isinstance(w, QuantizedArray) else w.astype(np.float32), target)
+    step = max(1, QUANTIZE_BAND // max(4 * width, 1))
+    out = None
+    for i in range(0, rows, step):
+        band = (dequantize(QuantizedArray(w.data[i:i + step], w.dtype, (min(step, rows - i), width)))
+                if isinstance(w, QuantizedArray) else w[i:i + step].astype(np.float32))
+        band = quantize(band, target)
+        band = band.data if isinstance(band, QuantizedArray) else band
+        if out is None:
+            out = np.empty((rows, *band.shape[1:]), band.dtype)
+        out[i:i + step] = band
+    return QuantizedArray(out, target, (rows, width)) if target.is_quantized else out
 
 
 def with_weight_specs(graph: Graph, weights: Mapping[str, Array]) -> Graph:

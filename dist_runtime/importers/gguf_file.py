@@ -36,7 +36,8 @@ from ..errors import DistRuntimeError
 from ..ir.graph import TensorSpec
 from ..tensor import Array, Deferred, QuantizedArray
 from .chat_template import checked
-from .common import DTYPES, ConvertReport, Imported, Progress, storage_targets, with_weight_specs, write_imported
+from .common import (DTYPES, ConvertReport, Imported, Progress, quantize_rows, storage_targets, with_weight_specs,
+                     write_imported)
 from .hf.common import HFImportError
 from .hf.llama import DecoderConfig, decoder_graph, weight_shapes
 
@@ -412,15 +413,14 @@ class _Storage:
 
 
 def _convert(data: np.ndarray, source: DType, target: DType, shape: tuple[int, ...]) -> Array:
-    """The stored data as ``target``: as is when they agree (no dequantize/requantize)."""
-    from dist_runtime.kernels.quant import dequantize, quantize
-
+    """The stored data as ``target``: as is when they agree (no dequantize/requantize), else
+    re-encoded a band of rows at a time."""
     if source.is_quantized:
         q = QuantizedArray(data, source, shape)
-        return q if target == source else quantize(dequantize(q), target)
+        return q if target == source else quantize_rows(q, target)
     if target == source:
         return data
-    return quantize(data.astype(np.float32), target)
+    return quantize_rows(data, target)
 
 
 # -- tokenizer -------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from ...errors import DistRuntimeError
 from ...ir.graph import Graph, TensorSpec
 from ...tensor import Array, Deferred
 from ..chat_template import template_in
-from ..common import DTYPES, Progress, storage_targets, with_weight_specs
+from ..common import DTYPES, Progress, quantize_rows, storage_targets, with_weight_specs
 
 
 class HFImportError(DistRuntimeError):
@@ -241,6 +241,4 @@ def _read_alone(path: Path, key: str) -> np.ndarray:
 
 
 def _stored(x: np.ndarray, target: DType) -> Array:
-    from dist_runtime.kernels.quant import quantize
-
-    return x if target == DType.F32 else quantize(x, target)
+    return x if target == DType.F32 else quantize_rows(x, target)

@@ -7,8 +7,12 @@ propagation, so shapes computed from shapes are known), then walks the nodes in 
   evaluated now, with ONNX's reference implementation, and its outputs are constants too
   ("folding"); ``Shape`` and ``Size`` of a value whose shape is static are constants as well, so
   the Shape -> Gather -> Concat -> Reshape chains exporters write for reshape targets disappear;
-* every other node goes through its converter (``registry.CONVERTERS``; it sees the constants' values);
-* the constants our nodes read become weights (optionally stored as ``dtype``).
+* initializers in external data (``external``) over ``EAGER_BYTES`` are :class:`~.external.Lazy`:
+  read when written, and a fold on one of them is deferred to then as well (its outputs are Lazy);
+* every other node goes through its converter (``registry.CONVERTERS``; it sees the constants'
+  values, a Lazy one's only at the input positions of ``CONSTANT_INPUTS``);
+* the constants our nodes read become weights (optionally stored as ``dtype``), Lazy ones as
+  :class:`~dist_runtime.tensor.Deferred`: a conversion holds one large tensor at a time.
 
 Before anything is converted the whole graph is checked, so one error lists every operator that
 has no converter (with every node where it occurs) rather than the first one.  ``convert_onnx``
@@ -18,6 +22,7 @@ See docs/import_onnx.md.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import defaultdict
@@ -33,14 +38,18 @@ from ...errors import DistRuntimeError
 from ...ir import ops
 from ...ir.builder import GraphBuilder
 from ...ir.graph import POS, Graph, TensorSpec
-from ..common import DTYPES, ConvertReport, Imported, Progress, storage_targets, with_weight_specs, write_imported
-from .registry import CONVERTERS, OnnxValue, UnsupportedOnnxError, convert_node
+from ...tensor import Deferred, QuantizedArray
+from ..common import (DTYPES, ConvertReport, Imported, Progress, quantize_rows, storage_targets, with_weight_specs,
+                      write_imported)
+from .errors import OnnxImportError
+from .external import EAGER_BYTES, Lazy, Pages, split_external
+from .registry import CONSTANT_INPUTS, CONVERTERS, OnnxValue, UnsupportedOnnxError, convert_node
 
 __all__ = ["MAX_FILE_BYTES", "OnnxImport", "OnnxImportError", "UnsupportedOperatorsError", "convert_onnx",
            "load"]
 
 #: Protobuf cannot serialize a message of 2 GiB or more: a larger model keeps its weights in
-#: external data, which this importer does not read.
+#: external data (read from their own files, ``external``; this cap is the ``.onnx`` file's).
 MAX_FILE_BYTES = 2**31 - 1
 
 #: Never folded, even with constant inputs: their value is not a function of their inputs.
@@ -49,10 +58,6 @@ _NONDETERMINISTIC = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLik
 #: Not folded when they could be: folding would store a quantized weight widened to floats.
 _KEEP_UNFOLDED = frozenset({"DequantizeLinear"})
 _DEFAULT_DOMAINS = ("", "ai.onnx")
-
-
-class OnnxImportError(DistRuntimeError):
-    """The ONNX file cannot be imported: unreadable, malformed, or outside what we import."""
 
 
 class UnsupportedOperatorsError(OnnxImportError, UnsupportedOnnxError):
@@ -103,7 +108,7 @@ def _read(source, max_bytes: int) -> tuple[onnx.ModelProto, str]:
     if size > max_bytes:
         raise OnnxImportError(f"{label} is {size:,} bytes, over the importer's limit of {max_bytes:,}")
     try:
-        # load_external_data=False: external tensors are refused below, never read from disk.
+        # load_external_data=False: external tensors are checked and read by ``external``.
         model = onnx.load_model(label, load_external_data=False)
     except Exception as e:  # noqa: BLE001  (protobuf's DecodeError, onnx's own errors, OSError)
         raise OnnxImportError(f"{label} is not a readable ONNX model: {type(e).__name__}: {e}") from None
@@ -119,20 +124,19 @@ def _check_model(model: onnx.ModelProto, label: str) -> int:
                               f"(a truncated or foreign file?)")
     if not model.graph.output:
         raise OnnxImportError(f"{label}: the graph has no outputs")
-    external = [t.name for t in _tensors(model.graph) if external_data_helper.uses_external_data(t)]
+    external = [t.name for t in _attribute_tensors(model.graph) if external_data_helper.uses_external_data(t)]
     if external:
         raise OnnxImportError(
-            f"{label}: tensor(s) {', '.join(external[:8])} are stored as external data, which this importer "
-            f"does not read; save the model with onnx.save_model(model, path, save_as_external_data=False) "
-            f"(possible under 2 GiB)")
+            f"{label}: node attribute tensor(s) {', '.join(external[:8])} are stored as external data, which "
+            f"this importer reads for initializers only; save the model with onnx.save_model(model, path, "
+            f"save_as_external_data=True, convert_attribute=False)")
     if model.graph.sparse_initializer:
         names = ", ".join(s.values.name for s in model.graph.sparse_initializer)
         raise OnnxImportError(f"{label}: sparse initializers ({names}) are not supported")
     return opset
 
 
-def _tensors(graph: onnx.GraphProto):
-    yield from graph.initializer
+def _attribute_tensors(graph: onnx.GraphProto):
     for node in graph.node:
         for a in node.attribute:
             if a.type == onnx.AttributeProto.TENSOR:
@@ -239,15 +243,26 @@ def _check_supported(nodes: list[tuple[int, onnx.NodeProto]], label: str) -> Non
 
 
 # -- folding ---------------------------------------------------------------------------------------
+def _large(constant: np.ndarray | Lazy) -> bool:
+    """A Lazy constant over ``EAGER_BYTES``: read only when it is written."""
+    return isinstance(constant, Lazy) and constant.nbytes > EAGER_BYTES
+
+
 class _Folder:
     """Evaluates constant nodes until none is left: a fold can make shapes static that make
-    another ``Shape`` foldable, so each round ends with ONNX shape inference on what remains."""
+    another ``Shape`` foldable, so each round ends with ONNX shape inference on what remains.
 
-    def __init__(self, raw: onnx.ModelProto, label: str):
+    A node reading one large :class:`Lazy` constant (over ``EAGER_BYTES``) is folded when it is
+    written: its outputs are Lazy too, of the types shape inference gives them.  A node reading
+    two or more, or whose output types are not static, is left to its converter."""
+
+    def __init__(self, raw: onnx.ModelProto, label: str, lazy: dict[str, Lazy]):
         self.raw, self.label = raw, label
         self.opsets = {o.domain: o.version for o in raw.opset_import}
-        self.constants = {init.name: numpy_helper.to_array(init) for init in raw.graph.initializer}
-        self.folded: dict[str, np.ndarray] = {}  # node outputs evaluated here
+        self.constants: dict[str, np.ndarray | Lazy] = {
+            init.name: lazy[init.name] if init.name in lazy else numpy_helper.to_array(init)
+            for init in raw.graph.initializer}
+        self.folded: dict[str, np.ndarray | Lazy] = {}  # node outputs evaluated here
         self.count = 0
 
     def run(self) -> tuple[list[tuple[int, onnx.NodeProto]], dict[str, _Type]]:
@@ -255,7 +270,8 @@ class _Folder:
         nodes = list(enumerate(self.raw.graph.node))
         model = _infer(self.raw, self.label)
         while True:
-            types = _types(model.graph)
+            types = _types(model.graph) | {n: _Type(c.shape, c.dtype) for n, c in self.constants.items()
+                                           if isinstance(c, Lazy)}
             left = [(i, n) for i, n in nodes if not self._fold(i, n, types)]
             if len(left) == len(nodes):
                 return nodes, types
@@ -266,35 +282,85 @@ class _Folder:
         if not _foldable(node, types, self.constants):
             return False
         value = _shape_value(node, types) if node.op_type in ("Shape", "Size") else None
-        outs = [value] if value is not None else self._evaluate(i, node)
+        if value is not None:
+            outs = [value]
+        else:
+            names = [n for n in dict.fromkeys(node.input) if n]
+            large = [n for n in names if _large(self.constants[n])]
+            if large:
+                return len(large) == 1 and self._defer(i, node, names, types)
+            outs = self._evaluate(i, node, {n: self._array(n) for n in names})
         for name, array in zip(node.output, outs):
             if name:
                 self.constants[name] = self.folded[name] = np.asarray(array)
         self.count += 1
         return True
 
-    def _evaluate(self, i: int, node: onnx.NodeProto) -> list:
+    def _array(self, name: str) -> np.ndarray:
+        """Constant ``name``'s value (a small Lazy one is read, and kept)."""
+        if isinstance(self.constants[name], Lazy):
+            self.constants[name] = self.constants[name].value()
+        return self.constants[name]
+
+    def _defer(self, i: int, node: onnx.NodeProto, names: list[str], types: dict[str, _Type]) -> bool:
+        """Fold ``node`` when its outputs are written: each output a Lazy that evaluates the node."""
+        outs = {k: o for k, o in enumerate(node.output) if o}
+        shapes = {k: _static_shape(types, o) for k, o in outs.items()}
+        if any(shapes[k] is None or types[o].dtype is None for k, o in outs.items()):
+            return False
+        inputs = {n: self.constants[n] if _large(self.constants[n]) else self._array(n) for n in names}
+        for k, name in outs.items():
+            pages, dtype = Pages(), types[name].dtype
+            make = functools.partial(self._deferred_output, i, node, inputs, k, dtype, shapes[k], pages)
+            self.constants[name] = self.folded[name] = Lazy(dtype, shapes[k], make, pages.release)
+        self.count += 1
+        return True
+
+    def _deferred_output(self, i: int, node: onnx.NodeProto, inputs: dict, k: int, dtype: np.dtype,
+                         shape: tuple[int, ...], pages: Pages) -> np.ndarray:
+        """Output ``k`` of ``node``, evaluated now, in ``pages`` (its Lazy inputs given back)."""
+        lazy = [v for v in inputs.values() if isinstance(v, Lazy)]
+        out = np.asarray(self._evaluate(i, node, {n: v.make() if isinstance(v, Lazy) else v
+                                                  for n, v in inputs.items()})[k])
+        if out.shape != shape or out.dtype != dtype:
+            raise OnnxImportError(f"{self.label}: {_location(i, node)} ({node.op_type}) made output "
+                                  f"{node.output[k]!r} as {out.dtype}{list(out.shape)}, where shape inference "
+                                  f"gave {dtype}{list(shape)}")
+        kept = pages.empty(shape, dtype)
+        np.copyto(kept, out)
+        del out
+        for v in lazy:
+            if v.done is not None:
+                v.done()
+        return kept
+
+    def _evaluate(self, i: int, node: onnx.NodeProto, values: dict[str, np.ndarray]) -> list:
         from onnx.reference import ReferenceEvaluator
 
-        names = [n for n in dict.fromkeys(node.input) if n]
-        graph = helper.make_graph([node], "fold", [onnx.ValueInfoProto(name=n) for n in names],
+        graph = helper.make_graph([node], "fold", [onnx.ValueInfoProto(name=n) for n in values],
                                   [onnx.ValueInfoProto(name=o) for o in node.output if o])
         try:
             evaluator = ReferenceEvaluator(graph, opsets=self.opsets)
             with np.errstate(all="ignore"):
-                return evaluator.run(None, {n: self.constants[n] for n in names})
+                return evaluator.run(None, values)
         except Exception as e:  # noqa: BLE001  (the reference raises what its numpy code raises)
             raise OnnxImportError(f"{self.label}: cannot evaluate {_location(i, node)} ({node.op_type}) on its "
                                   f"constant inputs: {type(e).__name__}: {e}") from None
 
     def _remaining(self, nodes: list[tuple[int, onnx.NodeProto]]) -> onnx.ModelProto:
-        """The model with the folded nodes replaced by initializers holding their values."""
+        """The model with the folded nodes replaced by initializers holding their values (a Lazy
+        one by a graph input of its type: shape inference needs no values of large tensors)."""
         model = onnx.ModelProto()
         model.CopyFrom(self.raw)
         del model.graph.node[:]
         model.graph.node.extend(n for _, n in nodes)
         del model.graph.value_info[:]
-        model.graph.initializer.extend(numpy_helper.from_array(a, n) for n, a in self.folded.items())
+        for n, a in self.folded.items():
+            if isinstance(a, Lazy):
+                model.graph.input.append(helper.make_tensor_value_info(
+                    n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape))
+            else:
+                model.graph.initializer.append(numpy_helper.from_array(a, n))
         return model
 
 
@@ -302,19 +368,27 @@ class _Folder:
 class _Walk(GraphBuilder):
     """Converts the nodes left after folding, in order, collecting our nodes."""
 
-    def __init__(self, opset: int, label: str, constants: dict[str, np.ndarray], types: dict[str, _Type]):
+    def __init__(self, opset: int, label: str, constants: dict[str, np.ndarray | Lazy], types: dict[str, _Type]):
         super().__init__()
         self.opset, self.label, self.constants, self.types = opset, label, constants, types
         self.kv: list[KvPrimed] = []
 
-    def value(self, name: str) -> OnnxValue:
-        if name in self.constants:
-            return OnnxValue.of(name, self.constants[name], constant=True)
+    def value(self, name: str, needed: bool = False) -> OnnxValue:
+        """What the converter knows of ``name``; a Lazy constant's value only when ``needed`` (read
+        then, and kept: the converter composes its value into its nodes)."""
+        constant = self.constants.get(name)
+        if isinstance(constant, Lazy):
+            if not needed:
+                return OnnxValue(name, constant.shape, constant.dtype)
+            constant = self.constants[name] = constant.value()
+        if constant is not None:
+            return OnnxValue.of(name, constant, constant=True)
         t = self.types.get(name, _Type(None, None))
         return OnnxValue(name, t.shape, t.dtype)
 
     def convert(self, i: int, node: onnx.NodeProto) -> None:
-        inputs = [self.value(n) if n else None for n in node.input]
+        needed = CONSTANT_INPUTS.get(node.op_type, ())
+        inputs = [self.value(n, k in needed) if n else None for k, n in enumerate(node.input)]
         try:
             converted = convert_node(node, self.opset, inputs)
         except UnsupportedOnnxError as e:
@@ -354,30 +428,41 @@ def _input_spec(label: str, value: onnx.ValueInfoProto) -> TensorSpec:
                               f"which our tensors do not carry") from None
 
 
-def _weights(walk: _Walk, graph: Graph) -> dict[str, np.ndarray]:
-    """The constants our nodes read, in order of first use."""
+def _weights(walk: _Walk, graph: Graph) -> dict[str, np.ndarray | Deferred]:
+    """The constants our nodes read, in order of first use (a Lazy one as a Deferred weight)."""
     read = dict.fromkeys(n for node in graph.nodes for n in node.inputs if n in walk.constants)
     weights = {}
     for name in read:
-        array = np.ascontiguousarray(walk.constants[name])
+        constant = walk.constants[name]
+        if not isinstance(constant, Lazy):
+            constant = np.ascontiguousarray(constant)
         try:
-            DType.from_numpy(array.dtype)
+            ours = DType.from_numpy(constant.dtype)
         except TypeError:
-            raise OnnxImportError(f"{walk.label}: constant {name!r} has element type {array.dtype}, which "
+            raise OnnxImportError(f"{walk.label}: constant {name!r} has element type {constant.dtype}, which "
                                   f"our tensors do not carry") from None
-        weights[name] = array
+        weights[name] = Deferred(ours, constant.shape, constant.make, constant.done) if isinstance(
+            constant, Lazy) else constant
     return weights
 
 
-def _store(graph: Graph, weights: dict[str, np.ndarray], dtype: str | None) -> dict:
-    """Matmul weights stored as ``dtype`` (``common.storage_targets``); float ones only."""
+def _store(graph: Graph, weights: dict[str, np.ndarray | Deferred], dtype: str | None) -> dict:
+    """Matmul weights stored as ``dtype`` (``common.storage_targets``); float ones only (a
+    Deferred one is converted when it is made)."""
     if dtype in (None, "f32"):
         return weights
-    from dist_runtime.kernels.quant import quantize
-
     targets = storage_targets(graph, DType[dtype.upper()])
-    return {n: quantize(w.astype(np.float32), targets[n])
-            if targets[n] != DType.F32 and w.dtype.kind == "f" else w for n, w in weights.items()}
+    return {n: _stored(w, targets[n]) for n, w in weights.items()}
+
+
+def _stored(w: np.ndarray | Deferred, target: DType) -> np.ndarray | Deferred:
+    """``w`` stored as ``target`` (float weights only; a Deferred one when it is made)."""
+    kind = w.dtype.numpy.kind if isinstance(w, Deferred) else w.dtype.kind
+    if target == DType.F32 or kind != "f":
+        return w
+    if isinstance(w, Deferred):
+        return Deferred(target, w.shape, lambda make=w.make: quantize_rows(make(), target), w.done)
+    return quantize_rows(w, target)
 
 
 def load(source, dtype: str | None = None, *, progress: bool = False,
@@ -385,7 +470,9 @@ def load(source, dtype: str | None = None, *, progress: bool = False,
     """Import an ONNX model (a path or an ``onnx.ModelProto``): graph, weights, metadata.
 
     ``dtype`` (one of ``common.DTYPES``) stores the matmul weights in that type; the others keep
-    the initializers' types.  Raises :class:`OnnxImportError` (a subclass for unsupported
+    the initializers' types.  Initializers in external data over ``EAGER_BYTES`` (read from the
+    files beside a path; a ModelProto's cannot be) are :class:`~dist_runtime.tensor.Deferred`
+    weights, read when written.  Raises :class:`OnnxImportError` (a subclass for unsupported
     operators) or ``UnsupportedOnnxError`` (a converter refusing a node), naming where.
     """
     if dtype is not None and dtype not in DTYPES:
@@ -394,7 +481,8 @@ def load(source, dtype: str | None = None, *, progress: bool = False,
     opset = _check_model(raw, label)
     _check_reserved(raw.graph, label)
     _check_defined(raw.graph, label)
-    folder = _Folder(raw, label)
+    base = None if isinstance(source, onnx.ModelProto) else Path(source).parent
+    folder = _Folder(raw, label, split_external(raw, base, label))
     nodes, types = folder.run()
     _check_supported(nodes, label)
     walk = _Walk(opset, label, folder.constants, types)
