@@ -148,17 +148,18 @@ def chunked_prefill(path: Path, args, engine_cache: dict) -> dict:
 
 
 def open_pipelines(path: Path) -> dict:
-    """2 and 3 stages on this machine, 1 micro-batch (the default for that placement) and S, all
-    deployed at once in one embedded Ray (its CPU count raised so that every reservation fits: the
-    stages of the pipeline not running are idle, blocked on their sockets) so that the rounds can
-    alternate them with one process."""
+    """2 and 3 stages on this machine, 1 micro-batch (the default for that placement) and S, each
+    stage's threads as placement chooses them by default (the CLI's), all deployed at once in one
+    embedded Ray (its CPU count raised so that every reservation fits: the stages of the pipeline
+    not running are idle, blocked on their sockets) so that the rounds can alternate them with one
+    process."""
     from dist_runtime.pipeline.cluster import connect
     from dist_runtime.pipeline.launch import Pipeline
     from dist_runtime.pipeline.options import StageOptions
 
     connect(num_cpus=8)
     return {(stages, micro): Pipeline(path, stages=stages, max_context=1024, micro_batches=micro,
-                                      options=StageOptions(cpus=2 / stages, threads=2))
+                                      options=StageOptions(cpus=2 / stages))
             for stages in (2, 3) for micro in (1, stages)}
 
 

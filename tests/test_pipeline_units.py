@@ -376,3 +376,18 @@ def test_the_last_stage_sends_greedy_tokens_when_asked(model, model_path):
     tokens = step("argmax", ["c", "d"])
     assert tokens.dtype == np.int32 and tokens.shape == (2,)
     assert list(tokens) == [Sampling().choose(r, np.random.default_rng(0)) for r in rows] == list(np.argmax(rows, -1))
+
+
+def test_placement_gives_each_stage_the_cores_no_other_stage_computes_on():
+    from dist_runtime.pipeline.launch import placement_threads
+
+    one_node = [{"node_id": "a"}, {"node_id": "a"}, {"node_id": "a"}]
+    assert placement_threads(one_node, {"a": 4}, 1, None) == (
+        [4, 4, 4], "stages sharing a node take turns: each uses all its cores")
+    threads, why = placement_threads(one_node, {"a": 4}, 2, None)  # two passes in flight: two at once
+    assert threads == [2, 2, 2] and "split its cores" in why
+    own = [{"node_id": "a"}, {"node_id": "b"}]
+    assert placement_threads(own, {"a": 8, "b": 2}, 2, None) == (
+        [8, 2], "each stage alone on its node: all its cores")
+    assert placement_threads(own, {"a": 8, "b": 2}, 2, 3) == ([3, 3], "asked for (--threads-per-stage)")
+    assert placement_threads([{"host": "h"}], {}, 1, None)[0] == [1]  # a node it cannot size: one thread

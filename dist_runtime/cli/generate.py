@@ -260,6 +260,7 @@ def _run_on_pipeline(args, job: _Job) -> int:
                     "nodes": describe()["nodes"],
                     "stats": run.summary(), "table": run.table(), "timeline": args.timeline, "trace": args.trace,
                     "micro_batches": pipe.micro_batches, "micro_batches_reason": pipe.micro_batches_reason,
+                    "threads": pipe.threads, "threads_reason": pipe.threads_reason,
                     "batching": pipe.coordinator.batching or "the rows of several sessions share each pass",
                     "check": None}
     except KeyboardInterrupt:
@@ -283,12 +284,14 @@ def _print_pipeline(args, pipeline: dict) -> None:
         print()
         for r in pipeline["stages"]:
             print(f"stage {r['stage']}: {r['host']} pid {r['pid']}, {len(r['weights'])} weights "
-                  f"({r['weight_bytes']:,} bytes) from {r['source']}, {r['threads']} BLAS thread(s)")
+                  f"({r['weight_bytes']:,} bytes) from {r['source']}, {pipeline['threads'][r['stage']]} compute "
+                  f"thread(s)")
         for k, m in enumerate(pipeline["memory"]):
             print(f"stage {k} memory: {_memory_line(m)}")
         print(pipeline["table"])
         print(f"batching: {pipeline['batching']}; {pipeline['micro_batches']} micro-batch(es) in flight "
-              f"({pipeline['micro_batches_reason']})")
+              f"({pipeline['micro_batches_reason']}); threads per stage {pipeline['threads']} "
+              f"({pipeline['threads_reason']})")
     if pipeline["timeline"]:
         print(f"wrote timeline to {pipeline['timeline']}")
     if pipeline["trace"]:

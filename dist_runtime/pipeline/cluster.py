@@ -192,3 +192,10 @@ def call_all(actors, method: str, *args, timeout: float | None):
     import ray
 
     return ray.get([getattr(a, method).remote(*args) for a in actors], timeout=timeout)
+
+
+def call_each(actors, method: str, values, timeout: float | None = 60.0):
+    """``actor.method(value)`` for each actor and its value, at once; their results in order."""
+    import ray
+
+    return ray.get([getattr(a, method).remote(v) for a, v in zip(actors, values)], timeout=timeout)

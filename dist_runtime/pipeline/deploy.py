@@ -32,9 +32,19 @@ def resolve_cpus(options: StageOptions, n_stages: int) -> StageOptions:
 
     import ray
 
-    # By default the stages share the CPUs still free (another pipeline may hold some already).
+    # By default the stages share the CPUs still free (another pipeline may hold some already), and
+    # each process's thread pool is as large as the largest node: placement then tells each stage
+    # how many of them to compute on (launch.placement_threads), which it can only know once placed.
     cpus = options.cpus or max(ray.available_resources().get("CPU", 0.0), 0.01 * n_stages) / n_stages
-    return dataclasses.replace(options, cpus=cpus, threads=options.threads or max(1, int(cpus)))
+    return dataclasses.replace(options, cpus=cpus, threads=options.threads or max(1, int(max(node_cpus().values(),
+                                                                                              default=cpus))))
+
+
+def node_cpus() -> dict[str, float]:
+    """Each live node's CPUs, by node id."""
+    import ray
+
+    return {n["NodeID"]: n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")}
 
 
 def check_placeable(options: StageOptions, n_stages: int) -> None:

@@ -15,9 +15,9 @@ from ..dtypes import kv_dtype
 from ..errors import DistRuntimeError
 from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
 from .channels import DEFAULT_CHANNEL, make_channel
-from .cluster import CONNECT_TIMEOUT, connect
+from .cluster import CONNECT_TIMEOUT, call_each, connect
 from .coordinator import Coordinator
-from .deploy import check_placeable, deploy, kill, resolve_cpus
+from .deploy import check_placeable, deploy, kill, node_cpus, resolve_cpus
 from .options import StageOptions, stage_options
 from .subgraph import StageGraph, stages_for_plan
 
@@ -70,6 +70,29 @@ def placement_micro_batches(reports: list[dict], asked: int | None) -> tuple[int
                f"{len(nodes)} stages share {len(set(nodes))} node(s): they take turns on its cores")
 
 
+def placement_threads(reports: list[dict], cpus: dict[str, float], micro_batches: int,
+                      asked: int | None) -> tuple[list[int], str]:
+    """Each stage's compute threads, and why, so that no core idles while work waits: a stage
+    alone on its node, or taking turns with the others there (one pass in flight), uses all the
+    node's cores; stages computing at once on a node (several passes in flight) split them."""
+    if asked is not None:
+        return [asked] * len(reports), "asked for (--threads-per-stage)"
+    nodes = [r.get("node_id") or r.get("host") for r in reports]
+    threads = []
+    for node in nodes:
+        cores, sharing = max(1, int(cpus.get(node, 1))), nodes.count(node)
+        at_once = 1 if micro_batches == 1 else min(sharing, micro_batches)
+        threads.append(max(1, cores // at_once))
+    shared = len(set(nodes)) < len(nodes)
+    if not shared:
+        why = "each stage alone on its node: all its cores"
+    elif micro_batches == 1:
+        why = "stages sharing a node take turns: each uses all its cores"
+    else:
+        why = f"up to {micro_batches} passes in flight: stages computing at once on a node split its cores"
+    return threads, why
+
+
 class Pipeline:
     """A model running as one Ray actor per stage of a plan."""
 
@@ -84,6 +107,7 @@ class Pipeline:
         self.path = Path(model_path)
         self._started_ray = False
         self.options = options or StageOptions()
+        asked_threads = self.options.threads
         self.actors: list = []
         self.channel = None
         self.channel_kind = channel
@@ -107,6 +131,9 @@ class Pipeline:
             self.actors, self.reports = deploy(self.path, self.stages, self.options)
             self.channel = make_channel(channel, self.actors)
             self.micro_batches, self.micro_batches_reason = placement_micro_batches(self.reports, micro_batches)
+            threads, self.threads_reason = placement_threads(self.reports, node_cpus(), self.micro_batches,
+                                                             asked_threads)
+            self.threads = call_each(self.actors, "set_threads", threads)
             self.coordinator = Coordinator(self.stages, self.actors, self.channel, timeout=timeout,
                                            repair=self.repair, micro_batches=self.micro_batches,
                                            max_batch_tokens=max_batch_tokens, max_kv_rows=kv_rows(self.plan))
@@ -127,6 +154,7 @@ class Pipeline:
             fresh, reports = deploy(self.path, [self.stages[k] for k in dead], self.options)
             for k, actor, report in zip(dead, fresh, reports):
                 self.actors[k], self.reports[k] = actor, report
+            call_each(fresh, "set_threads", [self.threads[k] for k in dead])
         self.channel = make_channel(self.channel_kind, self.actors)
         return self.actors, self.channel
 

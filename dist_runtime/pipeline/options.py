@@ -69,9 +69,9 @@ def add_deployment_options(p) -> None:
     plan.add_argument("--worker-path", metavar="PATH", help="where the workers find the model (default: MODEL, absolute)")
     plan.add_argument("--cpus-per-stage", type=positive_float, metavar="N", help="CPU reservation per stage (default: shared evenly)")
     plan.add_argument("--threads-per-stage", type=positive_int, metavar="N",
-                      help="BLAS threads per stage (default: its CPUs). With one session at a time the "
-                           "stages take turns: give each the machine's cores (idle stages' threads then "
-                           "sleep); with many sessions keep the default share")
+                      help="compute threads per stage (default: placement's choice, in --stats: all of "
+                           "its node's cores when it is alone there or takes turns with the stages there, "
+                           "a share when several passes in flight make stages on a node compute at once)")
     plan.add_argument("--stage-resources", metavar="NAMES",
                       help="pin stage k to the node with resource NAME_k, e.g. node:10.0.0.11,node:10.0.0.12 "
                            "(Ray's per-node resource) or custom ones like stage0,stage1")

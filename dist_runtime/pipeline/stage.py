@@ -24,7 +24,7 @@ from typing import Any, Hashable
 import numpy as np
 
 from ..arena import process_memory
-from ..backends import threads_in_use
+from ..backends import set_threads, threads_in_use
 from ..batched_pass import Segment
 from ..errors import DistRuntimeError, TransportError
 from ..kernels.elementwise import argmax
@@ -76,6 +76,7 @@ class StageWorker:
         self.stage = stage
         self._fuse, self._backends, self._seed, self._kv_dtype = fuse, backends, seed, kv_dtype
         self.threads = threads
+        self.compute_threads: int | None = None  # set_threads: what placement chose, once it is known
         self.thread_limit = limit_threads(threads) if threads else "none"
         self.max_sessions = max_sessions
         self._executor = None
@@ -176,6 +177,13 @@ class StageWorker:
         with self._lock:
             return self._executor.sessions() if self._executor is not None else []
 
+    def set_threads(self, n: int) -> int:
+        """Compute on ``n`` threads from the next step on (placement's choice, made once the
+        stages' nodes are known: :func:`.launch.placement_threads`), at most the cores this
+        process may run on (a node may declare more CPUs to Ray than it has); returns how many."""
+        self.compute_threads = max(1, min(int(n), len(os.sched_getaffinity(0))))
+        return self.compute_threads
+
     # -- the data path -------------------------------------------------------------------------
     def step(self, message: bytes) -> bytes:
         """Decode, run, encode.  Raises ``TransportError`` for a malformed message, and the
@@ -194,6 +202,8 @@ class StageWorker:
                     f"holds {sorted(tensors)}")
             with self._lock:
                 t1 = time.perf_counter()
+                if self.compute_threads:  # numba's thread count is per calling thread
+                    set_threads(self.compute_threads)
                 outputs = self._run(tensors, header)
                 t2 = time.perf_counter()
             reply = encode_message(outputs, header.to_meta())
