@@ -122,7 +122,8 @@ def add_kv_dtype(p, what: str = "the KV caches keep K and V in") -> None:
     """``--kv-dtype``: one option, the same on generate, pipeline, serve and partition."""
     p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES,
                    help=f"what {what}: f16, half f32's memory at the same speed (logits within ~1e-3 "
-                        f"of f32's), or f32 (default: the model's kv_dtype metadata, else {DEFAULT_KV_DTYPE})")
+                        f"of f32's); q8_0, 17/32 of f16's at the same speed (logits within ~2e-2); or f32 "
+                        f"(default: the model's kv_dtype metadata, else {DEFAULT_KV_DTYPE})")
 
 
 def add_numerics(p) -> None:

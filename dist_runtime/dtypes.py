@@ -173,7 +173,8 @@ _FROM_NUMPY: dict[np.dtype, DType] = {}
 
 def kv_dtype(name: str | None, declared: str | None = None) -> DType:
     """The element type KV caches are kept in: ``name`` (``--kv-dtype``), else ``declared`` (the
-    model's ``kv_dtype`` metadata), else the default; ValueError naming the choices."""
+    model's ``kv_dtype`` metadata), else the default (F32, F16 or Q8_0); ValueError naming the
+    choices."""
     from .scheduling_defaults import DEFAULT_KV_DTYPE, KV_DTYPE_NAMES
 
     name = name or declared or DEFAULT_KV_DTYPE

@@ -11,8 +11,9 @@ DEFAULT_BATCH_TOKENS = 24
 IDLE_PREFILL_TOKENS = 512
 #: What a KV cache may keep K and V in, by the name a user gives (``--kv-dtype``, or a model's
 #: ``kv_dtype`` metadata).  F16 halves the caches' memory at the same decode speed, as llama.cpp's
-#: default does (kernels/attention.py's ``KvState``; docs/architecture.md states its accuracy).
-KV_DTYPE_NAMES = ("f16", "f32")
+#: default does; Q8_0 (GGML's blocks of 32) takes 17/32 of F16's (kernels/attention.py's
+#: ``KvState``; docs/architecture.md states their accuracy).
+KV_DTYPE_NAMES = ("f16", "f32", "q8_0")
 DEFAULT_KV_DTYPE = "f16"
 #: Rows a KV cache grows by: a session's caches take whole blocks as its context grows, at least an
 #: eighth more each time (appends stay amortised O(1)), never past its request's ceiling

@@ -23,6 +23,7 @@ from dist_runtime.ir.ops import FlashAttention, KvCache, Sdpa, SdpaCross, SdpaWi
 from dist_runtime.tensor import Array, QuantizedArray, dtype_of
 
 from ._common import as_compute, cast_back, check_broadcastable_to, compute_dtype, fail
+from .quant import QK, dequantize, quantize
 from .registry import register
 
 
@@ -105,6 +106,7 @@ class _Problem:
             if x.shape[-1] != heads * head_dim:
                 raise fail(name, f"{what} has rows of width {x.shape[-1]}, but {heads} heads x "
                                  f"head_dim {head_dim} need {heads * head_dim}")
+        k, v = _floats(k), _floats(v)  # a KV cache kept in Q8_0 hands out its blocks
         self.dtype = compute_dtype(q, k, v, mask)
         self.groups = num_heads // kv_heads
         # Scaling q once is cheaper than scaling every score; a Python float keeps the dtype.
@@ -147,6 +149,11 @@ class _Problem:
 
     def output(self, o: np.ndarray) -> np.ndarray:
         return cast_back(_merge_heads(o, self.groups, self.tq), self.out_like)
+
+
+def _floats(x):
+    """``x`` as floats: a block-quantized input (a KV cache kept in Q8_0) decoded, exactly."""
+    return dequantize(x) if isinstance(x, QuantizedArray) else x
 
 
 # A query row that may see no key (its mask all -inf, or Tk = 0) gets zero probabilities and a
@@ -252,23 +259,48 @@ def _flash(op, inputs, ctx):
 class _Rows:
     """One accumulator: a buffer ``[..., capacity, row_bytes]`` of the stored element type.
 
-    A block-quantized input (Q8_0, Q4_0) is stored as its raw GGML block rows, unchanged.
+    A block-quantized input (Q8_0, Q4_0) is stored as its raw GGML block rows, unchanged.  F32
+    rows are kept as ``store`` says: F16 (rounded to nearest even), Q8_0 (GGML blocks of 32, as
+    :func:`kernels.quant.quantize` makes them), or as given (None, F32).
     """
 
     def __init__(self, store: DType | None = None) -> None:
         self.buf: np.ndarray | None = None
         self.address = 0  # of buf's first element
         self.layout: tuple | None = None  # (leading dims, width, element type) of the rows held
-        self.store = store  # F16: F32 rows are kept as f16 (rounded to nearest even); None: as given
+        self.store = store  # F16, Q8_0: F32 rows are kept so; None, F32: as given
 
     @staticmethod
     def _raw(new: Array) -> tuple[np.ndarray, tuple]:
-        """The stored rows and their layout: (leading dims, logical width, DType)."""
+        """The given rows' array and their layout: (leading dims, logical width, DType)."""
         raw = new.data if isinstance(new, QuantizedArray) else new
         return raw, (new.shape[:-2], new.shape[-1], dtype_of(new))
 
+    def _quantizes(self, new: Array) -> bool:
+        """Whether ``new``'s rows are kept as Q8_0 blocks (F32 rows into a Q8_0 cache)."""
+        return self.store == DType.Q8_0 and type(new) is np.ndarray and new.dtype == np.float32
+
+    def kept(self, new: Array) -> tuple[np.dtype, int]:
+        """The buffer's element type and row length for ``new``'s rows."""
+        raw, _ = self._raw(new)
+        if self._quantizes(new):
+            return np.dtype(np.uint8), raw.shape[-1] // QK * DType.Q8_0.block_bytes
+        if self.store == DType.F16 and raw.dtype == np.float32:
+            return np.dtype(np.float16), raw.shape[-1]
+        return raw.dtype, raw.shape[-1]
+
+    def stored(self, new: Array) -> np.ndarray:
+        """``new``'s rows as the buffer keeps them (F16 ones: rounded by the assignment)."""
+        if self._quantizes(new):
+            return quantize(new, DType.Q8_0).data
+        return self._raw(new)[0]
+
     def check(self, new: Array, held: int, what: str) -> None:
         _, layout = self._raw(new)
+        if self._quantizes(new) and new.shape[-1] % QK:
+            raise fail("KvCache", f"a KV cache kept in Q8_0 (--kv-dtype q8_0) holds rows in blocks of {QK} "
+                                  f"values, but {what} has rows of width {new.shape[-1]} (kv_heads x head_dim), "
+                                  f"not a multiple of {QK}: keep this model's caches in f16 or f32")
         if held and layout != self.layout:
             lead, width, dtype = self.layout
             raise fail("KvCache", f"{what} changed from {_describe(lead, width, dtype)} to "
@@ -283,23 +315,26 @@ class _Rows:
         stop = pos + raw.shape[-2]
         if self.buf is None or layout != self.layout:  # first write, or a new layout after reset
             self.buf, self.layout = None, layout
-            self._grow(raw, grown(stop, 0), keep=0)
+            self._grow(new, grown(stop, 0), keep=0)
         elif stop > self.buf.shape[-2]:
-            self._grow(raw, grown(stop, self.buf.shape[-2]), keep=min(pos, held))
+            self._grow(new, grown(stop, self.buf.shape[-2]), keep=min(pos, held))
         return self.buf
 
     def view(self, stop: int, new: Array) -> Array:
         """Rows ``[0, stop)``, a zero-copy read-only view (consumers must not write into the
-        cache), typed as ``new``."""
+        cache), typed as ``new`` (as Q8_0 blocks where F32 rows are kept so)."""
         view = self.buf[..., :stop, :]
         view.flags.writeable = False
         if isinstance(new, QuantizedArray):
             return QuantizedArray(view, new.dtype, (*view.shape[:-1], new.shape[-1]))
+        if self._quantizes(new):
+            return QuantizedArray(view, DType.Q8_0, (*view.shape[:-1], new.shape[-1]))
         return view
 
-    def _grow(self, raw: np.ndarray, capacity: int, keep: int) -> None:
-        kept = np.float16 if self.store == DType.F16 and raw.dtype == np.float32 else raw.dtype
-        buf = arena.empty((*raw.shape[:-2], capacity, raw.shape[-1]), kept)
+    def _grow(self, new: Array, capacity: int, keep: int) -> None:
+        raw, _ = self._raw(new)
+        kept, row = self.kept(new)
+        buf = arena.empty((*raw.shape[:-2], capacity, row), kept)
         if keep:
             buf[..., :keep, :] = self.buf[..., :keep, :]
         self.buf, self.address = buf, buf.ctypes.data
@@ -309,8 +344,8 @@ def _describe(lead, width, dtype) -> str:
     return f"{dtype.name}[{', '.join(map(str, (*lead, 'T', width)))}]"
 
 
-#: What a KV cache may keep F32 rows as: None (as given, F32), F16.
-KV_DTYPES = (None, DType.F32, DType.F16)
+#: What a KV cache may keep F32 rows as: None (as given, F32), F16, Q8_0.
+KV_DTYPES = (None, DType.F32, DType.F16, DType.Q8_0)
 
 
 class KvStates(dict):
@@ -339,6 +374,9 @@ class KvState:
     ``pos`` before the end rewinds the cache to ``pos + T`` rows.  A ``pos`` past the rows held
     would leave a gap and is an error.  ``dtype`` F16 keeps F32 rows as f16 (half the memory;
     numpy's rounding to nearest even, the same bits whoever writes them), read back as f16 views;
+    Q8_0 as GGML's blocks of 32 (34 bytes: an f16 scale and 32 int8 codes, 17/32 of F16's memory;
+    :func:`kernels.quant.quantize`'s bits, whoever writes them), read back as Q8_0
+    :class:`QuantizedArray` views (rows of a width that is not a multiple of 32 are refused);
     None keeps rows as given.
 
     Memory: the buffers take whole blocks of :data:`KV_BLOCK` rows as the rows written grow, at
@@ -382,8 +420,8 @@ class KvState:
         k_buf, v_buf = self.reserve(pos, k_new, v_new)
         stop = pos + k_new.shape[-2]
         with np.errstate(over="ignore"):  # kept as F16: beyond +-65504 is +-inf, as in llama.cpp's caches
-            k_buf[..., pos:stop, :] = _Rows._raw(k_new)[0]
-            v_buf[..., pos:stop, :] = _Rows._raw(v_new)[0]
+            k_buf[..., pos:stop, :] = self._k.stored(k_new)
+            v_buf[..., pos:stop, :] = self._v.stored(v_new)
         return self.commit(pos, k_new, v_new)
 
     def reserve(self, pos: int, k_new: Array, v_new: Array) -> tuple[np.ndarray, np.ndarray]:
@@ -407,12 +445,12 @@ class KvState:
     def room(self, pos: int, rows: int, width: int, kept: DType = DType.F32) -> tuple[int, int, int] | None:
         """(K address, V address, rows each buffer holds) where F32 rows ``[pos, pos + rows)`` of
         ``width`` fit as the buffers are (:meth:`reserve` would change nothing) and the buffers
-        keep them as ``kept`` (F32, or F16), else None: a compiled caller's fast check (the
+        keep them as ``kept`` (F32, F16 or Q8_0), else None: a compiled caller's fast check (the
         executor's program), before it writes them itself and :meth:`hold` s them."""
         k, v = self._k, self._v
         if not 0 <= pos <= self.length or k.buf is None or v.buf is None:
             return None
-        element = np.float16 if kept == DType.F16 else np.float32
+        element = {DType.F16: np.float16, DType.Q8_0: np.uint8}.get(kept, np.float32)
         if k.buf.dtype != element or v.buf.dtype != element:
             return None
         layout = ((), width, DType.F32)

@@ -114,7 +114,8 @@ def graph_costs(
     tokens = pass_rows(graph, max_context) if tokens is None else tokens
     if not 1 <= tokens <= max_context:
         raise DistRuntimeError(f"tokens per call must be in 1..max_context ({max_context}), got {tokens}")
-    kv_bytes = kv_dtype_of(kv_dtype).nbytes((1,))  # an element of a cache's F32 rows, as kept
+    kept = kv_dtype_of(kv_dtype)  # an element of a cache's F32 rows, as kept: bytes per 32 elements
+    kv_bytes = kept.block_bytes * 32 // kept.block_size  # f32 128, f16 64, q8_0 34
     if weights is not None:
         graph = Graph(graph.nodes, graph.inputs, graph.outputs, dict(weights))
     if order is None:
@@ -143,7 +144,7 @@ class _OutOfOrder(Exception):
     """A node consumes a name that a later node produces."""
 
 
-def _costs(graph, order, max_context, sessions, microbatches, tokens, kv_bytes=4) -> CostModel:
+def _costs(graph, order, max_context, sessions, microbatches, tokens, kv_bytes=128) -> CostModel:
     nodes = graph.nodes if order is None else [graph.nodes[i] for i in order]
     n = len(nodes)
     size_of = _Sizer(max_context)
@@ -168,8 +169,9 @@ def _costs(graph, order, max_context, sessions, microbatches, tokens, kv_bytes=4
 
 
 def _kept(specs, sizes, kv_bytes: int) -> int:
-    """A KvCache's bytes at the maximum context as kept: F32 outputs at ``kv_bytes`` an element."""
-    return sum(size * kv_bytes // 4 if spec.dtype == DType.F32 else size for spec, size in zip(specs, sizes))
+    """A KvCache's bytes at the maximum context as kept: F32 outputs at ``kv_bytes`` per 32
+    elements (Q8_0: 34, a block)."""
+    return sum(size * kv_bytes // 128 if spec.dtype == DType.F32 else size for spec, size in zip(specs, sizes))
 
 
 def _infer(graph, nodes, order, tokens, size_of) -> tuple[list[tuple], dict[str, TensorSpec]]:

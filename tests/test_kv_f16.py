@@ -99,7 +99,7 @@ def test_a_model_may_declare_its_kv_dtype_and_the_caller_overrides_it(model, tmp
     assert GraphExecutor(declared).kv_dtype == DType.F32
     assert GraphExecutor(declared, kv_dtype="f16").kv_dtype == DType.F16
     assert GraphExecutor(model).kv_dtype == DType.F16  # nothing declared: the default
-    with pytest.raises(ValueError, match=r"metadata key 'kv_dtype' must be one of f16, f32, got 'q4'"):
+    with pytest.raises(ValueError, match=r"metadata key 'kv_dtype' must be one of f16, f32, q8_0, got 'q4'"):
         save_model(tmp_path / "bad.model", graph, weights, {**llama_metadata(CFG), "kv_dtype": "q4"})
 
 
@@ -120,7 +120,7 @@ def test_generate_takes_kv_dtype_and_refuses_what_it_does_not_know(model, capsys
     assert len(capsys.readouterr().out.split()) >= 4
     with pytest.raises(SystemExit) as exit_:
         main(["generate", str(path), "--ids", "1", "--kv-dtype", "q4"])
-    assert exit_.value.code == 2 and "invalid choice: 'q4' (choose from 'f16', 'f32')" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "invalid choice: 'q4' (choose from 'f16', 'f32', 'q8_0')" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # Ray stages

@@ -71,6 +71,7 @@ from ..tensor import Array, QuantizedArray
 from . import BoundKernel, OpEntry, PerSegment, TableBackend, chain_reads, compiled, register_backend, run_chain
 from .compiled import attention as compiled_attention
 from .compiled import gather
+from .compiled.kv_q8 import rope_append_attend_q8, segments_append_attend_q8
 from .compiled.rows import rms_rows, rope_append_attend, rope_rows, segments_append_attend, silu_mul, skip_rms_rows
 from .step_kinds import NormProducts, Products, Rms, SkipRms, SwiGlu
 from .blas import WEIGHT_SLOTS, matmul_family_supports
@@ -203,15 +204,25 @@ def _bind_rope(backend: NumbaBackend, node: Node) -> BoundKernel:
 
 
 def _bits(buf: np.ndarray) -> np.ndarray:
-    """A KV cache's buffer as compiled code writes it: F32, or an F16 one as its uint16 bits
-    (:func:`.compiled.halves.kept`)."""
+    """A KV cache's buffer as compiled code writes it: F32, an F16 one as its uint16 bits
+    (:func:`.compiled.halves.kept`), a Q8_0 one as its blocks' bytes (:mod:`.compiled.kv_q8`)."""
     return buf.view(np.uint16) if buf.dtype == np.float16 else buf
 
 
 def _kv_rows(k, v) -> bool:
-    """Keys and values the compiled attention reads: both F32, or both F16 (a KV cache kept so)."""
+    """Keys and values the compiled attention reads: both F32, both F16, or both Q8_0 blocks of
+    rows of a multiple of 32 values (a KV cache kept so)."""
+    if type(k) is type(v) is QuantizedArray:
+        return (k.dtype == v.dtype == DType.Q8_0 and len(k.shape) == 2 and k.shape[0] > 0
+                and k.shape[1] % 32 == 0)
     return (type(k) is type(v) is np.ndarray and k.dtype == v.dtype
             and k.dtype in (np.float32, np.float16) and k.size > 0)
+
+
+def _kv(x):
+    """Keys or values as :func:`.compiled.attention.attention_rows` takes them (Q8_0 blocks as
+    they are: a cache's views are contiguous rows)."""
+    return x if isinstance(x, QuantizedArray) else _rows(x)
 
 
 def _bind_attention(backend: NumbaBackend, node: Node) -> BoundKernel:
@@ -228,7 +239,7 @@ def _bind_attention(backend: NumbaBackend, node: Node) -> BoundKernel:
                 and not (op.causal and q.shape[0] > k.shape[0])):
             return reference(inputs, ctx)
         out = np.empty(q.shape, F32)
-        compiled_attention.attention_rows(_rows(q), _rows(k), _rows(v), op.num_heads, op.kv_heads,
+        compiled_attention.attention_rows(_rows(q), _kv(k), _kv(v), op.num_heads, op.kv_heads,
                                           op.head_dim, bool(op.causal), window, out)
         return (out,)
     return run
@@ -337,8 +348,9 @@ class AttentionChain:
             return run_chain(self.nodes, self.kernels, inputs, ctx)
         q_rot, k_rot, out = np.empty(q.shape, F32), np.empty(k.shape, F32), np.empty(q.shape, F32)
         a, r = self.attn, self.rope
-        rope_append_attend(self.spec, q, k, v, cos, sin, r.head_dim, r.rope_dim, _bits(k_buf), _bits(v_buf), at_row,
-                           a.num_heads, a.kv_heads, a.head_dim, bool(a.causal), self.window, attend, q_rot, k_rot, out)
+        call = rope_append_attend_q8 if k_buf.dtype == np.uint8 else rope_append_attend  # Q8_0 caches: their blocks
+        call(self.spec, q, k, v, cos, sin, r.head_dim, r.rope_dim, _bits(k_buf), _bits(v_buf), at_row,
+             a.num_heads, a.kv_heads, a.head_dim, bool(a.causal), self.window, attend, q_rot, k_rot, out)
         k_all, v_all = self._finish(ctx, at_row, k, v, attend, q_rot, out)
         return self._outputs(q_rot, k_rot, k_all, v_all, out)
 
@@ -360,13 +372,14 @@ class AttentionChain:
         cos, sin, k_bufs, _, at_rows, attend = zip(*made)
         q_rot, k_rot, out = np.empty(q.shape, F32), np.empty(k.shape, F32), np.empty(q.shape, F32)
         a, r = self.attn, self.rope
-        segments_append_attend(self.spec, q, k, v, np.concatenate(cos), np.concatenate(sin), r.head_dim, r.rope_dim,
-                                np.array([cut.start for cut in cuts] + [q.shape[0]], np.int64),
-                                np.array([ctx.state.addresses() for ctx in ctxs], np.int64),
-                                _bits(k_bufs[0][:0]), np.array([b.shape[0] for b in k_bufs], np.int64),
-                                np.array(at_rows, np.int64),
-                                a.num_heads, a.kv_heads, a.head_dim, bool(a.causal), self.window, np.array(attend),
-                                q_rot, k_rot, out)
+        call = segments_append_attend_q8 if k_bufs[0].dtype == np.uint8 else segments_append_attend
+        call(self.spec, q, k, v, np.concatenate(cos), np.concatenate(sin), r.head_dim, r.rope_dim,
+             np.array([cut.start for cut in cuts] + [q.shape[0]], np.int64),
+             np.array([ctx.state.addresses() for ctx in ctxs], np.int64),
+             _bits(k_bufs[0][:0]), np.array([b.shape[0] for b in k_bufs], np.int64),
+             np.array(at_rows, np.int64),
+             a.num_heads, a.kv_heads, a.head_dim, bool(a.causal), self.window, np.array(attend),
+             q_rot, k_rot, out)
         k_alls, v_alls = zip(*(self._finish(ctx, at_rows[i], k[cut], v[cut], attend[i], q_rot[cut], out[cut])
                                for i, (cut, ctx) in enumerate(zip(cuts, ctxs))))
         return self._outputs(q_rot, k_rot, PerSegment(k_alls), PerSegment(v_alls), out)

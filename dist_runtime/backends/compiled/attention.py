@@ -41,6 +41,9 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ...dtypes import DType
+from ...kernels.quant import dequantize
+from ...tensor import QuantizedArray
 from . import ahead, cpu, simd
 from .cache import jit
 
@@ -71,12 +74,12 @@ def _prefetch(builder, ptr, span):
         simd.prefetch(builder, ptr, at, 3)
 
 
-def _dot_lanes(builder, path, ptr, qv, fmt="f32"):
+def _dot_lanes(builder, path, piece, qv):
     """The 8 lanes of ``row . q`` (lane j: the products of elements j, j + 8, ... added in order;
-    the row's elements widened from ``fmt`` exactly)."""
+    ``piece(p)``: the row's elements ``8p ..``, widened exactly: :func:`_head`)."""
     acc = None
     for p, q in enumerate(qv):
-        kv = simd.load(builder, builder.gep(ptr, [_I64(p * LANES)]), fmt, LANES, path)
+        kv = piece(p)
         acc = builder.fmul(kv, q) if acc is None else simd.fma(builder, kv, q, acc, path)
     return acc
 
@@ -101,15 +104,65 @@ def _blocks(builder, lo, hi):
     return builder.add(lo, builder.mul(builder.sdiv(builder.sub(hi, lo), _I64(LANES)), _I64(LANES)))
 
 
-def _stored(ty) -> tuple[str, int]:
-    """The element format of a K or V array type as :func:`.simd.load` reads it, and its bytes:
-    F32 rows, or F16 ones (a KV cache kept in F16, passed as their uint16 bits)."""
-    return ("f16", 2) if ty.dtype == types.uint16 else ("f32", 4)
+def _stored(ty) -> str:
+    """The element format of a K or V array type: F32 rows, F16 ones (a KV cache kept in F16,
+    passed as their uint16 bits) or Q8_0 ones (a KV cache kept in Q8_0, passed as their blocks'
+    bytes, uint8 ``[T, W / 32 * 34]``)."""
+    return {types.uint16: "f16", types.uint8: "q8_0"}.get(ty.dtype, "f32")
+
+
+#: Q8_0's block: 32 values, an f16 ``d`` and 32 int8 codes (34 bytes).
+Q8_BLOCK, Q8_BYTES = 32, 34
+
+
+def _row_bytes(builder, fmt, kv_heads, hd):
+    """Bytes of a K or V row of ``kv_heads`` heads of ``hd`` values stored as ``fmt``."""
+    values = builder.mul(kv_heads, _I64(hd))
+    if fmt == "q8_0":
+        return builder.mul(builder.lshr(values, _I64(5)), _I64(Q8_BYTES))
+    return builder.mul(values, _I64(4 if fmt == "f32" else 2))
+
+
+def _head(context, builder, path, ty, array, row, g, hd):
+    """``piece(p)``: values ``8p .. 8p + 7`` of kv head ``g`` of row ``row`` of K or V as
+    ``<8 x float>``, exactly: F32 as stored, F16 widened, Q8_0 a code times its block's ``d``
+    (a 7-bit code times an 11-bit significand fits f32's 24: exact, so the cores' bits over Q8_0
+    rows are their bits over the same rows decoded to F32).  A piece of 8 never straddles a block
+    of 32; a head of a multiple of 32 values starts on a block (its pieces' offsets constants),
+    another head size's pieces find their block at run time.  Each block's ``d`` is read once."""
+    fmt = _stored(ty)
+    if fmt != "q8_0":
+        ptr = _slice(context, builder, ty, array, row, builder.mul(g, _I64(hd)))
+        return lambda p: simd.load(builder, builder.gep(ptr, [_I64(p * LANES)]), fmt, LANES, path)
+    base = _slice(context, builder, ty, array, row, _I64(0))  # the row's first byte
+    scales = {}
+
+    def block_of(p):  # (the block's byte offset in the row, the piece's codes' offset in the block, a key)
+        if hd % Q8_BLOCK == 0:
+            at = builder.add(builder.mul(g, _I64(hd // Q8_BLOCK * Q8_BYTES)), _I64(p * LANES // Q8_BLOCK * Q8_BYTES))
+            return at, _I64(2 + p * LANES % Q8_BLOCK), p * LANES // Q8_BLOCK
+        e = builder.add(builder.mul(g, _I64(hd)), _I64(p * LANES))  # >= 0: shifts, not signed division
+        return (builder.mul(builder.lshr(e, _I64(5)), _I64(Q8_BYTES)),
+                builder.add(_I64(2), builder.and_(e, _I64(Q8_BLOCK - 1))), p)
+
+    def piece(p):
+        at, within, key = block_of(p)
+        if key not in scales:
+            d = simd.load(builder, builder.gep(base, [at]), "f16", 1, path)
+            scales[key] = builder.shuffle_vector(d, d, ir.Constant(simd.vector(simd.I32, LANES), [0] * LANES))
+        codes = builder.load(builder.bitcast(builder.gep(base, [builder.add(at, within)]),
+                                             simd.vector(ir.IntType(8), LANES).as_pointer()), align=1)
+        # A flag of its own, one that permits nothing here (no division), so that numba's
+        # fast-math pass, which flags every unflagged float operation of a fast-math caller with
+        # "reassoc", leaves this product alone: (code * d) * q reassociated to code * (d * q)
+        # would round differently from the F32 cores over the decoded rows.
+        return builder.fmul(builder.sitofp(codes, simd.vector(simd.F32, LANES)), scales[key], flags=("arcp",))
+    return piece
 
 
 def _prefetch_rows(context, builder, ty, array, first, count, kv_heads, hd):
     """Prefetch the ``kv_heads`` heads of rows ``first .. first + count - 1``."""
-    span = builder.mul(builder.mul(kv_heads, _I64(hd)), _I64(_stored(ty)[1]))
+    span = _row_bytes(builder, _stored(ty), kv_heads, hd)
     for j in range(count):
         _prefetch(builder, _slice(context, builder, ty, array, builder.add(first, _I64(j)), _I64(0)), span)
 
@@ -142,7 +195,8 @@ def _splat(builder, value):
 def scores(typingctx, spec, q, kv_heads, groups, k, lo, hi, scale, out, ahead):
     """``out[h, t - lo] = scale * (q[h*hd:(h+1)*hd] . k[t, g*hd:(g+1)*hd])`` for every head ``h``
     (on kv head ``g = h // groups``) and ``lo <= t < hi`` (``q`` 1-D f32; ``k``, ``out``
-    C-contiguous 2-D f32, or ``k`` the uint16 bits of F16 keys, widened exactly; ``hd`` from ``spec``).  Blocks of 8 key rows in order, all heads on a
+    C-contiguous 2-D f32, or ``k`` the uint16 bits of F16 keys or the bytes of Q8_0 rows, read
+    exactly (:func:`_head`); ``hd`` from ``spec``).  Blocks of 8 key rows in order, all heads on a
     block before the next: the rows stream from memory once, whole, in order, and stay in L1
     while the heads use them; each block's heads prefetch the rows ``ahead`` of it, a share each."""
     sig = types.void(spec, q, types.intp, types.intp, k, types.intp, types.intp, types.float32, out, types.intp)
@@ -153,7 +207,6 @@ def _scores_codegen(path, hd, context, builder, sig, args):
     _, q, kv_heads, groups, k, lo, hi, scale, out, ahead = args
     qbase = context.make_array(sig.args[1])(context, builder, q).data
     kty, oty = sig.args[4], sig.args[8]
-    fmt = _stored(kty)[0]
     scales = _splat(builder, scale)
     vec = simd.vector(simd.F32, LANES)
 
@@ -166,18 +219,17 @@ def _scores_codegen(path, hd, context, builder, sig, args):
     with cgutils.for_range_slice(builder, lo, blocked, _I64(LANES)) as (t, _):
         def block(g, h):
             _prefetch_share(context, builder, kty, k, builder.add(t, ahead), h, heads, kv_heads, hd)
-            koff = builder.mul(g, _I64(hd))
             qv = query(h)
-            lanes = [_dot_lanes(builder, path, _slice(context, builder, kty, k, builder.add(t, _I64(j)), koff), qv, fmt)
-                     for j in range(LANES)]
+            lanes = [_dot_lanes(builder, path, _head(context, builder, path, kty, k, builder.add(t, _I64(j)), g, hd),
+                                qv) for j in range(LANES)]
             dots = builder.fmul(_transpose_sum(builder, lanes), scales)
             at = _slice(context, builder, oty, out, h, builder.sub(t, lo))
             builder.store(dots, builder.bitcast(at, vec.as_pointer()), align=4)
         _each_head(builder, kv_heads, groups, block)
     with cgutils.for_range_slice(builder, blocked, hi, _I64(1)) as (t, _):
         def one(g, h):
-            dot = simd.hsum(builder, _dot_lanes(builder, path, _slice(context, builder, kty, k, t, builder.mul(g, _I64(hd))),
-                                                query(h), fmt))
+            row = _head(context, builder, path, kty, k, t, g, hd)
+            dot = simd.hsum(builder, _dot_lanes(builder, path, row, query(h)))
             builder.store(builder.fmul(dot, scale), _slice(context, builder, oty, out, h, builder.sub(t, lo)))
         _each_head(builder, kv_heads, groups, one)
     return context.get_dummy_value()
@@ -187,7 +239,8 @@ def _scores_codegen(path, hd, context, builder, sig, args):
 def weighted(typingctx, spec, p, kv_heads, groups, v, lo, hi, out, ahead):
     """``out[h*hd:(h+1)*hd] = sum over lo <= t < hi, in order, of p[h, t - lo] * v[t, g*hd:(g+1)*hd]``
     for every head ``h`` (on kv head ``g = h // groups``; ``p``, ``v`` C-contiguous 2-D f32, or
-    ``v`` the uint16 bits of F16 values, widened exactly; ``out`` 1-D f32; ``hd`` from ``spec``).  Blocks of 8 value rows in order, all heads on a
+    ``v`` the uint16 bits of F16 values or the bytes of Q8_0 rows, read exactly (:func:`_head`);
+    ``out`` 1-D f32; ``hd`` from ``spec``).  Blocks of 8 value rows in order, all heads on a
     block before the next (as :func:`scores`); each head's sums wait in ``out`` between blocks."""
     sig = types.void(spec, p, types.intp, types.intp, v, types.intp, types.intp, out, types.intp)
     return sig, functools.partial(_weighted_codegen, *SPECS.of(spec))
@@ -196,7 +249,6 @@ def weighted(typingctx, spec, p, kv_heads, groups, v, lo, hi, out, ahead):
 def _weighted_codegen(path, hd, context, builder, sig, args):
     _, p, kv_heads, groups, v, lo, hi, out, ahead = args
     pty, vty = sig.args[1], sig.args[4]
-    fmt = _stored(vty)[0]
     obase = context.make_array(sig.args[7])(context, builder, out).data
     vec = simd.vector(simd.F32, LANES)
     pieces = hd // LANES
@@ -222,10 +274,9 @@ def _weighted_codegen(path, hd, context, builder, sig, args):
             accs = [builder.load(ptr, align=4) for ptr in ptrs]
             for j in range(count):
                 t = builder.add(first, _I64(j))
-                row = _slice(context, builder, vty, v, t, builder.mul(g, _I64(hd)))
+                piece = _head(context, builder, path, vty, v, t, g, hd)
                 w = _splat(builder, builder.load(_slice(context, builder, pty, p, h, builder.sub(t, lo))))
-                accs = [simd.fma(builder, simd.load(builder, builder.gep(row, [_I64(i * LANES)]), fmt, LANES, path),
-                                 w, acc, path) for i, acc in enumerate(accs)]
+                accs = [simd.fma(builder, piece(i), w, acc, path) for i, acc in enumerate(accs)]
             for ptr, acc in zip(ptrs, accs):
                 builder.store(acc, ptr, align=4)
         _each_head(builder, kv_heads, groups, head)
@@ -547,7 +598,14 @@ def attention_rows(q, k, v, num_heads: int, kv_heads: int, head_dim: int, causal
     f16, a KV cache kept in F16): on the compiled cores for the head sizes that have them (their
     pieces threaded from :data:`SERIAL_KV_BYTES` of K/V reads; F16 rows widened exactly as they
     are read, so the result is the bits of the same keys and values given as F32), else numba's
-    loops (F16 rows widened first)."""
+    loops (F16 rows widened first).  ``k``, ``v`` may be Q8_0 :class:`QuantizedArray` s (a KV
+    cache kept in Q8_0): the cores read their blocks in place, the bits of the same rows decoded
+    (:func:`_head`); a head size without cores decodes them first (exactly)."""
+    if isinstance(k, QuantizedArray):
+        if head_dim in HEAD_DIMS and k.dtype == v.dtype == DType.Q8_0 and k.shape[-1] % Q8_BLOCK == 0:
+            k, v = k.data, v.data
+        else:
+            k, v = dequantize(k), dequantize(v)
     half = k.dtype == np.float16
     if head_dim not in HEAD_DIMS:
         if half:

@@ -23,6 +23,8 @@ call, reused after each value's last read.
 from __future__ import annotations
 
 from ...dtypes import DType
+from ...errors import KernelError
+from ...ir.ops import KvCache
 from .builder import SHARED, KV_VIEW, borders, longest_run
 from .runtime import Program
 
@@ -31,7 +33,11 @@ def build(steps: list, graph, specs: dict, constants: dict, backends: list, pass
           kv_dtype: DType = DType.F32) -> tuple[int, int, Program] | str:
     """The longest run of steps ``steps[lo:hi]`` a program takes, as ``(lo, hi, program)``, or
     why none (``inspect --plan``).  ``specs``: the values whose rows follow the pass's (inferred
-    at T = 3 and 5), at T = 3; ``kv_dtype``: what the KV caches keep rows in (F32 or F16)."""
+    at T = 3 and 5), at T = 3; ``kv_dtype``: what the KV caches keep rows in (F32, F16 or Q8_0).
+    KV caches kept in Q8_0 whose rows are not a multiple of 32 values are refused here, as the
+    executor is made, before anything runs (a :class:`KernelError` naming the node and width)."""
+    if kv_dtype == DType.Q8_0:
+        _check_q8_widths(graph, specs)
     found = longest_run(steps, graph, specs, constants, backends, pass_on)
     if isinstance(found, str):
         return found
@@ -41,3 +47,18 @@ def build(steps: list, graph, specs: dict, constants: dict, backends: list, pass
         if b.values.get(name.removesuffix(SHARED), KV_VIEW) == KV_VIEW:
             return f"value {name!r} crosses the program's border but is not F32 rows"
     return lo, hi, Program(steps[lo:hi], b, reads, writes, constants, kv_dtype)
+
+
+def _check_q8_widths(graph, specs: dict) -> None:
+    """Every KvCache's K and V rows a multiple of 32 values: Q8_0's blocks (kernels/attention.py's
+    ``KvState`` refuses a write of others; this says so before the first pass)."""
+    for node in graph.nodes:
+        if not isinstance(node.op, KvCache):
+            continue
+        for name in node.inputs[:2]:
+            spec = specs.get(name)
+            width = spec.shape[-1] if spec is not None and spec.shape else -1
+            if width > 0 and width % 32:
+                raise KernelError(f"KvCache: node {node.id}'s rows are {width} values wide (kv_heads x head_dim), "
+                                  f"not a multiple of 32: a KV cache kept in Q8_0 (--kv-dtype q8_0) holds them "
+                                  f"in blocks of 32; keep this model's caches in f16 or f32")

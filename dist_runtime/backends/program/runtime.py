@@ -36,8 +36,9 @@ class Program:
     def __init__(self, steps: list, b: Builder, reads: tuple, writes: tuple, constants: dict,
                  kv_dtype: DType = DType.F32) -> None:
         self.steps, self.index, self.reads, self.writes = steps, steps[0].index, reads, writes
-        self.kv_dtype = kv_dtype  # what its sessions' KV caches keep rows in: F32, or F16
-        self._kv_like = np.empty(0, np.uint16 if kv_dtype == DType.F16 else F32)  # its element type, for vm
+        self.kv_dtype = kv_dtype  # what its sessions' KV caches keep rows in: F32, F16 or Q8_0
+        # its element type, for vm: F16 as uint16 bits, Q8_0 as its blocks' bytes
+        self._kv_like = np.empty(0, {DType.F16: np.uint16, DType.Q8_0: np.uint8}.get(kv_dtype, F32))
         self.constants = constants
         self.code = np.zeros((len(b.code), WIDTH), np.int64)
         for i, row in enumerate(b.code):

@@ -1,0 +1,141 @@
+"""F32 rows stored as Q8_0 in compiled code, bit for bit as ``kernels.quant.quantize`` stores them:
+a KV cache kept in Q8_0 (``--kv-dtype q8_0``) holds the same bytes whether numpy, the attention
+chain or the compiled program wrote a row, so a session's tokens do not depend on which did.
+
+A row of ``W`` values (``W`` a multiple of 32; :class:`kernels.attention.KvState` refuses others)
+is ``W / 32`` GGML blocks of 34 bytes: the f16 scale ``d`` and 32 int8 codes.  :func:`q8_row` is
+the formula of the products' activations (:func:`.legacy._quantize_rows`: ``d = max|x| / 127``,
+codes ``roundf(x * (1 / d))``, half away from zero, 0 where ``d`` is 0) written in GGML's block
+layout rather than the products' grouped one, ``d`` stored with :func:`.halves.f16_bits` (numpy's
+rounding); no fast-math, so the divisions are numpy's.  A block holding a NaN or an infinity gets
+codes 0, as numpy's cast of the NaN codes gives on x86 (its results are NaN either way).
+
+The attention cores read the blocks in place (:mod:`.attention`: a code times its block's ``d``
+is exact in f32), so attention over Q8_0 rows has the bits of the F32 cores over the same rows
+decoded.  :func:`append_attend` is the program's attention call (:mod:`..program.vm`): the
+chain's :func:`.rows.rope_append_attend` for F32 / F16 caches, :func:`rope_append_attend_q8`
+for Q8_0 ones, chosen by the buffers' type when the program compiles.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from . import attention as compiled_attention
+from .cache import jit
+from .halves import f16_bits
+from .rows import element_at, rope_append_attend, rope_rows
+
+#: Values per block and bytes per block (f16 d, 32 int8 codes).
+QK, BLOCK_BYTES = 32, 34
+
+_jit = jit(nogil=True)  # no fast-math: d = max / 127 and 1 / d divide as numpy's do
+
+
+@_jit
+def q8_row(x, out):
+    """The 1-D f32 row ``x`` (a multiple of 32 values) as Q8_0 blocks into the 1-D uint8 ``out``
+    (``len(x) / 32 * 34`` bytes), as ``kernels.quant.quantize(x, DType.Q8_0)`` encodes it."""
+    for b in range(x.shape[0] // QK):
+        amax = np.float32(0.0)
+        for j in range(b * QK, (b + 1) * QK):
+            a = abs(x[j])
+            if amax == amax and not a <= amax:  # a NaN stays (numpy's max)
+                amax = a
+        d = amax / np.float32(127.0)
+        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        finite = abs(d) < np.inf
+        at = b * BLOCK_BYTES
+        h = f16_bits(d)
+        out[at] = np.uint8(h & np.uint16(0xFF))
+        out[at + 1] = np.uint8(h >> np.uint16(8))
+        for j in range(QK):
+            v = np.float64(x[b * QK + j] * inv)  # the f32 product; roundf (half away) exact in f64
+            q = np.int64(np.trunc(v + np.copysign(0.5, v))) if finite else np.int64(0)
+            out[at + 2 + j] = np.uint8(q & 0xFF)
+
+
+@_jit
+def q8_rows(x, out, pos):
+    """Rows of the 2-D f32 ``x`` into rows ``pos..`` of the 2-D uint8 ``out`` (:func:`q8_row`)."""
+    for t in range(x.shape[0]):
+        q8_row(x[t], out[pos + t])
+
+
+@jit(nogil=True, boundscheck=False)
+def rope_append_attend_q8(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos,
+                          num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
+    """:func:`.rows.rope_append_attend` over a KV cache kept in Q8_0 (``k_buf``, ``v_buf``: uint8
+    ``[rows, W / 32 * 34]``): the rotated keys and ``v`` stored as Q8_0 blocks (:func:`q8_row`),
+    the attention reading them in place."""
+    rope_rows(q, cos, sin, rope_head_dim, rope_dim, q_rot)
+    rope_rows(k, cos, sin, rope_head_dim, rope_dim, k_rot)
+    stop = pos + k.shape[0]
+    q8_rows(k_rot, k_buf, pos)
+    q8_rows(v, v_buf, pos)
+    if attend:
+        compiled_attention.attention_serial(spec, q_rot, k_buf[:stop], v_buf[:stop], num_heads, kv_heads,
+                                            head_dim, causal, window, out)
+
+
+def append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos, num_heads, kv_heads,
+                  head_dim, causal, window, attend, q_rot, k_rot, out):
+    """The attention chain's call for the KV buffers' type (compiled callers only: the compiled
+    program): :func:`rope_append_attend_q8` for uint8 (Q8_0) buffers, else
+    :func:`.rows.rope_append_attend`."""
+    raise NotImplementedError("append_attend() is for compiled code")
+
+
+@overload(append_attend, jit_options={"nogil": True})
+def _append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos, num_heads, kv_heads,
+                   head_dim, causal, window, attend, q_rot, k_rot, out):
+    if isinstance(k_buf, types.Array) and k_buf.dtype == types.uint8:
+        def q8(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos, num_heads, kv_heads, head_dim,
+               causal, window, attend, q_rot, k_rot, out):
+            rope_append_attend_q8(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos, num_heads,
+                                  kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out)
+        return q8
+
+    def floats(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos, num_heads, kv_heads, head_dim,
+               causal, window, attend, q_rot, k_rot, out):
+        rope_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos, num_heads, kv_heads,
+                           head_dim, causal, window, attend, q_rot, k_rot, out)
+    return floats
+
+
+def row_elements(like, width):
+    """Elements of ``like``'s type in a KV buffer's row of ``width`` values (compiled callers
+    only): ``width / 32 * 34`` bytes for Q8_0 (uint8), else ``width``."""
+    raise NotImplementedError("row_elements() is for compiled code")
+
+
+@overload(row_elements, jit_options={"nogil": True})
+def _row_elements(like, width):
+    if isinstance(like, types.Array) and like.dtype == types.uint8:
+        return lambda like, width: width // QK * BLOCK_BYTES
+    return lambda like, width: width
+
+
+@jit(nogil=True)
+def _segment_q8(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
+                num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out, s):
+    """:func:`.rows._segment_append_attend` over Q8_0 caches (rows of ``W / 32 * 34`` bytes)."""
+    lo, hi, width = starts[s], starts[s + 1], k.shape[1] // QK * BLOCK_BYTES
+    k_buf = numba.carray(element_at(kv_like, buffers[s, 0]), (rows[s], width))
+    v_buf = numba.carray(element_at(kv_like, buffers[s, 1]), (rows[s], width))
+    rope_append_attend_q8(spec, q[lo:hi], k[lo:hi], v[lo:hi], cos[lo:hi], sin[lo:hi], rope_head_dim, rope_dim,
+                          k_buf, v_buf, pos[s], num_heads, kv_heads, head_dim, causal, window, attend[s],
+                          q_rot[lo:hi], k_rot[lo:hi], out[lo:hi])
+
+
+@jit(nogil=True, parallel=True)
+def segments_append_attend_q8(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
+                              num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
+    """:func:`.rows.segments_append_attend` over Q8_0 caches: every segment, the threads taking
+    segments (each its own rows and cache: the same bits on any thread)."""
+    for s in numba.prange(starts.shape[0] - 1):
+        _segment_q8(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
+                    num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out, s)
