@@ -12,7 +12,7 @@ line, the demo and the tests call it, never each other.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -66,8 +66,13 @@ class LocalEngine:
     do not depend on its company."""
 
     def __init__(self, executor, *, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
-                 max_sessions: int | None = None) -> None:
+                 max_sessions: int | None = None, prefix_cache=None) -> None:
         self.executor = executor
+        # A PrefixCache: a session that ends leaves its KV rows there, a new request whose prompt
+        # begins with them starts from a copy (dist_runtime/prefix_cache.py).
+        self.prefix_cache = prefix_cache
+        self._fed: dict[Hashable, list[int]] = {}  # each session's tokens whose KV rows it holds or will
+        self.cached: dict[Hashable, int] = {}  # prompt tokens each session took from the cache
         self.input_name, self.logits_name = generative_io(executor.graph)
         self.max_batch_tokens, self.max_sessions = max_batch_tokens, max_sessions
         # One session per pass when the graph mixes rows (executor.batching() says why), or when
@@ -82,7 +87,10 @@ class LocalEngine:
         def add(reqs: Iterable[Request]) -> None:
             for req in reqs:  # a resumed session goes on from where its KV caches are
                 resume = req.resume and req.session in self.executor.sessions()
-                sched.add(req, pos=self.executor.position(req.session) if resume else 0, reset=not resume)
+                pos = self.executor.position(req.session) if resume else self._from_cache(req)
+                sched.add(req, pos=pos, feed=req.prompt[pos:] if pos and not resume else None,
+                          reset=not resume and not pos)
+                self._fed[req.session] = [*(self._fed.get(req.session, []) if resume else []), *req.prompt]
 
         add(requests)
         while True:
@@ -104,11 +112,33 @@ class LocalEngine:
                     except DistRuntimeError as e:
                         yield sched.fail(work, e)
                 continue
-            yield from sched.complete(batch, rows)
+            for event in sched.complete(batch, rows):
+                if event.token is not None and not event.done:  # fed next: its KV row will be held
+                    self._fed[event.session].append(event.token)
+                cached = self.cached.pop(event.session, 0) if event.index == 0 else 0
+                yield replace(event, cached=cached) if cached else event
 
     def close_session(self, session: Hashable) -> None:
-        """Forget ``session`` and free its KV caches (as the pipeline's coordinator does)."""
-        self.executor.close_session(session)
+        """Forget ``session`` and free its KV caches (as the pipeline's coordinator does), or leave
+        them to the prefix cache, keyed by the tokens whose rows they hold."""
+        fed, rows = self._fed.pop(session, []), self.executor.position(session)
+        self.cached.pop(session, None)
+        if self.prefix_cache is None or len(fed) < rows:
+            self.executor.close_session(session)
+            return
+        states = self.executor.detach_kv(session)
+        if states is not None and rows:
+            self.prefix_cache.add(fed[:rows], states)
+
+    def _from_cache(self, req: Request) -> int:
+        """Start ``req``'s session from the longest cached prefix of its prompt; its rows."""
+        if self.prefix_cache is None:
+            return 0
+        entry, rows = self.prefix_cache.lookup(req.prompt)
+        if entry is not None:
+            self.executor.restore_kv(req.session, entry.states, rows)
+            self.cached[req.session] = rows
+        return rows
 
     def _pass(self, batch: Sequence[Work]) -> list[np.ndarray]:
         """One pass over the batch's rows; the last logits row of each session."""

@@ -334,6 +334,21 @@ class GraphExecutor:
         which the scheduler admitted it for; 0: no ceiling), unless a write itself goes past it."""
         self.session(session).kv.set_ceiling(rows)
 
+    def detach_kv(self, session: Hashable) -> KvStates | None:
+        """Forget ``session`` and hand over its KV states, buffers and all (for a prefix cache)."""
+        s = self._sessions.pop(session, None)
+        return None if s is None else s.kv
+
+    def restore_kv(self, session: Hashable, states: Mapping, rows: int) -> None:
+        """Start ``session`` from the first ``rows`` rows of ``states`` (another session's, as
+        :meth:`detach_kv` gave them): each cache's rows copied, the position at ``rows``."""
+        s = self.session(session)
+        s.reset()
+        for key, src in states.items():
+            s.kv[key] = KvState(src.capacity, src.dtype, s.kv.ceiling)
+            s.kv[key].copy_prefix(src, rows)
+        s.pos = rows
+
     def close_session(self, session: Hashable) -> None:
         """Forget a session and free its KV caches."""
         self._sessions.pop(session, None)

@@ -39,6 +39,7 @@ class TokenEvent:
     done: bool
     error: BaseException | None = None
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    cached: int = 0  # on a session's first event: prompt tokens its KV rows came from the prefix cache for
 
 
 def check_requests(requests: Sequence[Request], *, vocab: int | None = None, context: int | None = None) -> None:

@@ -23,3 +23,6 @@ KV_BLOCK = 256
 #: faster way within its stated tolerance (block types: llama.cpp's Q8_0 activations), f32
 #: activations everywhere, or Q8_0 activations everywhere (dist_runtime/backends/numba.py).
 NUMERICS_NAMES = ("auto", "f32", "q8")
+#: The one-process server's prefix cache (``serve --prefix-cache``): KV rows of ended requests kept
+#: for new ones that begin with the same tokens (dist_runtime/prefix_cache.py).
+DEFAULT_PREFIX_CACHE = "1GiB"

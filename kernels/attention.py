@@ -492,6 +492,20 @@ class KvState:
         """Forget every row; the buffers are kept for the next sequence."""
         self.length = 0
 
+    def copy_prefix(self, src: KvState, rows: int) -> None:
+        """Hold the first ``rows`` rows of ``src`` (a cached prompt prefix:
+        :mod:`dist_runtime.prefix_cache`), their bytes copied into buffers of this state's own,
+        sized as a write of them would size them."""
+        if not 0 < rows <= src.length:
+            raise ValueError(f"copy_prefix: {rows} rows of a cache holding {src.length}")
+        self.dtype = src.dtype
+        for mine, theirs in ((self._k, src._k), (self._v, src._v)):
+            shape = theirs.buf.shape
+            buf = arena.empty((*shape[:-2], self._grown(rows, 0), shape[-1]), theirs.buf.dtype)
+            buf[..., :rows, :] = theirs.buf[..., :rows, :]
+            mine.buf, mine.address, mine.layout, mine.store = buf, buf.ctypes.data, theirs.layout, theirs.store
+        self.length = rows
+
 
 @register(KvCache)
 def _kv_cache(op, inputs, ctx):

@@ -283,6 +283,29 @@ def test_queue_full_is_429_with_retry_after(files):
 
 
 # -- health, metrics, page ----------------------------------------------------------------------------
+def test_a_prompt_that_begins_with_an_ended_request_s_tokens_reuses_their_rows(server, client):
+    """The prefix cache (on by default): the second request, the first one's prompt and answer
+    and more, reports whole blocks of cached prompt tokens; the answers are those of a server
+    without the cache."""
+    first = client.completions.create(model="tiny", prompt="w5 w7 w9 w11 " * 6, max_tokens=8, temperature=0)
+    follow = "w5 w7 w9 w11 " * 6 + first.choices[0].text + " w3 w4"
+    second = client.completions.create(model="tiny", prompt=follow, max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    model = ServedModel.open(server.model.path, context=CONTEXT, tokenizer=server.model.tokenizer_path)
+    metrics = Metrics()
+    plain = Server(model, local_backend(model, metrics, max_batch_tokens=32, max_queue=4, prefix_cache=0),
+                   metrics, port=0).start()
+    try:
+        other = openai.OpenAI(base_url=plain.url + "/v1", api_key="unused", max_retries=0)
+        again = other.completions.create(model="tiny", prompt=follow, max_tokens=8, temperature=0)
+        assert again.choices[0].text == second.choices[0].text
+        assert again.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        plain.stop()
+
+
 def test_health_metrics_and_page(server, client):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert httpx.get(server.url + "/metrics").status_code == 401

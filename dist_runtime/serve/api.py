@@ -208,6 +208,7 @@ class _Choice:
         self.index, self.stop_ids, self.tokenizer = index, model.stop, model.tokenizer
         self.text, self.stops = TokenText(model.tokenizer), StopText(stops)
         self.tokens, self.finish_reason, self.error = 0, None, None
+        self.cached = 0  # prompt tokens the prefix cache gave
         self.logprobs: list = []  # (token, TokenLogprobs) not yet sent
         self.offset = 0  # of the next token's text, for completions' text_offset
 
@@ -217,6 +218,7 @@ class _Choice:
             self.error, self.finish_reason = event.error, "error"
             return ""
         self.tokens += 1
+        self.cached += event.cached
         if event.logprobs is not None:
             self.logprobs.append((event.token, event.logprobs))
         piece, stopped = self.stops.add(self.text.add(event.token))
@@ -280,8 +282,9 @@ async def _generate(request: Request, model: ServedModel, bridge: EngineBridge, 
     metrics.count("prompt_tokens", prompt_tokens)
 
     def usage() -> dict:
-        done = sum(c.tokens for c in choices.values())
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+        done, cached = sum(c.tokens for c in choices.values()), sum(c.cached for c in choices.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..commands import add_kv_dtype, add_numerics, port, positive_float, positive_int
+from ..commands import add_kv_dtype, add_numerics, port, positive_float, positive_int, size
 from ..pipeline.options import MAX_SESSIONS, add_deployment_options, wants_pipeline
-from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
+from ..scheduling_defaults import DEFAULT_BATCH_TOKENS, DEFAULT_PREFIX_CACHE
 
 API_KEY_ENV = "DIST_RUNTIME_API_KEY"
 
@@ -41,6 +41,11 @@ def register(sub) -> None:
     sv.add_argument("--no-fuse", action="store_true", help="run without the fusion pre-pass")
     add_kv_dtype(sv)
     add_numerics(sv)
+    sv.add_argument("--prefix-cache", type=size, default=DEFAULT_PREFIX_CACHE, metavar="SIZE",
+                    help="KV rows of ended requests kept for new ones whose prompt begins with the same "
+                         "tokens (a conversation's next turn, a shared system prompt), least recently used "
+                         "evicted past SIZE; 0 turns it off; in this process only, not on stages "
+                         "(default: %(default)s)")
     add_deployment_options(sv)
     sv.set_defaults(func=cmd_serve)
 
@@ -73,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics = Metrics(max_length=model.context)
         backend = local_backend(model, metrics, max_batch_tokens=args.max_batch_tokens,
                                 max_queue=args.max_queue, fuse=not args.no_fuse, kv_dtype=args.kv_dtype,
-                                numerics=args.numerics)
+                                numerics=args.numerics, prefix_cache=args.prefix_cache)
         server = Server(model, backend, metrics, host=args.host, port=args.port, api_key=api_key,
                         keep_alive=args.keep_alive)
         where = "this process"

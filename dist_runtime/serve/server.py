@@ -18,6 +18,8 @@ from typing import Callable
 import uvicorn
 
 from ..errors import DistRuntimeError
+from ..scheduling_defaults import DEFAULT_PREFIX_CACHE
+from ..units import parse_bytes
 from .api import create_app
 from .bridge import EngineBridge, Encoder
 from .metrics import Metrics
@@ -28,10 +30,13 @@ MEMORY_TIMEOUT = 30.0
 
 
 def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int, max_queue: int,
-                  fuse: bool = True, kv_dtype: str | None = None, numerics: str | None = None) -> EngineBridge | Encoder:
-    """The model in this process: a continuously batched ``LocalEngine``, or an encoder."""
+                  fuse: bool = True, kv_dtype: str | None = None, numerics: str | None = None,
+                  prefix_cache: int | None = None) -> EngineBridge | Encoder:
+    """The model in this process: a continuously batched ``LocalEngine`` (with a prefix cache of
+    ``prefix_cache`` bytes; None: the CLI's default; 0: none), or an encoder."""
     from ..engine import LocalEngine
     from ..executor import GraphExecutor
+    from ..prefix_cache import PrefixCache
 
     if model.kind == "embed":
         executor = GraphExecutor(model.path, fuse=fuse)
@@ -39,7 +44,11 @@ def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int
         return Encoder(lambda batches: [executor.run(b) for b in batches])
     executor = GraphExecutor(model.path, fuse=fuse, kv_dtype=kv_dtype, numerics=numerics)
     metrics.watch_memory(_process_memory(executor, model))
-    return EngineBridge(LocalEngine(executor, max_batch_tokens=max_batch_tokens), metrics, max_queue=max_queue)
+    if prefix_cache is None:
+        prefix_cache = parse_bytes(DEFAULT_PREFIX_CACHE)
+    engine = LocalEngine(executor, max_batch_tokens=max_batch_tokens,
+                         prefix_cache=PrefixCache(prefix_cache) if prefix_cache else None)
+    return EngineBridge(engine, metrics, max_queue=max_queue)
 
 
 def pipeline_backend(model: ServedModel, pipe, metrics: Metrics, *, max_queue: int,
