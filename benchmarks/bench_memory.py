@@ -209,7 +209,8 @@ def main() -> None:
 
 #: (budgets, sessions, context, KV element type) of the memory issue's plans.
 PLANS = (("5GiB", 1, 8192, "f32"), ("3GiB,3GiB,3GiB", 8, 4096, "f32"), ("3GiB,3GiB,3GiB", 8, 4096, "f16"),
-         ("3GiB,3GiB,3GiB", 16, 4096, "f16"), ("2GiB,2GiB,2GiB", 4, 2048, "f32"))
+         ("3GiB,3GiB,3GiB", 16, 4096, "f16"), ("3GiB,3GiB,3GiB", 16, 4096, "q8_0"),
+         ("2GiB,2GiB,2GiB", 4, 2048, "f32"))
 
 
 def run_plan(bin_: Path, model: Path, tokens: int) -> None:
