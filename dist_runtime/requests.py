@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 from .errors import DistRuntimeError
 from .sampling import Sampling, TokenLogprobs
@@ -19,7 +19,9 @@ class Request:
     is part of the output.  ``resume=True`` continues the session's conversation from its position
     (the prompt is the new turn); otherwise the session starts afresh at position 0.  ``logprobs``
     asks every token event for the token's log-probability and the ``logprobs`` most likely
-    alternatives (:func:`~dist_runtime.sampling.token_logprobs`).
+    alternatives (:func:`~dist_runtime.sampling.token_logprobs`).  ``constraint`` (a
+    :class:`~dist_runtime.grammar.Constraint`) restricts each token to what its grammar allows;
+    the session ends when the grammar is complete.
     """
 
     session: Hashable
@@ -29,6 +31,7 @@ class Request:
     stop: frozenset[int] = frozenset()
     resume: bool = False
     logprobs: int | None = None
+    constraint: Any = None
 
 
 @dataclass(frozen=True)

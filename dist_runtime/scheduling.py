@@ -187,9 +187,15 @@ class Scheduler:
             del s.feed[:len(w.tokens)]
             if not w.samples:
                 continue
+            grammar = s.req.constraint
+            if grammar is not None:
+                row = grammar.mask(row)
             token = int(row) if chosen else s.req.sampling.choose(row, s.rng)
+            if grammar is not None:
+                grammar.advance(token)
             s.generated.append(token)
-            done = len(s.generated) >= s.req.max_new_tokens or token in s.req.stop
+            done = (len(s.generated) >= s.req.max_new_tokens or token in s.req.stop
+                    or (grammar is not None and grammar.finished))
             s.feed = [] if done else [token]
             if done:
                 self.drop(s.session)

@@ -37,6 +37,9 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
     def token(self, id: int) -> str | None:
         """The vocabulary entry of ``id`` (e.g. ``</s>``), or None outside the vocabulary."""
         return self._tok.id_to_token(id)

@@ -276,7 +276,8 @@ class Coordinator:
                           time.time(), queued=len(sched.waiting), slot=len(inflight))
             flight.broken = None
             try:
-                flight.argmax = all(w.live.req.sampling.greedy and w.live.req.logprobs is None for w in works)
+                flight.argmax = all(w.live.req.sampling.greedy and w.live.req.logprobs is None
+                                    and w.live.req.constraint is None for w in works)
                 flight.handle = self.channel.submit(self._batch_message(works, flight.step, "argmax" if flight.argmax else "last"))
             except StageUnavailableError as e:  # a broken link: fails (and recovers) when its turn comes
                 flight.broken = e

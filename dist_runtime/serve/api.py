@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -185,6 +186,25 @@ def _encode(model: ServedModel, prompt: str | list[int]) -> list[int]:
     return model.tokenizer.encode(prompt)
 
 
+def _constraint(model: ServedModel, response_format) -> Callable[[], object]:
+    """What makes each choice's grammar state for ``response_format`` (nothing for text); a 400
+    naming the problem for a schema that cannot be enforced."""
+    if response_format is None or response_format.type == "text":
+        return lambda: None
+    from ..grammar import Constraint, json_grammar
+
+    if response_format.type == "json_schema" and response_format.json_schema is None:
+        raise APIError(400, "response_format of type json_schema needs json_schema", param="response_format")
+    schema = response_format.json_schema.schema_ if response_format.type == "json_schema" else None
+    try:
+        tokenizer = model.grammar_tokenizer()
+        grammar = json_grammar(schema if schema is not None or response_format.type == "json_object" else {})
+        Constraint(tokenizer, grammar)  # compiled once here, so that a bad schema is a 400 before any work
+    except DistRuntimeError as e:
+        raise APIError(400, f"response_format: {e}", param="response_format") from None
+    return lambda: Constraint(tokenizer, grammar)
+
+
 def _sampling(body: GenerationRequest):
     """OpenAI's defaults: temperature 1; temperature 0 is greedy, whatever filters are given."""
     from ..errors import SamplingError
@@ -257,9 +277,10 @@ async def _generate(request: Request, model: ServedModel, bridge: EngineBridge, 
                     body: GenerationRequest, prompts: list[list[int]], max_tokens: int, *, chat: bool,
                     keep_alive: float, logprobs: int | None):
     sampling = _sampling(body)
+    constraint = _constraint(model, body.response_format)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     requests = [EngineRequest(f"{rid}-{i}", ids, max_tokens, sampling.with_seed(sampling.seed + i % body.n),
-                              model.stop, logprobs=logprobs)
+                              model.stop, logprobs=logprobs, constraint=constraint())
                 for i, ids in enumerate(p for p in prompts for _ in range(body.n))]
     try:
         check_requests(requests, vocab=model.vocab, context=model.context)

@@ -70,6 +70,22 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(max_length=64)
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: free text, any JSON object (JSON mode), or JSON matching
+    ``json_schema.schema``; the last two are enforced by constrained sampling
+    (dist_runtime/grammar.py).  ``json_schema`` type without a ``json_schema``: a 400."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class GenerationRequest(_Body):
     """What completions and chat share."""
 
@@ -84,6 +100,7 @@ class GenerationRequest(_Body):
     n: _int(ge=1, le=16) = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def stops(self) -> list[str]:

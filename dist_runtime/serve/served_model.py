@@ -24,6 +24,7 @@ class ServedModel:
     tokenizer: object | None  # importers.tokenizer.Tokenizer
     chat_template: str | None
     created: int = field(default_factory=lambda: int(time.time()))
+    _grammar_tokenizer: object = field(default=None, repr=False)
 
     @classmethod
     def open(cls, path: str | Path, *, context: int | None = None, tokenizer: str | Path | None = None,
@@ -54,6 +55,19 @@ class ServedModel:
                    context=min(known) if known else None, vocab=config.get("vocab"),
                    stop=stop_ids(metadata), tokenizer_path=tok_path, tokenizer=tok,
                    chat_template=find_chat_template(tok_path, chat_template, metadata) if kind == "generate" else None)
+
+    def grammar_tokenizer(self):
+        """The tokenizer as the grammar engine reads it (:class:`..grammar.GrammarTokenizer`),
+        built on first use and kept; a DistRuntimeError when the model has none."""
+        if self._grammar_tokenizer is None:
+            from ..grammar import GrammarTokenizer
+
+            if self.tokenizer_path is None:
+                raise DistRuntimeError(f"model {self.id!r} has no tokenizer: structured output needs one")
+            vocab = self.vocab or self.tokenizer.vocab_size()
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer_path.read_text(encoding="utf-8"), vocab,
+                                                       sorted(self.stop))
+        return self._grammar_tokenizer
 
     def special_tokens(self) -> dict:
         """The names a chat template may use for the special tokens (bos_token, eos_token)."""
