@@ -15,7 +15,12 @@ child gives below); they still share this machine's two cores with it.  Printed:
    the server's overhead per token -- the CPU time of uvicorn's thread (HTTP, JSON, SSE) per token
    streamed, read from /proc -- against a batched decode step (target <= 10%);
 2. the server process's resident memory over ``--memory-requests`` (10,000) short requests, 32 at a
-   time, after 200 to warm up (target: < 20 MB growth).
+   time, after 200 to warm up (target: < 20 MB growth);
+3. a ``--turns`` (10) turn conversation through the openai client, each turn re-sending the whole
+   history plus ``--turn-tokens`` (150) new prompt ids and asking for 16 tokens, on a server with
+   the prefix cache (the default) and on one without: each turn's time to first token and cached
+   prompt tokens, and whether the answers agree (target: turn 10's first token <= 1.5x turn 1's
+   with the cache).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/bench_serve.py
 """
@@ -112,6 +117,29 @@ def client_main(args) -> None:
     print(json.dumps([wall, results]))
 
 
+def conversation(url: str, turns: int, new: int, vocab: int) -> list[tuple[float, int, list[int]]]:
+    """Each turn's (seconds to its first token, cached prompt tokens, answer ids): the prompt is
+    the whole conversation so far plus ``new`` ids, as a chat client re-sends it."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    rng, prompt, out = np.random.default_rng(1), [], []
+    for _ in range(turns):
+        prompt += rng.integers(1, vocab, new).tolist()
+        start, first, text, cached = time.perf_counter(), None, "", 0
+        for chunk in client.completions.create(model="bench", prompt=prompt, max_tokens=16, temperature=0,
+                                               stream=True, stream_options={"include_usage": True}):
+            if chunk.choices and chunk.choices[0].text:
+                first = first or time.perf_counter() - start
+                text += chunk.choices[0].text
+            if chunk.usage:
+                cached = chunk.usage.prompt_tokens_details.cached_tokens
+        answer = [int(t) for t in text.split()]  # no tokenizer: the ids, space-separated
+        prompt += answer
+        out.append((first, cached, answer))
+    return out
+
+
 def thread_cpu_seconds(native_id: int) -> float:
     """User + system CPU seconds of one thread of this process."""
     import os
@@ -133,6 +161,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory-requests", type=int, default=10_000)
+    parser.add_argument("--turns", type=int, default=10, help="turns of the conversation (0: leave it out)")
+    parser.add_argument("--turn-tokens", type=int, default=150, help="new prompt ids a turn")
+    parser.add_argument("--skip-load", action="store_true", help="only the conversation")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # the child: load URL, print JSON
     args = parser.parse_args()
@@ -155,6 +186,28 @@ def main() -> None:
     engine.max_sessions = args.clients  # as many at once as the server will see
 
     model = ServedModel.open(path, name="bench")
+    if args.turns:
+        chats = {}
+        for cache in (True, False):
+            metrics = Metrics()
+            backend = local_backend(model, metrics, max_batch_tokens=DEFAULT_BATCH_TOKENS, max_queue=8,
+                                    prefix_cache=None if cache else 0)
+            with Server(model, backend, metrics, port=0) as server:
+                conversation(server.url, 1, 8, CFG.vocab)  # warm-up
+                chats[cache] = conversation(server.url, args.turns, args.turn_tokens, CFG.vocab)
+        print(f"\n{args.turns}-turn conversation, {args.turn_tokens} new prompt ids and 16 answer tokens a turn")
+        print("| turn | prompt tokens | first token, cache | cached tokens | first token, no cache | same answer |")
+        print("|---|---|---|---|---|---|")
+        length = 0
+        for t, ((on, cached, a), (off, _, b)) in enumerate(zip(chats[True], chats[False])):
+            length += args.turn_tokens
+            print(f"| {t + 1} | {length} | {1e3 * on:.0f} ms | {cached} | {1e3 * off:.0f} ms | {a == b} |")
+            length += len(a)
+        first = [x[0] for x in chats[True]], [x[0] for x in chats[False]]
+        print(f"turn {args.turns} / turn 1, time to first token: with the cache {first[0][-1] / first[0][0]:.2f}x "
+              f"(target <= 1.5x), without {first[1][-1] / first[1][0]:.2f}x")
+    if args.skip_load:
+        return
     metrics = Metrics()
     backend = local_backend(model, metrics, max_batch_tokens=DEFAULT_BATCH_TOKENS, max_queue=4 * args.clients)
     with Server(model, backend, metrics, port=0) as server:
