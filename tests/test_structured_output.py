@@ -163,3 +163,78 @@ def test_fifty_requests_with_schemas_through_the_openai_client(served):
         missing = httpx.post(s.url + "/v1/completions", json={"model": model.id, "prompt": "x",
                                                               "response_format": {"type": "json_schema"}})
         assert missing.status_code in (400, 422)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": SCHEMAS[1]}},
+         {"type": "function", "function": {"name": "add", "parameters": SCHEMAS[2]}}]
+TOOL_TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
+                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+
+
+def test_tool_calls_are_read_in_the_shapes_models_write_them():
+    from dist_runtime.serve.schema import Tool
+    from dist_runtime.serve.tools import calls_schema, parse_calls
+
+    tools = [Tool.model_validate(t) for t in TOOLS]
+    for text in ('[{"name": "add", "arguments": {"items": [1, 2]}}]', '{"name": "add", "parameters": {"items": [1]}}',
+                 '<tool_call>\n{"name": "add", "arguments": {"items": [3]}}\n</tool_call>'):
+        calls = parse_calls(text, tools)
+        assert calls and calls[0]["function"]["name"] == "add" and json.loads(calls[0]["function"]["arguments"])["items"]
+    for text in ("hello", '{"name": "nope", "arguments": {}}', '[{"name": "add", "arguments": 3}]', "{"):
+        assert parse_calls(text, tools) is None
+    schema = calls_schema(tools, "add")
+    jsonschema.validate([{"name": "add", "arguments": {"items": [1]}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "arguments": {"ok": True, "tag": "red"}}], schema)
+    two = [{"name": "add", "arguments": {"items": [1]}}] * 2
+    jsonschema.validate(two, calls_schema(tools, "required"))  # parallel calls: OpenAI's default
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(two, calls_schema(tools, "required", parallel=False))
+
+
+@pytest.mark.slow  # a live server
+def test_required_and_named_tool_choice_answer_with_calls(served, tmp_path):
+    import httpx
+    import openai
+
+    from dist_runtime.serve.metrics import Metrics
+    from dist_runtime.serve.served_model import ServedModel
+    from dist_runtime.serve.server import Server, local_backend
+
+    template = tmp_path / "tools.jinja"
+    template.write_text(TOOL_TEMPLATE)
+    model = ServedModel.open(served["model"], tokenizer=served["tok"], chat_template=template)
+    metrics = Metrics()
+    with Server(model, local_backend(model, metrics, max_batch_tokens=32, max_queue=16), metrics, port=0) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "weather in Paris?"}]
+        for choice, names in (("required", {"get_weather", "add"}),
+                              ({"type": "function", "function": {"name": "add"}}, {"add"})):
+            for seed in range(4):
+                r = client.chat.completions.create(model=model.id, messages=messages, tools=TOOLS, tool_choice=choice,
+                                                   max_tokens=200, temperature=0.9, seed=seed,
+                                                   parallel_tool_calls=False)
+                c = r.choices[0]
+                assert c.finish_reason == "tool_calls" and c.message.content is None and c.message.tool_calls
+                for call in c.message.tool_calls:
+                    assert call.function.name in names and call.id.startswith("call_")
+                    params = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+                    jsonschema.validate(json.loads(call.function.arguments), params)
+        stream = client.chat.completions.create(model=model.id, messages=messages, tools=TOOLS, tool_choice="required",
+                                                max_tokens=200, stream=True, seed=1, parallel_tool_calls=False)
+        chunks = list(stream)
+        deltas = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
+        assert deltas and chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert all(d.function.name in {"get_weather", "add"} for d in deltas)
+        text = client.chat.completions.create(model=model.id, messages=messages, tools=TOOLS, tool_choice="none",
+                                              max_tokens=8, seed=1)
+        assert text.choices[0].message.tool_calls is None and text.choices[0].finish_reason in ("stop", "length")
+        auto = client.chat.completions.create(model=model.id, messages=messages, tools=TOOLS, max_tokens=8, seed=1)
+        assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        for body, says in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
+                            "not among the tools"),
+                           ({"tool_choice": "required"}, "tool_choice needs tools")):
+            bad = httpx.post(s.url + "/v1/chat/completions", json={"model": model.id, "messages": messages, **body})
+            assert bad.status_code == 400 and says in bad.json()["error"]["message"]
+            assert bad.json()["error"]["param"] == "tool_choice"

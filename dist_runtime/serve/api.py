@@ -30,6 +30,7 @@ from .metrics import Metrics
 from .responses import (ChatCompletion, Completion, EmbeddingList, Health, HealthDown, ModelCard, ModelList,
                         answers)
 from .schema import ChatRequest, CompletionRequest, EmbeddingRequest, GenerationRequest
+from . import tools
 from .served_model import ServedModel
 from .text import StopText, TokenText, render_chat
 
@@ -119,13 +120,22 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
                                 f"use /v1/completions", param="messages", code="no_chat_template")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        text = render_chat(model.chat_template, [m.rendered() for m in body.messages], model.special_tokens())
+        try:
+            mode = tools.mode_of(body.tools, body.tool_choice)
+        except DistRuntimeError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        if mode not in (None, "auto") and body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, "tool_choice required or a named function holds the answer to tool calls: "
+                                "response_format cannot also hold it", param="tool_choice")
+        text = render_chat(model.chat_template, [m.rendered() for m in body.messages], model.special_tokens(),
+                           tools.template_tools(body.tools) if body.tools else None)
         ids = model.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
         max_tokens = body.max_tokens or body.max_completion_tokens
         if max_tokens is None:
             max_tokens = max(model.context - len(ids), 1) if model.context else 16
         return await _generate(request, model, backend, metrics, body, [ids], max_tokens, chat=True,
-                               keep_alive=keep_alive, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                               keep_alive=keep_alive, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                               calls=(body.tools, mode, body.parallel_tool_calls) if mode else None)
 
     @app.post("/v1/embeddings", dependencies=auth, include_in_schema=embeds,
               responses=answers(EmbeddingList, server_errors=True))
@@ -186,22 +196,27 @@ def _encode(model: ServedModel, prompt: str | list[int]) -> list[int]:
     return model.tokenizer.encode(prompt)
 
 
-def _constraint(model: ServedModel, response_format) -> Callable[[], object]:
-    """What makes each choice's grammar state for ``response_format`` (nothing for text); a 400
-    naming the problem for a schema that cannot be enforced."""
-    if response_format is None or response_format.type == "text":
+def _constraint(model: ServedModel, response_format, calls) -> Callable[[], object]:
+    """What makes each choice's grammar state for ``response_format``, or for tool calls that
+    ``calls`` (tools, mode) requires (nothing for text); a 400 naming the problem for a schema
+    that cannot be enforced."""
+    if calls is not None and calls[1] != "auto":
+        schema, param = tools.calls_schema(*calls), "tools"  # (tools, mode, parallel)
+    elif response_format is None or response_format.type == "text":
         return lambda: None
+    elif response_format.type == "json_schema" and response_format.json_schema is None:
+        raise APIError(400, "response_format of type json_schema needs json_schema", param="response_format")
+    else:
+        schema, param = (response_format.json_schema.schema_ or {} if response_format.type == "json_schema"
+                         else None), "response_format"
     from ..grammar import Constraint, json_grammar
 
-    if response_format.type == "json_schema" and response_format.json_schema is None:
-        raise APIError(400, "response_format of type json_schema needs json_schema", param="response_format")
-    schema = response_format.json_schema.schema_ if response_format.type == "json_schema" else None
     try:
         tokenizer = model.grammar_tokenizer()
-        grammar = json_grammar(schema if schema is not None or response_format.type == "json_object" else {})
+        grammar = json_grammar(schema)
         Constraint(tokenizer, grammar)  # compiled once here, so that a bad schema is a 400 before any work
     except DistRuntimeError as e:
-        raise APIError(400, f"response_format: {e}", param="response_format") from None
+        raise APIError(400, f"{param}: {e}", param=param) from None
     return lambda: Constraint(tokenizer, grammar)
 
 
@@ -224,8 +239,12 @@ def _sampling(body: GenerationRequest):
 class _Choice:
     """One generated sequence: its text so far (cut at a stop string) and how it ended."""
 
-    def __init__(self, index: int, model: ServedModel, stops: list[str]) -> None:
+    def __init__(self, index: int, model: ServedModel, stops: list[str], calls: tuple | None = None) -> None:
         self.index, self.stop_ids, self.tokenizer = index, model.stop, model.tokenizer
+        # Tool calls (tools, mode): the text is held back while it may be calls (always, unless
+        # auto and it began as plain text), and read as calls at the end (serve/tools.py).
+        self.calls, self.held, self.holding = calls, "", calls is not None
+        self.tool_calls: list[dict] | None = None
         self.text, self.stops = TokenText(model.tokenizer), StopText(stops)
         self.tokens, self.finish_reason, self.error = 0, None, None
         self.cached = 0  # prompt tokens the prefix cache gave
@@ -248,7 +267,29 @@ class _Choice:
             self.finish_reason = "stop" if stopped or event.token in self.stop_ids else "length"
         elif stopped:
             self.finish_reason = "stop"
-        return piece
+        return self._held(piece) if self.holding else piece
+
+    def message(self, text: str) -> dict:
+        """The chat answer: its text, or its tool calls."""
+        if self.tool_calls is not None:
+            return {"role": "assistant", "content": None, "tool_calls": self.tool_calls}
+        return {"role": "assistant", "content": text}
+
+    def _held(self, piece: str) -> str:
+        """``piece`` held back while the text may be tool calls; at the end the calls, or the
+        text it was after all."""
+        self.held += piece
+        start = self.held.lstrip()
+        if self.calls[1] == "auto" and start and not start.startswith(("[", "{", "<tool_call>"[:len(start)])):
+            self.holding = False  # plain text: it streams from here
+            return self.held
+        if self.finish_reason is None:
+            return ""
+        self.tool_calls = tools.parse_calls(self.held, self.calls[0])
+        if self.tool_calls is None:
+            return self.held
+        self.finish_reason = "tool_calls"
+        return ""
 
     def sent_logprobs(self, chat: bool) -> dict | None:
         """The log-probabilities of the tokens taken since the last call, in OpenAI's shape for
@@ -275,9 +316,9 @@ class _Choice:
 
 async def _generate(request: Request, model: ServedModel, bridge: EngineBridge, metrics: Metrics,
                     body: GenerationRequest, prompts: list[list[int]], max_tokens: int, *, chat: bool,
-                    keep_alive: float, logprobs: int | None):
+                    keep_alive: float, logprobs: int | None, calls: tuple | None = None):
     sampling = _sampling(body)
-    constraint = _constraint(model, body.response_format)
+    constraint = _constraint(model, body.response_format, calls)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     requests = [EngineRequest(f"{rid}-{i}", ids, max_tokens, sampling.with_seed(sampling.seed + i % body.n),
                               model.stop, logprobs=logprobs, constraint=constraint())
@@ -296,7 +337,7 @@ async def _generate(request: Request, model: ServedModel, bridge: EngineBridge, 
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
     except ShuttingDown as e:
         raise APIError(503, str(e), type="server_error") from None
-    choices = {r.session: _Choice(i, model, body.stops) for i, r in enumerate(requests)}
+    choices = {r.session: _Choice(i, model, body.stops, calls) for i, r in enumerate(requests)}
     head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model.id}
     prompt_tokens = sum(map(len, prompts)) * body.n
@@ -328,7 +369,7 @@ async def _generate(request: Request, model: ServedModel, bridge: EngineBridge, 
         raise APIError(503 if isinstance(failed, ShuttingDown) else 500, f"generation failed: {failed}",
                        type="server_error")
     out = [{"index": c.index, "logprobs": c.sent_logprobs(chat), "finish_reason": c.finish_reason,
-            **({"message": {"role": "assistant", "content": texts[c.index]}} if chat else {"text": texts[c.index]})}
+            **({"message": c.message(texts[c.index])} if chat else {"text": texts[c.index]})}
            for c in choices.values()]
     return {**head, "object": "chat.completion" if chat else "text_completion", "choices": out, "usage": usage()}
 
@@ -370,6 +411,8 @@ async def _sse(sub: Subscription, choices: dict, head: dict, chat: bool, usage):
     def chunk(choice, piece: str, finish: str | None, first: bool = False) -> str:
         if chat:
             delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece or first else {})
+            if choice.tool_calls is not None and finish:  # the calls, whole, in one delta
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(choice.tool_calls)]
             item = {"index": choice.index, "delta": delta, "logprobs": choice.sent_logprobs(True), "finish_reason": finish}
         else:
             item = {"index": choice.index, "text": piece, "logprobs": choice.sent_logprobs(False),

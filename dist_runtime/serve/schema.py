@@ -125,8 +125,32 @@ class ChatMessage(_Body):
         return self.model_dump(exclude_none=True) | {"content": content or ""}
 
 
+class ToolFunction(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # calls are a list: one or more
     max_completion_tokens: _int(ge=1) | None = None  # the newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: _int(ge=0, le=20) | None = None  # alternatives per token, with logprobs

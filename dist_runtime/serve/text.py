@@ -26,9 +26,10 @@ def find_chat_template(tokenizer: Path | None, override: str | Path | None = Non
     return template_in(tokenizer.parent, prefix)
 
 
-def render_chat(template: str, messages: Sequence[dict], special_tokens: dict) -> str:
+def render_chat(template: str, messages: Sequence[dict], special_tokens: dict, tools: list | None = None) -> str:
     """``messages`` rendered as transformers' ``apply_chat_template(add_generation_prompt=True)``
-    does: a sandboxed jinja2 environment with its options, ``raise_exception`` and ``tojson``."""
+    does: a sandboxed jinja2 environment with its options, ``raise_exception`` and ``tojson``;
+    ``tools`` given to the template as ``tools`` (templates that support tools describe them)."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -41,7 +42,7 @@ def render_chat(template: str, messages: Sequence[dict], special_tokens: dict) -
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(template).render(messages=list(messages), add_generation_prompt=True,
-                                                **special_tokens)
+                                                **special_tokens, **({"tools": tools} if tools else {}))
     except TemplateError as e:
         raise DistRuntimeError(f"the chat template refused the messages: {e}") from None
 
