@@ -128,7 +128,7 @@ class LocalEngine:
             return
         states = self.executor.detach_kv(session)
         if states is not None and rows:
-            self.prefix_cache.add(fed[:rows], states)
+            self.prefix_cache.add(fed[:rows], states, sum(state.nbytes()[1] for state in states.values()))
 
     def _from_cache(self, req: Request) -> int:
         """Start ``req``'s session from the longest cached prefix of its prompt; its rows."""
@@ -136,7 +136,7 @@ class LocalEngine:
             return 0
         entry, rows = self.prefix_cache.lookup(req.prompt)
         if entry is not None:
-            self.executor.restore_kv(req.session, entry.states, rows)
+            self.executor.restore_kv(req.session, entry.handle, rows)
             self.cached[req.session] = rows
         return rows
 

@@ -10,7 +10,9 @@ rows are the bits the prompt's prefill would write: every kernel of the numba ba
 the same bits whatever rows share its pass or chunk (tests/test_prefix_cache.py checks the tokens).
 Entries are evicted least recently used once their bytes pass the budget.
 
-The cache belongs to one executor (its KV element type and numerics made the rows).
+The cache belongs to one executor (its KV element type and numerics made the rows), or to one
+pipeline, whose stages keep the entries' states (the pipeline's coordinator holds the index, a
+handle per entry, and tells the stages to keep, copy and drop them).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -38,37 +40,40 @@ def block_keys(tokens: Sequence[int]) -> list[bytes]:
 
 @dataclass(eq=False)
 class Entry:
-    """A finished session's KV states (by node) and the rows of whole blocks they hold."""
+    """A finished session's KV states (``handle``: the states by node, or where a pipeline's
+    stages keep them), the rows of whole blocks they hold and their bytes."""
 
-    states: dict
+    handle: Any
     rows: int
     nbytes: int
     keys: list[bytes] = field(default_factory=list)
 
 
 class PrefixCache:
-    """Cached prefixes within ``budget`` bytes of KV buffers (0: cache nothing)."""
+    """Cached prefixes within ``budget`` bytes of KV buffers (0: cache nothing); ``evict(handle)``
+    is called for each entry dropped (a pipeline's stages free its states)."""
 
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
+    def __init__(self, budget: int, evict: Callable[[Any], None] | None = None) -> None:
+        self.budget, self.evict = budget, evict
         self._index: dict[bytes, tuple[Entry, int]] = {}  # block key -> (entry, rows up to its end)
         self._lru: OrderedDict[int, Entry] = OrderedDict()
         self.used = 0
         self.hits = self.lookups = 0
 
-    def add(self, tokens: Sequence[int], states: dict) -> None:
-        """Keep ``states``, which hold the KV rows of ``tokens`` (one row per token, in order)."""
+    def add(self, tokens: Sequence[int], handle: Any, nbytes: int) -> bool:
+        """Keep ``handle``, whose states hold the KV rows of ``tokens`` (one row per token, in
+        order) in ``nbytes``; False when they are not kept (no whole block, or over the budget)."""
         keys = block_keys(tokens)
-        nbytes = sum(state.nbytes()[1] for state in states.values())
         if not keys or nbytes > self.budget:
-            return
-        entry = Entry(states, len(keys) * BLOCK, nbytes, keys)
+            return False
+        entry = Entry(handle, len(keys) * BLOCK, nbytes, keys)
         for i, key in enumerate(keys):
             self._index[key] = (entry, (i + 1) * BLOCK)
         self._lru[id(entry)] = entry
         self.used += nbytes
         while self.used > self.budget:
             self._evict(next(iter(self._lru.values())))
+        return True
 
     def lookup(self, prompt: Sequence[int]) -> tuple[Entry | None, int]:
         """The entry holding the longest cached prefix of ``prompt`` (at most all but its last
@@ -95,3 +100,5 @@ class PrefixCache:
         for key in entry.keys:  # a key a newer entry took over stays with it
             if self._index.get(key, (None,))[0] is entry:
                 del self._index[key]
+        if self.evict is not None:
+            self.evict(entry.handle)

@@ -315,3 +315,42 @@ def test_arrivals_mid_stream_get_the_tokens_they_get_alone(pipe2, reference):
         if later:  # one more arrives after each token, while the first ones decode
             inbox.put(later.pop(0))
     assert got == alone
+
+
+def _conversation(engine, turns: int = 3) -> list[tuple[list[int], int]]:
+    """Each turn's tokens and cached prompt tokens; each prompt the whole conversation so far plus
+    new tokens; each session ended as a server ends it."""
+    rng, prompt, out = np.random.default_rng(4), [], []
+    for turn in range(turns):
+        prompt = prompt + [int(t) for t in rng.integers(1, 96, 20 + turn)]
+        tokens, cached = [], 0
+        for event in engine.stream([Request(f"c{turn}", prompt, 8)]):
+            tokens.append(event.token)
+            cached += event.cached
+            if event.done:
+                engine.close_session(event.session)
+        out.append((tokens, cached))
+        prompt = prompt + tokens
+    return out
+
+
+def test_a_prefix_cache_on_the_stages_gives_the_tokens_of_one_process(model_path):
+    """The coordinator holds the index, the stages the entries' KV states: a turn starts from the
+    last one's rows on every stage, with the tokens one process gives without a cache."""
+    from dist_runtime.engine import LocalEngine
+
+    with Pipeline(model_path, stages=2, max_context=256, options=StageOptions(fuse=False, cpus=1)) as p:
+        p.coordinator.set_prefix_cache(64 * 2**20)
+        piped = _conversation(p.coordinator)
+        assert p.coordinator.prefix_cache.hits == 2
+        p.coordinator.prefix_cache.clear()  # the stages drop every entry
+        assert all(not parked for parked in ray_get_parked(p))
+    alone = _conversation(LocalEngine(GraphExecutor(model_path, fuse=False)))
+    assert [t for t, _ in piped] == [t for t, _ in alone]
+    assert piped[0][1] == 0 and all(c >= 16 and c % 16 == 0 for _, c in piped[1:])
+
+
+def ray_get_parked(p) -> list:
+    import ray
+
+    return ray.get([a.__ray_call__.remote(lambda self: list(self._parked)) for a in p.actors])

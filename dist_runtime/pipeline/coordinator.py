@@ -26,15 +26,17 @@ says so, from any thread and without a call to the stages: what a server's /heal
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import DistRuntimeError, StageUnavailableError
+from ..prefix_cache import PrefixCache
 from ..requests import Inbox, Request, TokenEvent, check_requests
 from ..sampling import Sampling
 from ..scheduling import Scheduler, Work
@@ -156,6 +158,28 @@ class Coordinator:
         self.sessions: dict[Hashable, SessionState] = {}
         self._step = 0
         self.last_run: RunTelemetry | None = None
+        # A prefix cache (set_prefix_cache): the index here, the entries' KV states on the stages.
+        self.prefix_cache: PrefixCache | None = None
+        self._handles = itertools.count(1)
+        self._cached: dict[Hashable, int] = {}  # prompt tokens each new session took from the cache
+
+    def set_prefix_cache(self, budget: int) -> None:
+        """Keep ended sessions' KV rows on the stages, up to ``budget`` bytes a stage, for new
+        requests that begin with the same tokens (:mod:`dist_runtime.prefix_cache`; 0: none)."""
+        self.prefix_cache = PrefixCache(budget, evict=self._drop_parked) if budget else None
+
+    def _drop_parked(self, handle: int) -> None:
+        for ref in [a.drop_parked.remote(handle) for a in self.actors]:
+            self._get_or_lost(ref)
+
+    def _get_or_lost(self, ref):
+        """``ray.get(ref)``, or None when its stage died or cannot be reached."""
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self.timeout)
+        except ray.exceptions.RayActorError:
+            return None
 
     # -- session control -----------------------------------------------------------------------
     def reset(self, session: Hashable) -> None:
@@ -169,14 +193,16 @@ class Coordinator:
     def close_session(self, session: Hashable) -> None:
         """Forget ``session`` everywhere and free its KV caches.  A stage that died holds none (its
         replacement starts empty): it is passed over here, and recovered at the next step."""
-        import ray
-
+        state = self.sessions.pop(session, None)
+        self._cached.pop(session, None)
+        if self.prefix_cache is not None and state is not None and state.pos and not state.stale:
+            handle = next(self._handles)
+            sizes = [self._get_or_lost(a.park.remote(session, handle)) for a in self.actors]
+            if all(sizes) and self.prefix_cache.add(state.history[:state.pos], handle, max(sizes)):
+                return
+            self._drop_parked(handle)  # not kept (no whole block, a stage lost it, over budget)
         for ref in [a.close_session.remote(session) for a in self.actors]:
-            try:
-                ray.get(ref, timeout=self.timeout)
-            except ray.exceptions.RayActorError:  # died, or unreachable: nothing left to free there
-                pass
-        self.sessions.pop(session, None)
+            self._get_or_lost(ref)  # a dead stage holds nothing left to free
 
     def position(self, session: Hashable) -> int:
         return self.sessions[session].pos
@@ -356,7 +382,9 @@ class Coordinator:
                     state.generated.append(event.token)
                     state.history.append(event.token)
                 fill()  # the next passes travel while the caller handles these tokens
-                yield from events
+                for event in events:
+                    cached = self._cached.pop(event.session, 0) if event.index == 0 else 0
+                    yield replace(event, cached=cached) if cached else event
         finally:
             self._collect(run)
 
@@ -367,6 +395,8 @@ class Coordinator:
         if state is None or not req.resume:
             state = self.sessions[req.session] = SessionState(req.session, req.sampling, req.sampling.rng())
         state.generated, state.error = [], None
+        if not req.resume and self._from_cache(sched, req, state):
+            return
         reset = not req.resume or state.stale
         if reset and req.resume and state.pos:  # a stage lost it: rebuild its caches first
             self._replay([state])
@@ -375,6 +405,20 @@ class Coordinator:
         feed = state.history[state.pos:] + list(req.prompt)
         state.history = state.history + list(req.prompt)
         sched.add(req, pos=state.pos, feed=feed, reset=reset, rng=state.rng)
+
+    def _from_cache(self, sched: Scheduler, req: Request, state: SessionState) -> bool:
+        """Start ``req``'s new session from the longest cached prefix of its prompt, the stages
+        copying the entry's rows; whether one was found."""
+        if self.prefix_cache is None:
+            return False
+        entry, rows = self.prefix_cache.lookup(req.prompt)
+        if entry is None:
+            return False
+        call_all(self.actors, "restore_parked", req.session, entry.handle, rows, timeout=self.timeout)
+        state.history, self._cached[req.session] = list(req.prompt), rows
+        state.fed(rows)
+        sched.add(req, pos=rows, feed=list(req.prompt[rows:]), reset=False, rng=state.rng)
+        return True
 
     # -- recovery ------------------------------------------------------------------------------
     def _recover(self, lost: list[SessionState], cause: BaseException, attempts: int) -> int:
@@ -399,6 +443,8 @@ class Coordinator:
                 try:
                     phase("replacing", dead)
                     self.actors, self.channel = self.repair(dead)
+                    if self.prefix_cache is not None:  # the replaced stages kept no entry
+                        self.prefix_cache.clear()
                     for state in self.sessions.values():
                         state.stale = state.stale or state.pos > 0
                     phase("replaying", dead)

@@ -90,6 +90,7 @@ class StageWorker:
         # The direct channel runs steps in its link thread while Ray calls reset, reports and
         # telemetry on the actor's main thread: one lock keeps the executor's sessions consistent.
         self._lock = threading.Lock()
+        self._parked: dict[int, dict] = {}  # prefix cache entries: KV states of ended sessions, by handle
         self._link = None
         self.warmup = "not run"
 
@@ -172,6 +173,26 @@ class StageWorker:
         with self._lock:
             if self._executor is not None:
                 self._executor.close_session(session)
+
+    # -- the prefix cache's entries (the coordinator holds their index: dist_runtime/prefix_cache.py)
+    def park(self, session: Hashable, handle: int) -> int:
+        """Keep ``session``'s KV states as entry ``handle`` (the session ends); their bytes."""
+        with self._lock:
+            states = self._executor.detach_kv(session) if self._executor is not None else None
+            if states is None:
+                return 0
+            self._parked[handle] = states
+            return sum(state.nbytes()[1] for state in states.values())
+
+    def restore_parked(self, session: Hashable, handle: int, rows: int) -> None:
+        """Start ``session`` from the first ``rows`` rows of entry ``handle``."""
+        with self._lock:
+            if self._executor is not None:
+                self._executor.restore_kv(session, self._parked[handle], rows)
+
+    def drop_parked(self, handle: int) -> None:
+        with self._lock:
+            self._parked.pop(handle, None)
 
     def sessions(self) -> list:
         with self._lock:

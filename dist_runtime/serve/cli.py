@@ -41,11 +41,11 @@ def register(sub) -> None:
     sv.add_argument("--no-fuse", action="store_true", help="run without the fusion pre-pass")
     add_kv_dtype(sv)
     add_numerics(sv)
-    sv.add_argument("--prefix-cache", type=size, default=DEFAULT_PREFIX_CACHE, metavar="SIZE",
+    sv.add_argument("--prefix-cache", type=size, metavar="SIZE",
                     help="KV rows of ended requests kept for new ones whose prompt begins with the same "
                          "tokens (a conversation's next turn, a shared system prompt), least recently used "
-                         "evicted past SIZE; 0 turns it off; in this process only, not on stages "
-                         "(default: %(default)s)")
+                         f"evicted past SIZE; 0 turns it off (default: {DEFAULT_PREFIX_CACHE} in this process; "
+                         "none on stages, where SIZE a stage is memory beyond its plan: give it as --reserve)")
     add_deployment_options(sv)
     sv.set_defaults(func=cmd_serve)
 
@@ -65,6 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             model.context = context_limit(model.metadata)
         metrics = Metrics(max_length=model.context)
         pipe = open_pipeline(args, min(args.max_queue, MAX_SESSIONS))
+        pipe.coordinator.set_prefix_cache(args.prefix_cache or 0)
         try:
             backend = pipeline_backend(model, pipe, metrics, max_queue=args.max_queue,
                                        max_in_flight=args.max_in_flight)
