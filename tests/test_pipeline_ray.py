@@ -86,8 +86,11 @@ def test_two_stages_object_store(pipe2, reference):
     assert [r["source"] for r in pipe2.reports] == ["object store"] * 2
     for r, st in zip(pipe2.reports, pipe2.plan.stages):
         assert r["weights"] == list(st.weights) and r["weight_bytes"] == st.memory.weights
-        assert r["blas_threads_env"] == "1"  # the thread cap follows the CPU reservation
+        assert r["blas_threads_env"] == "4"  # the pool: the node's CPUs (the embedded Ray declares 4)
         assert r["nice"] == os.nice(0)  # the embedded Ray's workers at the driver's priority, not Ray's 15
+    # two stages on one node take turns: each computes on all the cores this machine has
+    assert pipe2.threads == [min(4, len(os.sched_getaffinity(0)))] * 2
+    assert pipe2.threads_reason == "stages sharing a node take turns: each uses all its cores"
     _check_same_answers(pipe2, reference)
 
 
