@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from dist_runtime.attention_pieces import workspace_bytes
+
 Shape = tuple[int, ...]
 
 
@@ -109,15 +111,21 @@ def flops(op, inputs: Sequence[Shape], outputs: Sequence[Shape]) -> int:
 
 
 def workspace(op, inputs: Sequence[Shape], itemsize: int) -> int:
-    """Bytes an op allocates while it runs besides its outputs.  Attention materialises its scores
-    and probabilities ``[..., heads, Tq, Tk]`` (FlashAttention only one key block of them), in the
-    query's element size; the other ops work in their outputs."""
+    """Bytes an op allocates while it runs besides its outputs, as the kernel that runs it does.
+    Sdpa and SdpaWindow on 2-D rows without a mask run on the compiled attention, which cuts each
+    query row's keys into pieces (:func:`dist_runtime.attention_pieces.workspace_bytes`: no
+    [rows, keys] score matrix); the CPU library's attention materialises its scores and
+    probabilities ``[..., heads, Tq, Tk]`` (FlashAttention only one key block of them), in the
+    query's element size.  The other ops work in their outputs."""
     name = type(op).__name__
     if name not in ("Sdpa", "SdpaCross", "SdpaWindow", "FlashAttention"):
         return 0
     q, k = inputs[0], inputs[1]
     keys = k[-2] if len(k) >= 2 else 1
+    rows = numel(q) // max(q[-1], 1)  # batch * Tq
+    if name in ("Sdpa", "SdpaWindow") and len(inputs) == 3 and len(q) == len(k) == 2:
+        seen = min(keys, 2 * op.window + 1) if name == "SdpaWindow" else keys
+        return workspace_bytes(rows, seen, op.num_heads, op.head_dim)
     if name == "FlashAttention":
         keys = min(keys, op.block)
-    rows = numel(q) // max(q[-1], 1)  # batch * Tq
     return 2 * rows * op.num_heads * keys * itemsize

@@ -77,10 +77,11 @@ def test_cost_model_of_a_llama_graph():
     assert costs.weight_bytes.sum() == nbytes(g, g.weights)
     # Activations: at the embedding, tokens (i32[16]) and h (f32[16, 64]) are live.
     assert costs.live[0] == 16 * 4 + 16 * 64 * 4
-    # Attention holds its scores and probabilities [heads, Tq, Tk] (f32) while it runs.
+    # Attention holds what the compiled kernel allocates while it runs: each row's one piece (64
+    # keys) of weighted values and statistics [heads, head_dim + 2] f32, one piece's scores.
     attn, t = pos["l0_attn"], costs.tensors
     held = int(t.act[(np.maximum(t.producer, 0) <= attn) & (np.minimum(t.last, costs.n - 1) >= attn)].sum())
-    assert costs.live[attn] == held + 2 * 4 * 16 * 64 * 4
+    assert costs.live[attn] == held + 16 * 4 * (16 + 2) * 4 + 64 * (4 + 1) * 4
     # The cache's outputs are views (no activation memory) but cost bytes when they cross a cut.
     after_cache = pos["l0_k_all"] + 1
     assert "l0_k_all" in costs.tensors.crossing(after_cache)
@@ -407,3 +408,13 @@ def test_a_decoder_is_planned_for_the_runtime_s_passes_an_encoder_for_whole_sequ
     plan = make_plan(g, stages=2, max_context=256, tokens=64)
     assert plan.request["tokens"] == 64
     assert make_plan(g, stages=2, max_context=32, tokens=64).request["tokens"] == 32  # never past the context
+
+
+def test_the_plan_counts_the_attention_pieces_the_kernel_cuts():
+    """The partitioner's attention workspace and the compiled kernel cut a row's keys alike."""
+    pytest.importorskip("numba")
+    from dist_runtime.attention_pieces import pieces_of_row
+    from dist_runtime.backends.compiled.attention import _pieces
+
+    for keys in (1, 255, 256, 257, 1024, 1025, 4096, 8193):
+        assert int(_pieces(1, keys, False, 0)[-1]) == pieces_of_row(keys), keys

@@ -41,6 +41,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ...attention_pieces import PIECES, SPLIT_KEYS
 from ...dtypes import DType
 from ...kernels.quant import dequantize
 from ...tensor import QuantizedArray
@@ -348,13 +349,8 @@ AHEAD_ROWS = 4
 AHEAD_K = 8
 #: Below this many K/V bytes read (times query rows), attention runs on the calling thread.
 SERIAL_KV_BYTES = 1 << 18
-#: A query row's keys beyond SPLIT_KEYS are cut into a multiple of PIECES of equal pieces of at
-#: most SPLIT_KEYS, each attended alone (its own softmax) and merged by their exps' sums
-#: (:func:`_merge`), so that threads share one row's keys, each reading whole rows.  Fixed by the
-#: row's keys, never by the threads: its bits depend on its keys alone.  Equal pieces, a multiple
-#: of 4, so that 2 or 4 threads get equal work: cut every 256 keys, a 1025-key row's five pieces
-#: (one of a single key) keep one thread on three of them, 183-189 us a layer against 130.
-SPLIT_KEYS, PIECES = 256, 4
+# How a row's keys are cut into pieces (merged by :func:`_merge`) and what that takes in memory:
+# dist_runtime/attention_pieces.py, which the partitioner's costs read too.
 
 
 @_jit
@@ -480,6 +476,7 @@ def _pieces(tq, tk, causal, window):
     for r in range(tq):
         lo, hi = _row_keys(r, tq, tk, causal, window)
         n = hi - lo
+        # attention_pieces.pieces_of_row, compiled (tests/test_partitioner_graph.py checks they agree)
         starts[r + 1] = starts[r] + (1 if n <= SPLIT_KEYS else -(-n // (SPLIT_KEYS * PIECES)) * PIECES)
     return starts
 

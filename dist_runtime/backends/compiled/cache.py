@@ -42,8 +42,10 @@ from . import cpu
 #: The package whose modules' kernels are cached here (``dist_runtime``).
 PACKAGE = Path(__file__).resolve().parents[2]
 #: The sources compiled into cached code: every module that defines a kernel, and those whose
-#: intrinsics or constants are compiled into them (:mod:`.simd`, :mod:`.simd_k`, :mod:`.registry`).
-SOURCES = sorted(Path(__file__).resolve().parent.glob("*.py")) + sorted((PACKAGE / "backends" / "program").glob("*.py"))
+#: intrinsics or constants are compiled into them (:mod:`.simd`, :mod:`.simd_k`, :mod:`.registry`,
+#: the attention's pieces).
+SOURCES = (sorted(Path(__file__).resolve().parent.glob("*.py")) + sorted((PACKAGE / "backends" / "program").glob("*.py"))
+           + [PACKAGE / "attention_pieces.py"])
 #: Days a directory of other sources may go unused before :func:`prune` removes it.
 KEEP_DAYS = 30
 _USED = ".last-used"
