@@ -145,6 +145,24 @@ def process_memory() -> dict[str, int] | None:
         return None
 
 
+def available_memory() -> int | None:
+    """Bytes the system can give this process now without swapping (``MemAvailable`` of
+    ``/proc/meminfo``, and the cgroup's limit less its usage when one is set), or None."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+    try:  # a container's limit (cgroup v2) may be below what the host has free
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
 def mappings() -> list[tuple[int, int, str, dict[str, int]]] | None:
     """This process's memory mappings from ``/proc/self/smaps``: (start, end, path or "", the
     per-mapping byte counts such as ``Rss`` and ``AnonHugePages``), or None where there is none."""

@@ -59,6 +59,18 @@ def generative_io(graph: Graph) -> tuple[str, str]:
     return names[0], logits
 
 
+def kv_pool_rows(executor, held_back: int = 0, share: float = 0.8) -> int | None:
+    """The KV rows this process's sessions may hold at once: ``share`` of the memory the system
+    has available now (weights loaded), less ``held_back`` bytes (a prefix cache's budget), over
+    the bytes a row takes in every cache; None where the memory cannot be read."""
+    from .arena import available_memory
+
+    available, per_row = available_memory(), executor.kv_row_bytes()
+    if available is None or not per_row:
+        return None
+    return max(0, int(available * share) - held_back) // per_row
+
+
 class LocalEngine:
     """Requests on one ``GraphExecutor`` in this process, continuously batched: each pass carries
     a row of every decoding session and chunks of new prompts (:mod:`dist_runtime.scheduling`).
@@ -66,8 +78,11 @@ class LocalEngine:
     do not depend on its company."""
 
     def __init__(self, executor, *, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
-                 max_sessions: int | None = None, prefix_cache=None) -> None:
+                 max_sessions: int | None = None, prefix_cache=None, max_kv_rows: int | None = None) -> None:
         self.executor = executor
+        # The KV rows the sessions may hold at once (kv_pool_rows: what this machine's memory
+        # holds): a request beyond what is free waits, one that could never fit fails alone.
+        self.max_kv_rows = max_kv_rows
         # A PrefixCache: a session that ends leaves its KV rows there, a new request whose prompt
         # begins with them starts from a copy (dist_runtime/prefix_cache.py).
         self.prefix_cache = prefix_cache
@@ -82,14 +97,21 @@ class LocalEngine:
     def stream(self, requests: Iterable[Request], *, inbox: Inbox | None = None) -> Iterator[TokenEvent]:
         """Tokens of ``requests`` as they come; ``inbox`` brings requests and cancellations that
         arrive meanwhile (taken before every pass).  Returns when no session is left."""
-        sched = Scheduler(max_batch_tokens=self.max_batch_tokens, max_sessions=self.max_sessions)
+        sched = Scheduler(max_batch_tokens=self.max_batch_tokens, max_sessions=self.max_sessions,
+                          max_kv_rows=self.max_kv_rows)
+        refused: list[TokenEvent] = []
 
         def add(reqs: Iterable[Request]) -> None:
             for req in reqs:  # a resumed session goes on from where its KV caches are
                 resume = req.resume and req.session in self.executor.sessions()
                 pos = self.executor.position(req.session) if resume else self._from_cache(req)
-                sched.add(req, pos=pos, feed=req.prompt[pos:] if pos and not resume else None,
-                          reset=not resume and not pos)
+                try:
+                    sched.add(req, pos=pos, feed=req.prompt[pos:] if pos and not resume else None,
+                              reset=not resume and not pos)
+                except DistRuntimeError as e:  # more KV rows than the whole pool: it fails alone
+                    self.executor.close_session(req.session)
+                    refused.append(TokenEvent(req.session, None, 0, True, e))
+                    continue
                 self._fed[req.session] = [*(self._fed.get(req.session, []) if resume else []), *req.prompt]
 
         add(requests)
@@ -100,6 +122,8 @@ class LocalEngine:
                 for session in cancelled:
                     if sched.cancel(session):
                         self.close_session(session)
+            yield from refused
+            refused.clear()
             if sched.done:
                 return
             batch = sched.next_batch(None if self.batches else 1)

@@ -265,6 +265,8 @@ class GraphExecutor:
         self.batch_invariant = all(a.backend.batch_invariant for node, a in zip(graph.nodes, self.assignments)
                                    if isinstance(node.op, _ROW_MIXING))
         self.rows: RowPlan = plan_rows(graph, specs)
+        # each KvCache's row width (its k_new's last dim), for the rows a session's caches take
+        self._kv_widths = [specs[node.inputs[0]].shape[-1] for node in graph.nodes if isinstance(node.op, KvCache)]
         constants, widened = _prepared_weights(graph, weights)
         streamed = _streamed(graph)
         # the mapped pages of each weight copied leave resident memory as soon as it is copied
@@ -328,6 +330,11 @@ class GraphExecutor:
         targets = self._sessions.values() if session is None else [self.session(session)]
         for s in targets:
             s.reset()
+
+    def kv_row_bytes(self) -> int:
+        """Bytes one more row of a session takes in all its KV caches, as they keep rows."""
+        element = {dtypes.DType.F16: 2.0, dtypes.DType.Q8_0: 34 / 32}.get(self.kv_dtype, 4.0)
+        return int(sum(2 * w * element for w in self._kv_widths if isinstance(w, int) and w > 0))
 
     def set_kv_ceiling(self, session: Hashable, rows: int) -> None:
         """``session``'s KV caches grow to at most ``rows`` rows (the rows its request may reach,

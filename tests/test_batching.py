@@ -266,3 +266,24 @@ def test_an_inbox_brings_requests_and_cancellations_into_the_running_batch(model
     assert "s1" not in ex.sessions()  # its KV caches were freed
     assert len(got.get("s1", [])) <= 2 and got.get("s1", []) == alone["s1"][:len(got.get("s1", []))]
     assert {s: t for s, t in got.items() if s != "s1"} == {s: t for s, t in alone.items() if s != "s1"}
+
+
+def test_the_kv_pool_queues_what_does_not_fit_and_fails_only_what_never_can(model):
+    """A LocalEngine with a pool of KV rows (the server's: what memory holds, kv_pool_rows):
+    requests beyond what is free wait their turn with the tokens they get alone; one larger than
+    the whole pool fails alone, with an error naming the budget, and the others go on."""
+    from dist_runtime.engine import kv_pool_rows
+
+    ex = GraphExecutor(model)
+    assert ex.kv_row_bytes() == CFG.layers * 2 * CFG.kv_heads * (CFG.hidden // CFG.heads) * 2  # F16 rows
+    assert kv_pool_rows(ex) is None or kv_pool_rows(ex) > 1000
+    reqs = [Request("a", [1, 2, 3], 20), Request("b", [4, 5, 6], 20), Request("huge", list(range(1, 40)), 30)]
+    events = list(LocalEngine(ex, max_kv_rows=40).stream(reqs))  # a and b: 23 rows each
+    failed = [e for e in events if e.error is not None]
+    assert [e.session for e in failed] == ["huge"] and "exceed the KV budget of 40 rows" in str(failed[0].error)
+    got = {s: [e.token for e in events if e.session == s] for s in ("a", "b")}
+    alone = generate(LocalEngine(_executor(model)), reqs[:2]).tokens
+    assert got == {s: alone[s] for s in ("a", "b")}
+    first_b = next(i for i, e in enumerate(events) if e.session == "b")
+    last_a = max(i for i, e in enumerate(events) if e.session == "a")
+    assert first_b > last_a  # "b" waited for "a"'s rows

@@ -100,11 +100,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     job = _Job.open(args, sampling)
     if wants_pipeline(args):
         return _run_on_pipeline(args, job)
-    from ..engine import LocalEngine
+    from ..engine import LocalEngine, kv_pool_rows
     from ..executor import GraphExecutor
 
     executor = GraphExecutor(args.model, fuse=not args.no_fuse, kv_dtype=args.kv_dtype, numerics=args.numerics)
-    result = job.run(LocalEngine(executor, max_batch_tokens=args.max_batch_tokens))
+    result = job.run(LocalEngine(executor, max_batch_tokens=args.max_batch_tokens, max_kv_rows=kv_pool_rows(executor)))
     return job.report(result, None, executor.memory())
 
 

@@ -34,7 +34,7 @@ def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int
                   prefix_cache: int | None = None) -> EngineBridge | Encoder:
     """The model in this process: a continuously batched ``LocalEngine`` (with a prefix cache of
     ``prefix_cache`` bytes; None: the CLI's default; 0: none), or an encoder."""
-    from ..engine import LocalEngine
+    from ..engine import LocalEngine, kv_pool_rows
     from ..executor import GraphExecutor
     from ..prefix_cache import PrefixCache
 
@@ -47,7 +47,8 @@ def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int
     if prefix_cache is None:
         prefix_cache = parse_bytes(DEFAULT_PREFIX_CACHE)
     engine = LocalEngine(executor, max_batch_tokens=max_batch_tokens,
-                         prefix_cache=PrefixCache(prefix_cache) if prefix_cache else None)
+                         prefix_cache=PrefixCache(prefix_cache) if prefix_cache else None,
+                         max_kv_rows=kv_pool_rows(executor, held_back=prefix_cache))
     return EngineBridge(engine, metrics, max_queue=max_queue)
 
 
