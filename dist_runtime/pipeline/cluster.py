@@ -143,15 +143,18 @@ def _init(ray, target: str | None, num_cpus, namespace: str, quiet: bool, timeou
 
 
 def _token_if_present() -> None:
-    """Joining a cluster with a token at hand (``RAY_AUTH_TOKEN``, or the file ``ray start`` and
-    ``ray get-auth-token --generate`` write): present it, as Ray's own CLI does.  Ray reads the
-    mode once, when it is imported, so this must run first; an explicit RAY_AUTH_MODE wins."""
+    """Joining a cluster with a token given in ``RAY_AUTH_TOKEN``: present it (token mode).  A
+    token *file* alone does not turn token mode on: the embedded local Ray writes one in
+    ``~/.ray/auth_token`` on every machine it runs on, and a driver in token mode cannot take
+    part in a cluster without tokens (the GCS's calls back to it are refused and it cancels the
+    driver's actors).  A token-authenticated cluster asks for ``RAY_AUTH_MODE=token``, as Ray's
+    own CLI does, and then the file is read.  Ray reads the mode once, when it is imported, so
+    this must run first; an explicit RAY_AUTH_MODE wins."""
     import sys
 
     if "RAY_AUTH_MODE" in os.environ or "ray" in sys.modules:
         return
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
-    if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(path):
+    if os.environ.get("RAY_AUTH_TOKEN"):
         os.environ["RAY_AUTH_MODE"] = "token"
 
 

@@ -32,12 +32,15 @@ def resolve_cpus(options: StageOptions, n_stages: int) -> StageOptions:
 
     import ray
 
-    # By default the stages share the CPUs still free (another pipeline may hold some already), and
+    # By default each stage asks for what lets it have a node of its own when there are enough
+    # nodes (the smallest of the n largest: a cluster's total shared out would ask some for more
+    # than their node has), else a share of the CPUs still free (another pipeline may hold some);
     # each process's thread pool is as large as the largest node: placement then tells each stage
     # how many of them to compute on (launch.placement_threads), which it can only know once placed.
-    cpus = options.cpus or max(ray.available_resources().get("CPU", 0.0), 0.01 * n_stages) / n_stages
-    return dataclasses.replace(options, cpus=cpus, threads=options.threads or max(1, int(max(node_cpus().values(),
-                                                                                              default=cpus))))
+    sizes = sorted((c for c in node_cpus().values() if c > 0), reverse=True)
+    share = max(ray.available_resources().get("CPU", 0.0), 0.01 * n_stages) / n_stages
+    cpus = options.cpus or (sizes[n_stages - 1] if len(sizes) >= n_stages > 1 else share)
+    return dataclasses.replace(options, cpus=cpus, threads=options.threads or max(1, int(max(sizes, default=cpus))))
 
 
 def node_cpus() -> dict[str, float]:
