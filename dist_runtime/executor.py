@@ -251,6 +251,8 @@ class GraphExecutor:
         graph, weights, declared_max, mapped = _open(model)
         self.kv_dtype = dtypes.kv_dtype(kv_dtype, mapped.metadata.get("kv_dtype") if mapped else None)
         self.backends = make_backends(backends, numerics)
+        if numerics == "q8":
+            _check_q8_kernels(graph, weights)
         checked = validate_graph(graph)  # structure and declared shapes; fusion keeps both
         self.warnings, specs = checked.warnings, checked.specs
         if fuse:  # a fused node that no backend in use takes is not formed (or is expanded back)
@@ -576,6 +578,22 @@ def _spec_text(value) -> str:
         return str(TensorSpec(tuple(value.shape), dtype_of(value)))
     except Exception:  # noqa: BLE001 -- describing a value must not hide the error being reported
         return type(value).__name__
+
+
+def _check_q8_kernels(graph: Graph, weights: Mapping) -> None:
+    """``--numerics q8`` asks every product for Q8_0 activations: a block type without such a
+    kernel (its products would run f32 in the CPU library) is refused, naming it, before anything
+    is copied."""
+    from .backends.compiled import PRODUCTS
+
+    for node in graph.nodes:
+        for i in WEIGHT_SLOTS.get(type(node.op), ()):
+            w = weights.get(node.inputs[i]) if i < len(node.inputs) else None
+            kind = dtype_of(w) if w is not None else None
+            if kind is not None and kind.is_quantized and kind not in PRODUCTS:
+                raise GraphValidationError(
+                    f"--numerics q8: weight {node.inputs[i]!r} is {kind.name}, which has no product with Q8_0 "
+                    f"activations (the CPU library multiplies it in f32); use --numerics auto or f32")
 
 
 def _open(model):

@@ -74,3 +74,21 @@ def test_bad_numerics_are_refused_naming_the_choices(q8_models, capsys):
     assert "invalid choice: 'q4' (choose from 'auto', 'f32', 'q8')" in capsys.readouterr().err
     assert main(["generate", str(q8_models["llama"]), "--ids", "1,2", "-n", "3", "--numerics", "q8",
                  "--show-ids"]) == 0
+
+
+def test_q8_numerics_refuse_a_block_type_without_such_a_kernel(tmp_path):
+    from dist_runtime.errors import GraphValidationError
+    from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
+    from dist_runtime.model import save_model
+    from dist_runtime.tensor import QuantizedArray
+
+    cfg = LlamaConfig(vocab=64, hidden=256, layers=1, heads=4, kv_heads=2, ffn=256)
+    weights = llama_weights(cfg, seed=1)
+    name = "model.layers.0.mlp.up_proj.weight"
+    rows, k = weights[name].shape
+    weights[name] = QuantizedArray(np.zeros((rows, k // 256 * DType.Q3_K.block_bytes), np.uint8), DType.Q3_K, (rows, k))
+    path = tmp_path / "q3.model"
+    save_model(path, llama_graph(cfg), weights, llama_metadata(cfg)).close()
+    with pytest.raises(GraphValidationError, match=r"--numerics q8: weight 'model.layers.0.mlp.up_proj.weight' is Q3_K"):
+        GraphExecutor(path, numerics="q8")
+    assert GraphExecutor(path, numerics="auto").run({"tokens": np.array([1, 2], np.int32)})["logits"].shape == (2, 64)
