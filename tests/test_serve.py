@@ -306,6 +306,18 @@ def test_a_prompt_that_begins_with_an_ended_request_s_tokens_reuses_their_rows(s
         plain.stop()
 
 
+def test_a_request_larger_than_the_kv_pool_is_a_400(server):
+    engine = server.backend.engine
+    pool, engine.max_kv_rows = engine.max_kv_rows, 12
+    try:
+        r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "tiny", "prompt": "w5 w7 w9", "max_tokens": 20})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert "than the 12 this server's memory holds" in r.json()["error"]["message"]
+    finally:
+        engine.max_kv_rows = pool
+
+
 def test_health_metrics_and_page(server, client):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert httpx.get(server.url + "/metrics").status_code == 401

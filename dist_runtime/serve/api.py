@@ -328,6 +328,10 @@ async def _generate(request: Request, model: ServedModel, bridge: EngineBridge, 
     except DistRuntimeError as e:
         raise APIError(400, str(e), param="max_tokens" if "context" in str(e) else "prompt",
                        code="context_length_exceeded" if "context" in str(e) else None) from None
+    pool = getattr(bridge.engine, "max_kv_rows", None)  # the KV rows this process's memory holds
+    if pool is not None and any(len(r.prompt) + r.max_new_tokens > pool for r in requests):
+        raise APIError(400, f"the prompt plus max_tokens need more KV rows than the {pool} this server's memory "
+                            f"holds", param="max_tokens", code="context_length_exceeded")
     if len(requests) > bridge.max_queue:  # could never fit: a 429 would have the client retry forever
         raise APIError(400, f"{len(requests)} choices (n x prompts) exceed the {bridge.max_queue} sessions this "
                             f"server holds at once (--max-queue)", param="n")
