@@ -124,11 +124,12 @@ def test_generate_takes_kv_dtype_and_refuses_what_it_does_not_know(model, capsys
 
 
 @pytest.mark.slow  # Ray stages
-def test_f16_caches_on_pipeline_stages_give_the_tokens_of_one_process(model, capsys):
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+def test_f16_caches_on_pipeline_stages_give_the_tokens_of_one_process(model, capsys, kv_dtype):
     from dist_runtime.cli import main
 
     code = main(["pipeline", str(model), "--stages", "2", "--sessions", "3", "--prompt-ids", "4,5,6",
-                 "--max-new-tokens", "6", "--max-context", "64", "--kv-dtype", "f16", "--cpus-per-stage", "0.5",
+                 "--max-new-tokens", "6", "--max-context", "64", "--kv-dtype", kv_dtype, "--cpus-per-stage", "0.5",
                  "--check"])
     out = capsys.readouterr().out
     assert code == 0 and "check: the same tokens as one process" in out, out
