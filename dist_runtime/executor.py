@@ -335,8 +335,7 @@ class GraphExecutor:
 
     def kv_row_bytes(self) -> int:
         """Bytes one more row of a session takes in all its KV caches, as they keep rows."""
-        element = {dtypes.DType.F16: 2.0, dtypes.DType.Q8_0: 34 / 32}.get(self.kv_dtype, 4.0)
-        return int(sum(2 * w * element for w in self._kv_widths if isinstance(w, int) and w > 0))
+        return sum(2 * self.kv_dtype.nbytes((w,)) for w in self._kv_widths if isinstance(w, int) and w > 0)
 
     def set_kv_ceiling(self, session: Hashable, rows: int) -> None:
         """``session``'s KV caches grow to at most ``rows`` rows (the rows its request may reach,

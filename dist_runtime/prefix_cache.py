@@ -62,7 +62,7 @@ class PrefixCache:
 
     def add(self, tokens: Sequence[int], handle: Any, nbytes: int) -> bool:
         """Keep ``handle``, whose states hold the KV rows of ``tokens`` (one row per token, in
-        order) in ``nbytes``; False when they are not kept (no whole block, or over the budget)."""
+        order) in ``nbytes``; False when it takes nothing (no whole block, or over the budget)."""
         keys = block_keys(tokens)
         if not keys or nbytes > self.budget:
             return False

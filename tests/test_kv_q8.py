@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dist_runtime.batched_pass import Segment
 from dist_runtime.dtypes import DType
 from dist_runtime.errors import KernelError
 from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
@@ -129,21 +128,6 @@ def test_an_unknown_kv_dtype_names_the_choices_q8_0_among_them(model):
     with pytest.raises(ValueError, match=r"--kv-dtype 'q4' is not one of f16, f32, q8_0"):
         GraphExecutor(model, kv_dtype="q4")
     assert GraphExecutor(model, kv_dtype="q8_0").kv_dtype == DType.Q8_0
-
-
-@pytest.mark.parametrize("program", [True, False], ids=["program", "attention-chain"])
-def test_q8_0_caches_give_a_session_the_same_bits_alone_or_batched(model, program):
-    rng = np.random.default_rng(1)
-    batched, alone = (GraphExecutor(model, kv_dtype="q8_0", compiled_program=program) for _ in range(2))
-    for round_ in range(4):  # prefills, then decode rows beside prompt chunks
-        segments = [Segment(s, int(rng.integers(1, 7)) if round_ == 0 or s == 2 else 1) for s in range(4)]
-        tokens = {seg.session: rng.integers(0, CFG.vocab, seg.rows).astype(np.int32) for seg in segments}
-        out = batched.run_batch({"tokens": np.concatenate([tokens[s.session] for s in segments])}, segments)
-        at = 0
-        for seg in segments:
-            want = alone.run({"tokens": tokens[seg.session]}, session=seg.session)["logits"]
-            assert np.array_equal(out["logits"][at:at + seg.rows], want), (round_, seg)
-            at += seg.rows
 
 
 @pytest.mark.parametrize("which", ["model", "model64"])

@@ -71,7 +71,6 @@ from ..tensor import Array, QuantizedArray
 from . import BoundKernel, OpEntry, PerSegment, TableBackend, chain_reads, compiled, register_backend, run_chain
 from .compiled import attention as compiled_attention
 from .compiled import gather
-from .compiled.kv_q8 import rope_append_attend_q8, segments_append_attend_q8
 from .compiled.rows import rms_rows, rope_append_attend, rope_rows, segments_append_attend, silu_mul, skip_rms_rows
 from .step_kinds import NormProducts, Products, Rms, SkipRms, SwiGlu
 from .blas import WEIGHT_SLOTS, matmul_family_supports
@@ -348,9 +347,8 @@ class AttentionChain:
             return run_chain(self.nodes, self.kernels, inputs, ctx)
         q_rot, k_rot, out = np.empty(q.shape, F32), np.empty(k.shape, F32), np.empty(q.shape, F32)
         a, r = self.attn, self.rope
-        call = rope_append_attend_q8 if k_buf.dtype == np.uint8 else rope_append_attend  # Q8_0 caches: their blocks
-        call(self.spec, q, k, v, cos, sin, r.head_dim, r.rope_dim, _bits(k_buf), _bits(v_buf), at_row,
-             a.num_heads, a.kv_heads, a.head_dim, bool(a.causal), self.window, attend, q_rot, k_rot, out)
+        rope_append_attend(self.spec, q, k, v, cos, sin, r.head_dim, r.rope_dim, _bits(k_buf), _bits(v_buf), at_row,
+                           a.num_heads, a.kv_heads, a.head_dim, bool(a.causal), self.window, attend, q_rot, k_rot, out)
         k_all, v_all = self._finish(ctx, at_row, k, v, attend, q_rot, out)
         return self._outputs(q_rot, k_rot, k_all, v_all, out)
 
@@ -372,14 +370,13 @@ class AttentionChain:
         cos, sin, k_bufs, _, at_rows, attend = zip(*made)
         q_rot, k_rot, out = np.empty(q.shape, F32), np.empty(k.shape, F32), np.empty(q.shape, F32)
         a, r = self.attn, self.rope
-        call = segments_append_attend_q8 if k_bufs[0].dtype == np.uint8 else segments_append_attend
-        call(self.spec, q, k, v, np.concatenate(cos), np.concatenate(sin), r.head_dim, r.rope_dim,
-             np.array([cut.start for cut in cuts] + [q.shape[0]], np.int64),
-             np.array([ctx.state.addresses() for ctx in ctxs], np.int64),
-             _bits(k_bufs[0][:0]), np.array([b.shape[0] for b in k_bufs], np.int64),
-             np.array(at_rows, np.int64),
-             a.num_heads, a.kv_heads, a.head_dim, bool(a.causal), self.window, np.array(attend),
-             q_rot, k_rot, out)
+        segments_append_attend(self.spec, q, k, v, np.concatenate(cos), np.concatenate(sin), r.head_dim, r.rope_dim,
+                               np.array([cut.start for cut in cuts] + [q.shape[0]], np.int64),
+                               np.array([ctx.state.addresses() for ctx in ctxs], np.int64),
+                               _bits(k_bufs[0][:0]), np.array([b.shape[0] for b in k_bufs], np.int64),
+                               np.array(at_rows, np.int64),
+                               a.num_heads, a.kv_heads, a.head_dim, bool(a.causal), self.window, np.array(attend),
+                               q_rot, k_rot, out)
         k_alls, v_alls = zip(*(self._finish(ctx, at_rows[i], k[cut], v[cut], attend[i], q_rot[cut], out[cut])
                                for i, (cut, ctx) in enumerate(zip(cuts, ctxs))))
         return self._outputs(q_rot, k_rot, PerSegment(k_alls), PerSegment(v_alls), out)

@@ -200,7 +200,7 @@ class Coordinator:
             sizes = [self._get_or_lost(a.park.remote(session, handle)) for a in self.actors]
             if all(sizes) and self.prefix_cache.add(state.history[:state.pos], handle, max(sizes)):
                 return
-            self._drop_parked(handle)  # not kept (no whole block, a stage lost it, over budget)
+            self._drop_parked(handle)  # the cache took nothing: no whole block, a stage lost it, or over budget
         for ref in [a.close_session.remote(session) for a in self.actors]:
             self._get_or_lost(ref)  # a dead stage holds nothing left to free
 

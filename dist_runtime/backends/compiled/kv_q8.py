@@ -12,22 +12,19 @@ codes 0, as numpy's cast of the NaN codes gives on x86 (its results are NaN eith
 
 The attention cores read the blocks in place (:mod:`.attention`: a code times its block's ``d``
 is exact in f32), so attention over Q8_0 rows has the bits of the F32 cores over the same rows
-decoded.  :func:`append_attend` is the program's attention call (:mod:`..program.vm`): the
-chain's :func:`.rows.rope_append_attend` for F32 / F16 caches, :func:`rope_append_attend_q8`
-for Q8_0 ones, chosen by the buffers' type when the program compiles.
+decoded.  :func:`stored_rows` is how the attention chain (:func:`.rows.rope_append_attend`, which
+the compiled program calls too) writes a cache of any kept type, chosen by the buffers' type when
+the caller compiles.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import types
 from numba.extending import overload
 
-from . import attention as compiled_attention
 from .cache import jit
-from .halves import f16_bits
-from .rows import element_at, rope_append_attend, rope_rows
+from .halves import f16_bits, kept
 
 #: Values per block and bytes per block (f16 d, 32 int8 codes).
 QK, BLOCK_BYTES = 32, 34
@@ -65,45 +62,23 @@ def q8_rows(x, out, pos):
         q8_row(x[t], out[pos + t])
 
 
-@jit(nogil=True, boundscheck=False)
-def rope_append_attend_q8(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos,
-                          num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
-    """:func:`.rows.rope_append_attend` over a KV cache kept in Q8_0 (``k_buf``, ``v_buf``: uint8
-    ``[rows, W / 32 * 34]``): the rotated keys and ``v`` stored as Q8_0 blocks (:func:`q8_row`),
-    the attention reading them in place."""
-    rope_rows(q, cos, sin, rope_head_dim, rope_dim, q_rot)
-    rope_rows(k, cos, sin, rope_head_dim, rope_dim, k_rot)
-    stop = pos + k.shape[0]
-    q8_rows(k_rot, k_buf, pos)
-    q8_rows(v, v_buf, pos)
-    if attend:
-        compiled_attention.attention_serial(spec, q_rot, k_buf[:stop], v_buf[:stop], num_heads, kv_heads,
-                                            head_dim, causal, window, out)
+def stored_rows(src, buf, pos):
+    """The 2-D f32 ``src`` into rows ``pos..`` of a KV buffer as it keeps them (compiled callers
+    only, the choice made by ``buf``'s type when the caller compiles): Q8_0 blocks
+    (:func:`q8_rows`) in a uint8 buffer, :func:`.halves.kept` values in an F32 or uint16 one."""
+    raise NotImplementedError("stored_rows() is for compiled code")
 
 
-def append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos, num_heads, kv_heads,
-                  head_dim, causal, window, attend, q_rot, k_rot, out):
-    """The attention chain's call for the KV buffers' type (compiled callers only: the compiled
-    program): :func:`rope_append_attend_q8` for uint8 (Q8_0) buffers, else
-    :func:`.rows.rope_append_attend`."""
-    raise NotImplementedError("append_attend() is for compiled code")
+@overload(stored_rows, jit_options={"nogil": True})
+def _stored_rows(src, buf, pos):
+    if isinstance(buf, types.Array) and buf.dtype == types.uint8:
+        return lambda src, buf, pos: q8_rows(src, buf, pos)
 
-
-@overload(append_attend, jit_options={"nogil": True})
-def _append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos, num_heads, kv_heads,
-                   head_dim, causal, window, attend, q_rot, k_rot, out):
-    if isinstance(k_buf, types.Array) and k_buf.dtype == types.uint8:
-        def q8(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos, num_heads, kv_heads, head_dim,
-               causal, window, attend, q_rot, k_rot, out):
-            rope_append_attend_q8(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos, num_heads,
-                                  kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out)
-        return q8
-
-    def floats(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos, num_heads, kv_heads, head_dim,
-               causal, window, attend, q_rot, k_rot, out):
-        rope_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos, num_heads, kv_heads,
-                           head_dim, causal, window, attend, q_rot, k_rot, out)
-    return floats
+    def elements(src, buf, pos):
+        for t in range(src.shape[0]):  # by element: an array's slice assignment compiles numba's error message (~5 s)
+            for j in range(src.shape[1]):
+                buf[pos + t, j] = kept(src[t, j], buf)
+    return elements
 
 
 def row_elements(like, width):

@@ -14,7 +14,7 @@ from numba.extending import intrinsic
 
 from . import attention as compiled_attention
 from .cache import jit
-from .halves import kept
+from .kv_q8 import row_elements, stored_rows
 
 # Reassociation lets the reductions vectorise; no "nnan"/"ninf", so NaN and inf propagate as in
 # numpy.  The numpy error model makes x / 0 an inf, not a ZeroDivisionError.
@@ -62,17 +62,14 @@ def rope_rows(x, cos, sin, head_dim, rope_dim, out):
 def rope_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, k_buf, v_buf, pos,
                        num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
     """A layer's attention chain in one call: ``q`` and ``k`` rotated (:func:`rope_rows`), the
-    rotated keys and ``v`` stored as rows ``pos..`` of the KV cache's buffers (F32, or uint16 for
-    a cache kept in F16: :func:`.halves.kept`), and (``attend``) the rotated queries attending
-    over every row held (:func:`compiled_attention.attention_serial`)."""
+    rotated keys and ``v`` stored as rows ``pos..`` of the KV cache's buffers as they keep them
+    (F32; uint16 for F16, uint8 blocks for Q8_0: :func:`.kv_q8.stored_rows`), and (``attend``)
+    the rotated queries attending over every row held (:func:`compiled_attention.attention_serial`)."""
     rope_rows(q, cos, sin, rope_head_dim, rope_dim, q_rot)
     rope_rows(k, cos, sin, rope_head_dim, rope_dim, k_rot)
     stop = pos + k.shape[0]
-    for t in range(k.shape[0]):  # by element: an array's slice assignment compiles numba's error message (~5 s)
-        for j in range(k.shape[1]):
-            k_buf[pos + t, j] = kept(k_rot[t, j], k_buf)
-        for j in range(v.shape[1]):
-            v_buf[pos + t, j] = kept(v[t, j], v_buf)
+    stored_rows(k_rot, k_buf, pos)
+    stored_rows(v, v_buf, pos)
     if attend:
         compiled_attention.attention_serial(spec, q_rot, k_buf[:stop], v_buf[:stop], num_heads, kv_heads,
                                             head_dim, causal, window, out)
@@ -100,8 +97,8 @@ def _segment_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, sta
     """:func:`rope_append_attend` for segment ``s`` of a batched pass: rows ``starts[s]:starts[s +
     1]`` of ``q``, ``k``, ``v`` (and of ``cos``, ``sin``: its positions'), its KV cache the buffers
     at addresses ``buffers[s]`` (K, V) of ``rows[s]`` rows, of ``kv_like``'s element type (F32,
-    or uint16 for F16)."""
-    lo, hi, width = starts[s], starts[s + 1], k.shape[1]
+    uint16 for F16, uint8 for Q8_0)."""
+    lo, hi, width = starts[s], starts[s + 1], row_elements(kv_like, k.shape[1])
     k_buf = numba.carray(element_at(kv_like, buffers[s, 0]), (rows[s], width))
     v_buf = numba.carray(element_at(kv_like, buffers[s, 1]), (rows[s], width))
     rope_append_attend(spec, q[lo:hi], k[lo:hi], v[lo:hi], cos[lo:hi], sin[lo:hi], rope_head_dim, rope_dim,

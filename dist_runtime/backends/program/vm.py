@@ -30,8 +30,8 @@ from ..compiled import attention as compiled_attention
 from ..compiled import ahead, cpu, floats, kquants, legacy, spin
 from ..compiled.cache import jit
 from ..compiled.registry import SERIAL_BYTES, block_sums, joint_chunks, joint_part
-from ..compiled.kv_q8 import append_attend, row_elements
-from ..compiled.rows import element_at, f32_at, rms_rows, silu_mul, skip_rms_rows
+from ..compiled.kv_q8 import row_elements
+from ..compiled.rows import element_at, f32_at, rms_rows, rope_append_attend, silu_mul, skip_rms_rows
 from .instructions import (ADD, ADD_A, ADD_B, ADD_OUT, ATT_CACHE, ATT_CAUSAL, ATT_HEAD_DIM, ATT_HEADS, ATT_K,
                            ATT_K_ROT, ATT_KV_HEADS, ATT_OUT, ATT_Q, ATT_Q_ROT, ATT_ROPE_DIM, ATT_ROPE_HEAD_DIM, ATT_V,
                            ATT_WINDOW, ATTENTION, BLOCKS_KIND0, BLOCKS_KIND1, BLOCKS_KIND2, BLOCKS_Q8, JOINT, K_BLOCKS,
@@ -227,18 +227,18 @@ _legacy_f32_if, _legacy_q8_if = _gated7(_legacy_f32_parts), _gated7(_legacy_q8_p
 
 @jit(nogil=True, inline="always")
 def _rope_append(spec, c, slots, kv, kv_like, cos, sin, arena, m, starts, positions, g, attend):
-    """The attention chain's compiled call (:class:`..numba.AttentionChain`; for the caches' type:
-    :func:`..compiled.kv_q8.append_attend`) for segment ``g``
+    """The attention chain's compiled call (:class:`..numba.AttentionChain`, which stores rows as
+    the caches keep them: :func:`..compiled.kv_q8.stored_rows`) for segment ``g``
     (rows ``starts[g]:starts[g + 1]``, at ``positions[g]``) on its KV cache ``kv[c[ATT_CACHE], g]``,
     attending too if ``attend`` (:func:`_attends`; else the pieces' stages do, over the threads:
     the same bits)."""
     lo, hi, pos = starts[g], starts[g + 1], positions[g]
     k_buf, v_buf = _cache(c, slots, kv, kv_like, g)
-    append_attend(spec, _rows2d(arena, slots, c[ATT_Q], m)[lo:hi], _rows2d(arena, slots, c[ATT_K], m)[lo:hi],
-                  _rows2d(arena, slots, c[ATT_V], m)[lo:hi], cos[lo:hi], sin[lo:hi], c[ATT_ROPE_HEAD_DIM],
-                  c[ATT_ROPE_DIM], k_buf, v_buf, pos, c[ATT_HEADS], c[ATT_KV_HEADS], c[ATT_HEAD_DIM],
-                  c[ATT_CAUSAL] != 0, c[ATT_WINDOW], attend, _rows2d(arena, slots, c[ATT_Q_ROT], m)[lo:hi],
-                  _rows2d(arena, slots, c[ATT_K_ROT], m)[lo:hi], _rows2d(arena, slots, c[ATT_OUT], m)[lo:hi])
+    rope_append_attend(spec, _rows2d(arena, slots, c[ATT_Q], m)[lo:hi], _rows2d(arena, slots, c[ATT_K], m)[lo:hi],
+                       _rows2d(arena, slots, c[ATT_V], m)[lo:hi], cos[lo:hi], sin[lo:hi], c[ATT_ROPE_HEAD_DIM],
+                       c[ATT_ROPE_DIM], k_buf, v_buf, pos, c[ATT_HEADS], c[ATT_KV_HEADS], c[ATT_HEAD_DIM],
+                       c[ATT_CAUSAL] != 0, c[ATT_WINDOW], attend, _rows2d(arena, slots, c[ATT_Q_ROT], m)[lo:hi],
+                       _rows2d(arena, slots, c[ATT_K_ROT], m)[lo:hi], _rows2d(arena, slots, c[ATT_OUT], m)[lo:hi])
 
 
 @jit(nogil=True)
