@@ -28,7 +28,7 @@ import numpy as np
 from ...dtypes import DType
 from . import cpu
 from .cache import jit
-from .registry import KQUANTS, CHUNKS, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
+from .registry import CHUNKS, KQUANTS, X_ROWS, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
 from .simd_k import q4_k_avx2, q4_k_q8, q5_k_avx2, q5_k_q8, q6_k_avx2, q6_k_q8
 
 QK_K = 256
@@ -317,18 +317,22 @@ def _k_q8_rows(x, w, out, kind, vec, q8, dx, sums, lo, hi):
                             lane = lane - (dmin * scale) * np.float32(imin[l])
                         acc[LANES * m + l] = lane
             _lanes_out(acc, out, r, m_rows)
-    elif kind == 4:
-        for r in range(lo, hi):
-            q4_k_q8(w[r], size, blocks, q8, k, dx, sums, bstep, acc, m_rows)
-            _lanes_out(acc, out, r, m_rows)
-    elif kind == 5:
-        for r in range(lo, hi):
-            q5_k_q8(w[r], size, blocks, q8, k, dx, sums, bstep, acc, m_rows)
-            _lanes_out(acc, out, r, m_rows)
-    else:
-        for r in range(lo, hi):
-            q6_k_q8(w[r], size, blocks, q8, k, dx, sums, bstep, acc, m_rows)
-            _lanes_out(acc, out, r, m_rows)
+        return
+    for m0 in range(0, m_rows, X_ROWS):  # rows of x that stay in the cache while every weight row passes
+        m1 = min(m_rows, m0 + X_ROWS)
+        q8m, dxm, sumsm = q8[m0 * k:m1 * k], dx[m0 * blocks:m1 * blocks], sums[m0 * bstep:m1 * bstep]
+        if kind == 4:
+            for r in range(lo, hi):
+                q4_k_q8(w[r], size, blocks, q8m, k, dxm, sumsm, bstep, acc, m1 - m0)
+                _lanes_out(acc, out[m0:m1], r, m1 - m0)
+        elif kind == 5:
+            for r in range(lo, hi):
+                q5_k_q8(w[r], size, blocks, q8m, k, dxm, sumsm, bstep, acc, m1 - m0)
+                _lanes_out(acc, out[m0:m1], r, m1 - m0)
+        else:
+            for r in range(lo, hi):
+                q6_k_q8(w[r], size, blocks, q8m, k, dxm, sumsm, bstep, acc, m1 - m0)
+                _lanes_out(acc, out[m0:m1], r, m1 - m0)
 
 
 @jit(nogil=True)

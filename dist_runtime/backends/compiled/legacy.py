@@ -41,7 +41,7 @@ from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
 from . import cpu
 from .cache import jit
-from .registry import LEGACY, CHUNKS, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
+from .registry import CHUNKS, LEGACY, X_ROWS, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
 from .simd_int8 import FORMATS, GROUP, GROUP_BYTES, LANES, centre, unsigned_centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
@@ -269,7 +269,10 @@ if cpu.AVX2:
 
     @jit(nogil=True)
     def _q8_avx2(xp, xn, xd, xs, w, out, fmt, _qk, lo, hi):  # _qk: the portable signature
-        _Q8_ROWS(w, xp, xn, xd, xs, out, lo, hi, fmt)
+        m = xp.shape[0]
+        for m0 in range(0, m, 128):
+            m1 = min(m, m0 + 128)
+            _Q8_ROWS(w, xp[m0:m1], xn[m0:m1], xd[m0:m1], xs[m0:m1], out[m0:m1], lo, hi, fmt)
 
 
     @jit(nogil=True)
