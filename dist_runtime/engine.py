@@ -172,9 +172,8 @@ class LocalEngine:
             self.executor.set_kv_ceiling(work.session, work.live.kv_rows)
         tokens = np.asarray([t for w in batch for t in w.tokens], np.int32)
         segments = [Segment(w.session, len(w.tokens), w.pos) for w in batch]
-        logits = self.executor.run_batch({self.input_name: tokens}, segments)[self.logits_name]
-        ends = np.cumsum([len(w.tokens) for w in batch]) - 1
-        return [logits[end] for end in ends]
+        ends = np.cumsum([len(w.tokens) for w in batch]) - 1  # the logits wanted: each session's last row's
+        return list(self.executor.run_batch({self.input_name: tokens}, segments, rows=ends)[self.logits_name])
 
 
 @dataclass

@@ -175,6 +175,40 @@ def _pass_on(inputs, ctx) -> tuple:
     return tuple(inputs)
 
 
+#: The value under which a pass's wanted output rows reach the step that keeps them (:func:`_keep_rows`).
+_WANTED = "@rows"
+
+
+def _keep_rows(inputs, ctx) -> tuple:
+    """The rows ``inputs[-1]`` of each of the other inputs."""
+    wanted = inputs[-1]
+    return tuple(a[wanted] for a in inputs[:-1])
+
+
+def _output_tail(steps: list[_Step], graph: Graph, rows: RowPlan, constants) -> tuple[int, tuple[str, ...]] | None:
+    """Where the last steps begin that take each row alone and make every output (the final norm
+    and the vocabulary's product; the last layer's work after its attention), and what they read
+    from before them: a pass that wants some rows' outputs only (a prompt's last) runs them on
+    those rows.  A 512-token prompt of a 3B model with a 128256-token vocabulary spends 400 GFLOP
+    in the vocabulary's product, 14% of the pass, for one row's logits.  None where the outputs
+    need every row's work (a graph whose rows mix, an output made before such steps)."""
+    if rows.reason is not None:
+        return None
+    k = len(steps)
+    while k and not steps[k - 1].rows.per_segment and steps[k - 1].kv_cache is None:
+        k -= 1
+    while k < len(steps) and steps[k].fn is _pass_on:  # a shared launch or chain's followers stay with their lead
+        k += 1
+    tail = steps[k:]
+    made = {w for step in tail for w in step.writes}
+    if not tail or not set(graph.outputs) <= made:
+        return None
+    crossing = tuple(dict.fromkeys(n for step in tail for n in step.reads if n not in made and n not in constants))
+    if any(rows.values.get(n) != ROWS for n in crossing):
+        return None
+    return k, crossing
+
+
 def _prepared_weights(graph: Graph, weights: Mapping[str, Array]) -> tuple[dict[str, Array], dict[tuple[int, int], str]]:
     """Weights as the steps read them, and the renamed reads.
 
@@ -278,6 +312,7 @@ class GraphExecutor:
         self._steps = self._bind(widened)
         self._program_steps, self.program = self._with_program() if compiled_program else (None, "not asked for")
         self._program_at = next((i for i, s in enumerate(self._program_steps or ()) if s.kv_cache is _PROGRAM), -1)
+        self._some_rows = self._rows_steps(compiled_program)
         self._checked: set[tuple] = set()  # input signatures already shape-checked
         self._seed = seed
         self._sessions: dict[Hashable, Session] = {}
@@ -293,9 +328,27 @@ class GraphExecutor:
         backends = [a.backend for a in self.assignments]
         return _shared_launches(_chains(steps, graph, backends, self.rows), graph, backends, self._constants, self.rows)
 
-    def _with_program(self) -> tuple[list[_Step] | None, str]:
+    def _rows_steps(self, compiled_program: bool) -> tuple[list[_Step], list[_Step] | None] | None:
+        """The steps of a pass that wants some rows' outputs only (:func:`_output_tail`): the
+        steps, and with the compiled program ending where the tail begins; None without a tail."""
+        found = _output_tail(self._steps, self.graph, self.rows, self._constants)
+        if found is None:
+            return None
+        k, crossing = found
+        head = self._steps[k]
+        keep = _Step(head.index, _keep_rows, (*crossing, _WANTED), crossing, (_WANTED,), None,
+                     NodeRows(False, (True,) * len(crossing) + (False,)))
+        plain = [*self._steps[:k], keep, *self._steps[k:]]
+        with_program = self._with_program(limit=k)[0] if compiled_program and self._program_steps else None
+        if with_program is not None:
+            at = next(i for i, s in enumerate(with_program) if s.index >= head.index and s.kv_cache is not _PROGRAM)
+            with_program = [*with_program[:at], keep, *with_program[at:]]
+        return plain, with_program
+
+    def _with_program(self, limit: int | None = None) -> tuple[list[_Step] | None, str]:
         """The steps with the longest run the compiled program takes as one step
-        (:mod:`.backends.program`), and what it took or why none (``inspect --plan``)."""
+        (:mod:`.backends.program`; among the first ``limit`` steps), and what it took or why none
+        (``inspect --plan``)."""
         rows = {}
         for t in (3, 5):  # values whose first dim follows the pass's rows: [T, width]
             try:
@@ -306,7 +359,7 @@ class GraphExecutor:
         specs = {n: spec for n, spec in rows[3].items()
                  if len(spec.shape) != 2 or (spec.shape[0], rows[5][n].shape[0]) == (3, 5)}
         found = program.build(self._steps, self.graph, specs, self._constants, [a.backend for a in self.assignments],
-                              _pass_on, self.kv_dtype)
+                              _pass_on, self.kv_dtype, limit=limit)
         if isinstance(found, str):
             return None, f"no compiled program: {found}"
         lo, hi, prog = found
@@ -404,13 +457,16 @@ class GraphExecutor:
         return arrays
 
     def run(self, inputs: Mapping[str, np.ndarray], *, session: Hashable = DEFAULT_SESSION,
-            pos: int | None = None, observe=None) -> dict[str, np.ndarray]:
+            pos: int | None = None, observe=None, rows: Sequence[int] | None = None) -> dict[str, np.ndarray]:
         """Run the graph once for ``session``; returns the graph outputs by name.
 
         ``pos`` (the session's position by default) is injected as the ``pos`` tensor.  A run
         over T new rows advances the session's position by T (the rows its KV caches gained; 1 in
         a graph without KvCache, as in the seed).  ``observe(node, outputs, live)``, if given, is
-        called after every node with the names still live (for tests and tracing).
+        called after every node with the names still live (for tests and tracing).  ``rows``: the
+        rows whose outputs are wanted (a prompt's last, for its logits), in order; the outputs
+        then hold those rows only, each bitwise as in a pass that makes them all, and the steps
+        after the last that mixes rows run on those rows alone (:func:`_output_tail`).
         """
         s = self.session(session)
         if pos is not None:
@@ -418,20 +474,50 @@ class GraphExecutor:
         values: dict[str, Array] = {**self._constants, **self._check_inputs(inputs)}
         values[POS] = np.array([s.pos], np.float32)
         plain = KernelContext(rng=s.rng, pos=s.pos)  # one per run: only a KvCache step needs its own
+        program = observe is None and bool(self._program_steps)
+        steps, cut = self._for_rows(values, rows, self._program_steps if program else self._steps, program)
         self._walk(values, lambda step: step.fn([values[n] for n in step.reads],
                                                 plain if step.kv_cache is None else self._context(step, s)), observe,
-                   self._program_steps if observe is None and self._program_steps else self._steps)
+                   steps)
         self._advance(s)
-        return {name: values[name] for name in self.graph.outputs}
+        return self._outputs(values, None if cut else rows)
 
-    def run_batch(self, inputs: Mapping[str, np.ndarray], segments: Sequence[Segment]) -> dict[str, np.ndarray]:
+    def _for_rows(self, values: dict, rows: Sequence[int] | None, steps: list[_Step],
+                  program: bool) -> tuple[list[_Step], bool]:
+        """The steps of a pass whose outputs are wanted for ``rows`` only, and whether they make
+        those rows alone: with the tail on them (given as ``values[_WANTED]``), or ``steps`` (all
+        rows wanted, or no tail to cut: :meth:`_outputs` cuts the outputs).  ``program``:
+        ``steps`` hold the compiled program."""
+        if rows is None:
+            return steps, False
+        wanted = np.asarray(rows, np.int64)
+        total = len(values[self.graph.input_names[0]])
+        if wanted.ndim != 1 or not len(wanted) or wanted.min() < 0 or wanted.max() >= total:
+            raise GraphValidationError(f"rows= takes row numbers of this pass's {total} rows, got {list(rows)}")
+        if self._some_rows is None or np.array_equal(wanted, np.arange(total)):
+            return steps, False
+        values[_WANTED] = wanted
+        plain, with_program = self._some_rows
+        return (with_program if program and with_program is not None else plain), True
+
+    def _outputs(self, values: dict, rows: Sequence[int] | None) -> dict[str, np.ndarray]:
+        """The graph's outputs: ``rows`` of them where the pass made them all."""
+        out = {name: values[name] for name in self.graph.outputs}
+        if rows is None:
+            return out
+        wanted = np.asarray(rows, np.int64)
+        return {name: v if np.array_equal(wanted, np.arange(len(v))) else v[wanted] for name, v in out.items()}
+
+    def run_batch(self, inputs: Mapping[str, np.ndarray], segments: Sequence[Segment],
+                  rows: Sequence[int] | None = None) -> dict[str, np.ndarray]:
         """One pass over several sessions' rows (``dist_runtime.batched_pass``): ``inputs`` hold every
-        segment's rows concatenated along axis 0, in segment order; so do the outputs.  Each
-        session advances as by :meth:`run`; a segment's rows come out bitwise as they would alone
-        when the backends are batch-invariant (``batch_invariant``).  One segment is :meth:`run`."""
+        segment's rows concatenated along axis 0, in segment order; so do the outputs (``rows``:
+        those rows only, as :meth:`run`).  Each session advances as by :meth:`run`; a segment's rows
+        come out bitwise as they would alone when the backends are batch-invariant
+        (``batch_invariant``).  One segment is :meth:`run`."""
         if len(segments) == 1:
             seg = segments[0]
-            return self.run(inputs, session=seg.session, pos=seg.pos)
+            return self.run(inputs, session=seg.session, pos=seg.pos, rows=rows)
         self._check_segments(inputs, segments)
         sessions = [self.session(seg.session) for seg in segments]
         for seg, s in zip(segments, sessions):
@@ -442,11 +528,11 @@ class GraphExecutor:
         cuts = offsets(segments)
         takes = self._program_steps and self._program_steps[self._program_at].fn.takes(
             cuts[-1].stop, [(s.kv, s.pos) for s in sessions])
-        self._walk(values, lambda step: self._call_segments(step, values, sessions, cuts), None,
-                   self._program_steps if takes else self._steps)
+        steps, cut = self._for_rows(values, rows, self._program_steps if takes else self._steps, bool(takes))
+        self._walk(values, lambda step: self._call_segments(step, values, sessions, cuts), None, steps)
         for s in sessions:
             self._advance(s)
-        return {name: values[name] for name in self.graph.outputs}
+        return self._outputs(values, None if cut else rows)
 
     def _check_segments(self, inputs: Mapping[str, np.ndarray], segments: Sequence[Segment]) -> None:
         if self.rows.reason is not None:

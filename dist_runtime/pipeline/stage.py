@@ -245,6 +245,9 @@ class StageWorker:
         stage, ex = self.stage, self._executor
         segments = header.batch or (BatchSegment(header.session, header.pos, 0, header.reset, header.ceiling),)
         outputs = {name: tensors[name] for name in stage.forwards}
+        logits, rows = stage.logits, None
+        cut = logits is not None and header.logits != "all"
+        ends = np.cumsum([seg.rows for seg in segments]) - 1 if header.batch else [-1]
         if ex is not None:
             known = ex.sessions()
             new = {seg.session for seg in segments} - set(known)
@@ -257,19 +260,23 @@ class StageWorker:
                 if seg.ceiling:
                     ex.set_kv_ceiling(seg.session, seg.ceiling)
             inputs = {n: tensors[n] for n in stage.executor_inputs}
+            # the driver samples from each session's last row only: where the logits are all this
+            # stage makes, its last steps run on those rows alone (GraphExecutor.run's rows=)
+            first = next(iter(inputs.values()), None)
+            if cut and list(ex.graph.outputs) == [logits] and np.ndim(first):
+                rows = ends if header.batch else [len(first) - 1]
             if header.batch:
-                outputs.update(ex.run_batch(inputs, [Segment(seg.session, seg.rows, seg.pos) for seg in segments]))
+                outputs.update(ex.run_batch(inputs, [Segment(seg.session, seg.rows, seg.pos) for seg in segments],
+                                            rows=rows))
             else:
-                outputs.update(ex.run(inputs, session=header.session, pos=header.pos))
+                outputs.update(ex.run(inputs, session=header.session, pos=header.pos, rows=rows))
             if header.close:  # a one-off pass (Coordinator.run): keep no session state
                 ex.close_session(header.session)
         elif self.source is None and stage.weights:
             raise DistRuntimeError(f"stage {stage.index} has no weights loaded")
-        logits = stage.logits
-        if logits is not None and header.logits != "all" and logits in outputs:
-            # the driver samples from each session's last row only
-            ends = np.cumsum([seg.rows for seg in header.batch]) - 1 if header.batch else [-1]
-            outputs[logits] = outputs[logits][ends]
+        if cut and logits in outputs:
+            if rows is None:
+                outputs[logits] = outputs[logits][ends]
             if header.logits == "argmax":  # greedy sessions: their tokens, chosen as Sampling.choose does
                 outputs[logits] = argmax(outputs[logits]).astype(np.int32)
         return {name: outputs[name] for name in stage.sends}

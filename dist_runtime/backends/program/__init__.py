@@ -30,15 +30,15 @@ from .runtime import Program
 
 
 def build(steps: list, graph, specs: dict, constants: dict, backends: list, pass_on,
-          kv_dtype: DType = DType.F32) -> tuple[int, int, Program] | str:
-    """The longest run of steps ``steps[lo:hi]`` a program takes, as ``(lo, hi, program)``, or
-    why none (``inspect --plan``).  ``specs``: the values whose rows follow the pass's (inferred
+          kv_dtype: DType = DType.F32, limit: int | None = None) -> tuple[int, int, Program] | str:
+    """The longest run of steps ``steps[lo:hi]`` a program takes (``hi <= limit``), as ``(lo, hi,
+    program)``, or why none (``inspect --plan``).  ``specs``: the values whose rows follow the pass's (inferred
     at T = 3 and 5), at T = 3; ``kv_dtype``: what the KV caches keep rows in (F32, F16 or Q8_0).
     KV caches kept in Q8_0 whose rows are not a multiple of 32 values are refused here, as the
     executor is made, before anything runs (a :class:`KernelError` naming the node and width)."""
     if kv_dtype == DType.Q8_0:
         _check_q8_widths(graph, specs)
-    found = longest_run(steps, graph, specs, constants, backends, pass_on)
+    found = longest_run(steps[:limit], graph, specs, constants, backends, pass_on)
     if isinstance(found, str):
         return found
     lo, hi, b = found
