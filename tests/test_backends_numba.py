@@ -154,12 +154,17 @@ def test_sdpa_large_scores_are_stable():
     assert_agree(*both(op, *attention_inputs(1, 50, 2, 1, 16, scale=60.0)), rtol=1e-5)
 
 
-@pytest.mark.parametrize("tq, tk, heads, kv_heads, head_dim", [(6, 40, 12, 4, 64), (5, 9, 4, 2, 12), (16, 64, 2, 1, 8),
-                                                            (3, 600, 12, 4, 64)])  # rows of 2 and 3 pieces
-def test_sdpa_rows_are_batch_invariant(tq, tk, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("tq, tk, heads, kv_heads, head_dim, window", [
+    (6, 40, 12, 4, 64, 0), (5, 9, 4, 2, 12, 0), (16, 64, 2, 1, 8, 0),
+    (3, 600, 12, 4, 64, 0),      # rows of 2 and 3 pieces
+    (11, 1030, 6, 3, 128, 0),    # groups of rows (GROUP_ROWS) whose pieces end, and some begin, apart
+    (9, 700, 4, 2, 64, 300),     # a window: each row's keys begin elsewhere
+])
+def test_sdpa_rows_are_batch_invariant(tq, tk, heads, kv_heads, head_dim, window):
     """Each query row is bitwise what it gives alone over the keys it sees (a batched step mixes
-    rows whose results must not depend on one another)."""
-    op = Sdpa(num_heads=heads, kv_heads=kv_heads, head_dim=head_dim, causal=True)
+    rows whose results must not depend on one another; a prompt's rows attend in groups)."""
+    op = (SdpaWindow(num_heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window, causal=True) if window
+          else Sdpa(num_heads=heads, kv_heads=kv_heads, head_dim=head_dim, causal=True))
     q, k, v = attention_inputs(tq, tk, heads, kv_heads, head_dim)
     rows, _ = both(op, q, k, v)
     for r in range(tq):

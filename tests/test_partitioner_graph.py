@@ -78,10 +78,11 @@ def test_cost_model_of_a_llama_graph():
     # Activations: at the embedding, tokens (i32[16]) and h (f32[16, 64]) are live.
     assert costs.live[0] == 16 * 4 + 16 * 64 * 4
     # Attention holds what the compiled kernel allocates while it runs: each row's one piece (64
-    # keys) of weighted values and statistics [heads, head_dim + 2] f32, one piece's scores.
+    # keys) of weighted values and statistics [heads, head_dim + 2] f32, one task's scratch.
     attn, t = pos["l0_attn"], costs.tensors
     held = int(t.act[(np.maximum(t.producer, 0) <= attn) & (np.minimum(t.last, costs.n - 1) >= attn)].sum())
-    assert costs.live[attn] == held + 16 * 4 * (16 + 2) * 4 + 64 * (4 + 1) * 4
+    # one task's: a group of 4 rows' scores, exps' bits and sums
+    assert costs.live[attn] == held + 16 * 4 * (16 + 2) * 4 + 4 * (64 * (4 * 4 + 1) + 4 * 4 * 16)
     # The cache's outputs are views (no activation memory) but cost bytes when they cross a cut.
     after_cache = pos["l0_k_all"] + 1
     assert "l0_k_all" in costs.tensors.crossing(after_cache)

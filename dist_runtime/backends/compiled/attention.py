@@ -25,6 +25,12 @@ are fixed by the row's keys alone, never by the threads; each head is one fixed 
 operations whatever the other rows or the threads: batch-invariant.  A row of at most
 SPLIT_KEYS keys is one piece, whose values keep their bits through the merge.
 
+A prompt's rows attend in groups (:data:`GROUP_ROWS`, one task per piece index: :func:`_tasks`):
+the cores take several query rows, each block's K (V) rows widened from F16 or Q8_0 once into a
+stack block that every head and row of its kv head reads (a decode step's one row reads them in
+place: they stream from memory), each row's scores, softmax and sums its own
+(:func:`_attend_task`).
+
 numba's on-disk cache checks only the file of each jitted function: the drivers live here, beside
 the intrinsics whose code they inline (a change to ``simd.py`` names a new cache: :mod:`.cache`).
 """
@@ -41,7 +47,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ...attention_pieces import PIECES, SPLIT_KEYS
+from ...attention_pieces import GROUP_ROWS, PIECES, SPLIT_KEYS
 from ...dtypes import DType
 from ...kernels.quant import dequantize
 from ...tensor import QuantizedArray
@@ -161,6 +167,40 @@ def _head(context, builder, path, ty, array, row, g, hd):
     return piece
 
 
+def _block_rows(context, builder, path, ty, array, first, g, hd, scratch):
+    """``rows[j](p)``: values ``8p ..`` of kv head ``g`` of row ``first + j`` of K or V, for the
+    block's 8 rows (:func:`_head`): F32 rows read in place; F16 and Q8_0 rows widened once into
+    ``scratch`` (``8 * hd`` floats on the stack), shared by every head and query row of the kv
+    head -- each value as :func:`_head` gives it, so the same bits as reading it there.  Without
+    ``scratch`` (one query row: a decode step's, whose K/V stream from memory) read in place."""
+    if scratch is None or _stored(ty) == "f32":
+        return [_head(context, builder, path, ty, array, builder.add(first, _I64(j)), g, hd) for j in range(LANES)]
+    vec = simd.vector(simd.F32, LANES)
+    pieces = hd // LANES
+    for j in range(LANES):
+        piece = _head(context, builder, path, ty, array, builder.add(first, _I64(j)), g, hd)
+        for p in range(pieces):
+            builder.store(piece(p), builder.gep(scratch, [_I64(0), _I64(j * pieces + p)]), align=32)
+    return [functools.partial(lambda j, p: builder.load(builder.gep(scratch, [_I64(0), _I64(j * pieces + p)]),
+                                                         align=32), j) for j in range(LANES)]
+
+
+def _scratch_block(builder, ty, hd):
+    """A stack block of 8 rows of ``hd`` floats for :func:`_block_rows`, for a call over several
+    query rows (``ty``: their array's); None for one."""
+    return cgutils.alloca_once(builder, ir.ArrayType(simd.vector(simd.F32, LANES), hd)) if ty.ndim == 2 else None
+
+
+def _each_kv_head(builder, kv_heads, groups, per_kv, per_head):
+    """``per_kv(g)`` for each kv head ``g``, then ``per_head(g, h, made)`` for each of its query
+    heads ``h`` (``made``: what ``per_kv`` returned)."""
+    with cgutils.for_range(builder, kv_heads) as kv:
+        g = kv.index
+        made = per_kv(g)
+        with cgutils.for_range(builder, groups) as j:
+            per_head(g, builder.add(builder.mul(g, groups), j.index), made)
+
+
 def _prefetch_rows(context, builder, ty, array, first, count, kv_heads, hd):
     """Prefetch the ``kv_heads`` heads of rows ``first .. first + count - 1``."""
     span = _row_bytes(builder, _stored(ty), kv_heads, hd)
@@ -192,95 +232,131 @@ def _splat(builder, value):
     return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(simd.vector(simd.I32, LANES), [0] * LANES))
 
 
+def _rows_of(context, builder, ty, value):
+    """``(data, rows, width)`` of the query rows ``q`` (or the sums ``out``) of :func:`scores` and
+    :func:`weighted`: a 1-D array is one row; a 2-D one C-contiguous rows."""
+    arr = context.make_array(ty)(context, builder, value)
+    if ty.ndim == 1:
+        return arr.data, _I64(1), _I64(0)
+    rows, width = cgutils.unpack_tuple(builder, arr.shape, 2)
+    return arr.data, rows, width
+
+
+def _each_row(builder, rows, body):
+    with cgutils.for_range(builder, rows) as r:
+        body(r.index)
+
+
 @intrinsic
 def scores(typingctx, spec, q, kv_heads, groups, k, lo, hi, scale, out, ahead):
-    """``out[h, t - lo] = scale * (q[h*hd:(h+1)*hd] . k[t, g*hd:(g+1)*hd])`` for every head ``h``
-    (on kv head ``g = h // groups``) and ``lo <= t < hi`` (``q`` 1-D f32; ``k``, ``out``
-    C-contiguous 2-D f32, or ``k`` the uint16 bits of F16 keys or the bytes of Q8_0 rows, read
-    exactly (:func:`_head`); ``hd`` from ``spec``).  Blocks of 8 key rows in order, all heads on a
-    block before the next: the rows stream from memory once, whole, in order, and stay in L1
-    while the heads use them; each block's heads prefetch the rows ``ahead`` of it, a share each."""
+    """``out[r * heads + h, t - lo] = scale * (q[r, h*hd:(h+1)*hd] . k[t, g*hd:(g+1)*hd])`` for
+    every query row ``r``, head ``h`` (on kv head ``g = h // groups``) and ``lo <= t < hi`` (``q``
+    f32, one row 1-D or C-contiguous rows 2-D; ``k``, ``out`` C-contiguous 2-D f32, or ``k`` the
+    uint16 bits of F16 keys or the bytes of Q8_0 rows, read exactly (:func:`_head`); ``hd`` from
+    ``spec``).  Blocks of 8 key rows in order, all heads and query rows on a block before the
+    next: the rows stream from memory once, whole, in order, and stay in L1 while the heads and
+    rows use them (rows of a prompt share each key row's trip from memory); each block's heads
+    prefetch the rows ``ahead`` of it, a share each.  A score's bits are its row's, alone."""
     sig = types.void(spec, q, types.intp, types.intp, k, types.intp, types.intp, types.float32, out, types.intp)
     return sig, functools.partial(_scores_codegen, *SPECS.of(spec))
 
 
 def _scores_codegen(path, hd, context, builder, sig, args):
     _, q, kv_heads, groups, k, lo, hi, scale, out, ahead = args
-    qbase = context.make_array(sig.args[1])(context, builder, q).data
+    qbase, nrows, width = _rows_of(context, builder, sig.args[1], q)
     kty, oty = sig.args[4], sig.args[8]
     scales = _splat(builder, scale)
     vec = simd.vector(simd.F32, LANES)
+    heads = builder.mul(kv_heads, groups)
 
-    def query(h):
-        qp = builder.gep(qbase, [builder.mul(h, _I64(hd))])
+    def query(r, h):
+        qp = builder.gep(qbase, [builder.add(builder.mul(r, width), builder.mul(h, _I64(hd)))])
         return [simd.load(builder, builder.gep(qp, [_I64(p * LANES)]), "f32", LANES, path) for p in range(hd // LANES)]
 
+    def score_row(r, h):
+        return builder.add(builder.mul(r, heads), h)
+
     blocked = _blocks(builder, lo, hi)
-    heads = builder.mul(kv_heads, groups)
+    scratch = _scratch_block(builder, sig.args[1], hd)
     with cgutils.for_range_slice(builder, lo, blocked, _I64(LANES)) as (t, _):
-        def block(g, h):
+        def block(g, h, keys):
             _prefetch_share(context, builder, kty, k, builder.add(t, ahead), h, heads, kv_heads, hd)
-            qv = query(h)
-            lanes = [_dot_lanes(builder, path, _head(context, builder, path, kty, k, builder.add(t, _I64(j)), g, hd),
-                                qv) for j in range(LANES)]
-            dots = builder.fmul(_transpose_sum(builder, lanes), scales)
-            at = _slice(context, builder, oty, out, h, builder.sub(t, lo))
-            builder.store(dots, builder.bitcast(at, vec.as_pointer()), align=4)
-        _each_head(builder, kv_heads, groups, block)
+
+            def row(r):
+                qv = query(r, h)
+                lanes = [_dot_lanes(builder, path, key, qv) for key in keys]
+                dots = builder.fmul(_transpose_sum(builder, lanes), scales)
+                at = _slice(context, builder, oty, out, score_row(r, h), builder.sub(t, lo))
+                builder.store(dots, builder.bitcast(at, vec.as_pointer()), align=4)
+            _each_row(builder, nrows, row)
+        _each_kv_head(builder, kv_heads, groups, lambda g: _block_rows(context, builder, path, kty, k, t, g, hd, scratch),
+                      block)
     with cgutils.for_range_slice(builder, blocked, hi, _I64(1)) as (t, _):
         def one(g, h):
-            row = _head(context, builder, path, kty, k, t, g, hd)
-            dot = simd.hsum(builder, _dot_lanes(builder, path, row, query(h)))
-            builder.store(builder.fmul(dot, scale), _slice(context, builder, oty, out, h, builder.sub(t, lo)))
+            def row(r):
+                key = _head(context, builder, path, kty, k, t, g, hd)
+                dot = simd.hsum(builder, _dot_lanes(builder, path, key, query(r, h)))
+                builder.store(builder.fmul(dot, scale),
+                              _slice(context, builder, oty, out, score_row(r, h), builder.sub(t, lo)))
+            _each_row(builder, nrows, row)
         _each_head(builder, kv_heads, groups, one)
     return context.get_dummy_value()
 
 
 @intrinsic
-def weighted(typingctx, spec, p, kv_heads, groups, v, lo, hi, out, ahead):
-    """``out[h*hd:(h+1)*hd] = sum over lo <= t < hi, in order, of p[h, t - lo] * v[t, g*hd:(g+1)*hd]``
-    for every head ``h`` (on kv head ``g = h // groups``; ``p``, ``v`` C-contiguous 2-D f32, or
-    ``v`` the uint16 bits of F16 values or the bytes of Q8_0 rows, read exactly (:func:`_head`);
-    ``out`` 1-D f32; ``hd`` from ``spec``).  Blocks of 8 value rows in order, all heads on a
-    block before the next (as :func:`scores`); each head's sums wait in ``out`` between blocks."""
-    sig = types.void(spec, p, types.intp, types.intp, v, types.intp, types.intp, out, types.intp)
+def weighted(typingctx, spec, p, kv_heads, groups, v, base, lo, hi, out, ahead):
+    """``out[r, h*hd:(h+1)*hd] += sum over lo <= t < hi, in order, of p[r * heads + h, t - base] *
+    v[t, g*hd:(g+1)*hd]`` for every row ``r`` of ``out`` and head ``h`` (on kv head ``g = h //
+    groups``; ``out`` f32, one row 1-D or C-contiguous rows 2-D, holding each head's sums so far;
+    ``p``, ``v`` C-contiguous 2-D f32, or ``v`` the uint16 bits of F16 values or the bytes of Q8_0
+    rows, read exactly (:func:`_head`); ``hd`` from ``spec``).  Blocks of 8 value rows in order,
+    all heads and rows on a block before the next (as :func:`scores`); each head's sums wait in
+    ``out`` between blocks, and between calls: a row's keys may come in several calls, in order,
+    for the same bits as one."""
+    sig = types.void(spec, p, types.intp, types.intp, v, types.intp, types.intp, types.intp, out, types.intp)
     return sig, functools.partial(_weighted_codegen, *SPECS.of(spec))
 
 
 def _weighted_codegen(path, hd, context, builder, sig, args):
-    _, p, kv_heads, groups, v, lo, hi, out, ahead = args
+    _, p, kv_heads, groups, v, base, lo, hi, out, ahead = args
     pty, vty = sig.args[1], sig.args[4]
-    obase = context.make_array(sig.args[7])(context, builder, out).data
+    obase, nrows, width = _rows_of(context, builder, sig.args[8], out)
     vec = simd.vector(simd.F32, LANES)
     pieces = hd // LANES
+    heads = builder.mul(kv_heads, groups)
 
-    def sums(h):
-        at = builder.gep(obase, [builder.mul(h, _I64(hd))])
+    def sums(r, h):
+        at = builder.gep(obase, [builder.add(builder.mul(r, width), builder.mul(h, _I64(hd)))])
         return [builder.bitcast(builder.gep(at, [_I64(i * LANES)]), vec.as_pointer()) for i in range(pieces)]
 
-    with cgutils.for_range(builder, builder.mul(kv_heads, groups)) as heads:
-        for ptr in sums(heads.index):
-            builder.store(ir.Constant(vec, [0.0] * LANES), ptr, align=4)
+    scratch = _scratch_block(builder, sig.args[8], hd)
 
     def rows(first, count):
         """Rows ``first .. first + count - 1`` (``count`` a constant) into every head's sums."""
         if count != LANES:
             _prefetch_rows(context, builder, vty, v, builder.add(first, ahead), count, kv_heads, hd)
 
-        def head(g, h):
+        def values(g):
             if count == LANES:
-                _prefetch_share(context, builder, vty, v, builder.add(first, ahead), h,
-                                builder.mul(kv_heads, groups), kv_heads, hd)
-            ptrs = sums(h)
-            accs = [builder.load(ptr, align=4) for ptr in ptrs]
-            for j in range(count):
-                t = builder.add(first, _I64(j))
-                piece = _head(context, builder, path, vty, v, t, g, hd)
-                w = _splat(builder, builder.load(_slice(context, builder, pty, p, h, builder.sub(t, lo))))
-                accs = [simd.fma(builder, piece(i), w, acc, path) for i, acc in enumerate(accs)]
-            for ptr, acc in zip(ptrs, accs):
-                builder.store(acc, ptr, align=4)
-        _each_head(builder, kv_heads, groups, head)
+                return _block_rows(context, builder, path, vty, v, first, g, hd, scratch)
+            return [_head(context, builder, path, vty, v, builder.add(first, _I64(j)), g, hd) for j in range(count)]
+
+        def head(g, h, rows_of_v):
+            if count == LANES:
+                _prefetch_share(context, builder, vty, v, builder.add(first, ahead), h, heads, kv_heads, hd)
+
+            def row(r):
+                ptrs = sums(r, h)
+                accs = [builder.load(ptr, align=4) for ptr in ptrs]
+                for j, piece in enumerate(rows_of_v):
+                    t = builder.add(first, _I64(j))
+                    w = _splat(builder, builder.load(_slice(context, builder, pty, p, builder.add(builder.mul(r, heads), h),
+                                                            builder.sub(t, base))))
+                    accs = [simd.fma(builder, piece(i), w, acc, path) for i, acc in enumerate(accs)]
+                for ptr, acc in zip(ptrs, accs):
+                    builder.store(acc, ptr, align=4)
+            _each_row(builder, nrows, row)
+        _each_kv_head(builder, kv_heads, groups, values, head)
 
     blocked = _blocks(builder, lo, hi)
     with cgutils.for_range_slice(builder, lo, blocked, _I64(LANES)) as (t, _):
@@ -379,7 +455,7 @@ def _attend_row(q, k, v, lo, hi, kv_heads, groups, head_dim, scale, scores, bits
                     d += qh[i] * kh[i]
                 scores[h, t] = d * scale
                 h += 1
-    _softmax_rows(scores, n, bits, np.empty((2, scores.shape[0]), np.float32))
+    _softmax_rows(scores, 0, n, bits, np.empty((2, scores.shape[0]), np.float32))
     out[:] = 0.0
     for t in range(n):
         _prefetch_row(v, lo + t + AHEAD_ROWS)
@@ -418,12 +494,14 @@ def _max(s, n, lanes):
 
 
 @_jit
-def _softmax_rows(scores, n, bits, stats):
-    """``scores[h, :n]`` replaced by its softmax, for each head ``h``; its max and the sum of its
-    exps go to ``stats[0, h]`` and ``stats[1, h]`` (what :func:`_merge` weighs by)."""
+def _softmax_rows(scores, off, n, bits, stats):
+    """``scores[h, off:off + n]`` replaced by its softmax, for each head ``h``; its max and the sum
+    of its exps go to ``stats[0, h]`` and ``stats[1, h]`` (what :func:`_merge` weighs by).  A row of
+    a prompt's scores begins at its own ``off`` (:func:`_attend_task`); a C-contiguous slice each,
+    compiled as one code whatever the offset: a row's bits as alone."""
     lanes = np.empty(LANES, np.float32)
     for h in range(scores.shape[0]):
-        sh = scores[h]
+        sh = scores[h][off:off + n]
         m = _max(sh, n, lanes)
         _exp_shifted(sh, m, n, bits)
         total = np.float32(0.0)
@@ -490,21 +568,74 @@ def _scratch(tq, tk, causal, window, num_heads, head_dim):
 
 
 @_jit
-def _attend_piece(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, piece, sums, stats):
-    """Piece ``piece`` (a query row's keys ``[a, b)``, :func:`_pieces`) on the compiled cores
-    (``spec``: the head size's), every head: its softmax-weighted values into ``sums[piece]``,
-    each head's max and sum of exps into ``stats[piece]``."""
-    r = np.searchsorted(starts, piece, side="right") - 1
-    groups = num_heads // kv_heads
-    lo, hi = _row_keys(r, q.shape[0], k.shape[0], causal, window)
-    j, count = piece - starts[r], starts[r + 1] - starts[r]
-    a, b = lo + j * (hi - lo) // count, lo + (j + 1) * (hi - lo) // count
+def _tasks(starts):
+    """The attention's tasks, ``(first row, rows, piece j)`` each: consecutive query rows with the
+    same number of pieces (:func:`_pieces`) in groups of up to :data:`GROUP_ROWS`, each group once
+    per piece index.  Fixed by the rows' keys: a row's bits do not depend on its group."""
+    tq = starts.shape[0] - 1
+    tasks = np.empty((starts[-1], 3), np.int64)  # at most one a piece
+    n, r = 0, 0
+    while r < tq:
+        count = starts[r + 1] - starts[r]
+        end = r + 1
+        while end < tq and end - r < GROUP_ROWS and starts[end + 1] - starts[end] == count:
+            end += 1
+        for j in range(count):
+            tasks[n, 0], tasks[n, 1], tasks[n, 2] = r, end - r, j
+            n += 1
+        r = end
+    return tasks[:n]
+
+
+@_jit
+def _piece_keys(r, j, tq, tk, causal, window, starts):
+    """Piece ``j`` of query row ``r``: its keys ``[a, b)``, equal parts of the row's."""
+    lo, hi = _row_keys(r, tq, tk, causal, window)
+    count = starts[r + 1] - starts[r]
+    return lo + j * (hi - lo) // count, lo + (j + 1) * (hi - lo) // count
+
+
+@_jit
+def _attend_task(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, tasks, task, sums, stats):
+    """Task ``task`` (:func:`_tasks`): piece ``j`` of rows ``r0 ..`` on the compiled cores
+    (``spec``: the head size's), every head: each row's softmax-weighted values into
+    ``sums[its piece]``, each head's max and sum of exps into ``stats[its piece]``.  The rows'
+    scores over the union of their keys in one pass; each row's softmax over its own; its
+    weighted values over its own keys in order -- those of every row in one pass, the rest alone
+    before and after (:func:`weighted` keeps the sums between calls): each row's bits as alone."""
+    r0, rows, j = tasks[task, 0], tasks[task, 1], tasks[task, 2]
+    tq, tk, groups = q.shape[0], k.shape[0], num_heads // kv_heads
+    a, b = np.empty(rows, np.int64), np.empty(rows, np.int64)
+    for i in range(rows):
+        a[i], b[i] = _piece_keys(r0 + i, j, tq, tk, causal, window, starts)
+    first, last = a.min(), b.max()
     scale = np.float32(1.0 / math.sqrt(head_dim))
-    probs = np.empty((num_heads, b - a), np.float32)  # the scores, then their softmax
-    bits = np.empty(b - a, np.int32)
-    scores(spec, q[r], kv_heads, groups, k, a, b, scale, probs, AHEAD_K)
-    _softmax_rows(probs, b - a, bits, stats[piece])
-    weighted(spec, probs, kv_heads, groups, v, a, b, sums[piece], AHEAD_K)
+    probs = np.empty((rows * num_heads, last - first), np.float32)  # the scores, then each row's softmax
+    bits = np.empty(last - first, np.int32)
+    if rows == 1:
+        scores(spec, q[r0], kv_heads, groups, k, first, last, scale, probs, AHEAD_K)
+    else:
+        scores(spec, q[r0:r0 + rows], kv_heads, groups, k, first, last, scale, probs, AHEAD_K)
+    for i in range(rows):
+        _softmax_rows(probs[i * num_heads:(i + 1) * num_heads], a[i] - first, b[i] - a[i], bits,
+                      stats[starts[r0 + i] + j])
+    if rows == 1:  # a decode step's piece: straight into its sums
+        out = sums[starts[r0] + j]
+        out[:] = 0.0
+        weighted(spec, probs, kv_heads, groups, v, first, a[0], b[0], out, AHEAD_K)
+        return
+    acc = np.zeros((rows, num_heads * head_dim), np.float32)
+    shared_lo, shared_hi = a.max(), b.min()
+    if shared_lo >= shared_hi:  # no key every row sees: each row alone
+        shared_lo = shared_hi = last
+    for i in range(rows):
+        weighted(spec, probs[i * num_heads:(i + 1) * num_heads], kv_heads, groups, v, first, a[i],
+                 min(shared_lo, b[i]), acc[i], AHEAD_K)
+    weighted(spec, probs, kv_heads, groups, v, first, shared_lo, shared_hi, acc, AHEAD_K)
+    for i in range(rows):
+        weighted(spec, probs[i * num_heads:(i + 1) * num_heads], kv_heads, groups, v, first,
+                 min(max(shared_hi, a[i]), b[i]), b[i], acc[i], AHEAD_K)
+        sums[starts[r0 + i] + j] = acc[i]
 
 
 @_exact  # no reciprocal approximation: a lone piece's share is exactly 1
@@ -536,8 +667,9 @@ def _merge(starts, sums, stats, num_heads, head_dim, out):
 @_jit
 def _attention_serial(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out):
     starts, sums, stats = _scratch(q.shape[0], k.shape[0], causal, window, num_heads, head_dim)
-    for piece in range(starts[-1]):
-        _attend_piece(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, piece, sums, stats)
+    tasks = _tasks(starts)
+    for task in range(tasks.shape[0]):
+        _attend_task(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, tasks, task, sums, stats)
     _merge(starts, sums, stats, num_heads, head_dim, out)
 
 
@@ -548,8 +680,9 @@ def _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, wi
     rows (each core's prefetcher fetches the other's lines too), and one row over 1024 keys split
     by kv heads takes 146-151 us on two threads from memory, 157-185 on one; in pieces 90-97."""
     starts, sums, stats = _scratch(q.shape[0], k.shape[0], causal, window, num_heads, head_dim)
-    for piece in prange(starts[-1]):
-        _attend_piece(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, piece, sums, stats)
+    tasks = _tasks(starts)
+    for task in prange(tasks.shape[0]):
+        _attend_task(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, tasks, task, sums, stats)
     _merge(starts, sums, stats, num_heads, head_dim, out)
 
 

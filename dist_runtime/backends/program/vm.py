@@ -300,11 +300,13 @@ def _stage(stages, s, i, phase, tasks):
 @jit(nogil=True)
 def _stages(code, slots, weights, m, starts, positions, threads):
     """The call's stages in order, each ``(instruction, phase, tasks)``, every task of one done
-    before any of the next starts; ``pieces[i, g]``: where segment ``g``'s attention pieces start
-    among ATTENTION instruction ``i``'s (``pieces[i, -1]`` in all; none where it attends whole)."""
+    before any of the next starts; ``pieces[i, 0, g]``: where segment ``g``'s attention tasks
+    (:func:`.compiled.attention._tasks`) start among ATTENTION instruction ``i``'s
+    (``pieces[i, 0, -1]`` in all; none where it attends whole), ``pieces[i, 1, g]`` where its
+    pieces do (each task's results go to its rows' pieces)."""
     segments = positions.shape[0]
     stages = np.zeros((3 * code.shape[0], 3), np.int64)
-    pieces = np.zeros((code.shape[0], segments + 1), np.int64)
+    pieces = np.zeros((code.shape[0], 2, segments + 1), np.int64)
     s = 0
     for i in range(code.shape[0]):
         c = code[i]
@@ -319,14 +321,17 @@ def _stages(code, slots, weights, m, starts, positions, threads):
         elif op == ATTENTION:
             tasks = segments
             for g in range(segments):
-                count = 0 if _attends(c, slots, starts, positions, g, threads) else _segment_pieces(
-                    c, starts, positions, g)[-1]
-                pieces[i, g + 1] = pieces[i, g] + count
-            if pieces[i, -1]:
+                count, made = 0, 0
+                if not _attends(c, slots, starts, positions, g, threads):
+                    mine = _segment_pieces(c, starts, positions, g)
+                    count, made = compiled_attention._tasks(mine).shape[0], mine[-1]
+                pieces[i, 0, g + 1] = pieces[i, 0, g] + count
+                pieces[i, 1, g + 1] = pieces[i, 1, g] + made
+            if pieces[i, 0, -1]:
                 _stage(stages, s, i, 0, tasks)
-                _stage(stages, s + 1, i, 1, pieces[i, -1])
+                _stage(stages, s + 1, i, 1, pieces[i, 0, -1])
                 s += 2  # then phase 2, the merges: one task a segment
-        _stage(stages, s, i, 2 if op == ATTENTION and pieces[i, -1] else 0, tasks)
+        _stage(stages, s, i, 2 if op == ATTENTION and pieces[i, 0, -1] else 0, tasks)
         s += 1
     return stages[:s], pieces
 
@@ -386,22 +391,24 @@ def _task(c, phase, task, tasks, slots, weights, eps, kv, kv_like, cos, sin, are
             out[j] = a[j] + b[j]
     elif phase == 0:  # ATTENTION: segment ``task``'s rotations and cache rows, and its attention if whole
         _rope_append(attention_spec, c, slots, kv, kv_like, cos, sin, arena, m, starts, positions, task,
-                     pieces[task + 1] == pieces[task])
-    else:  # ATTENTION: one piece of a segment's keys (phase 1) or a segment's merge (phase 2)
-        g = task if phase == 2 else np.searchsorted(pieces, task, side="right") - 1
-        if pieces[g + 1] == pieces[g]:
+                     pieces[0, task + 1] == pieces[0, task])
+    else:  # ATTENTION: one task of a segment's pieces (phase 1) or a segment's merge (phase 2)
+        tasks_at, pieces_at = pieces[0], pieces[1]
+        g = task if phase == 2 else np.searchsorted(tasks_at, task, side="right") - 1
+        if tasks_at[g + 1] == tasks_at[g]:
             return
         lo, hi = starts[g], starts[g + 1]
         k_buf, v_buf = _cache(c, slots, kv, kv_like, g)
-        at, stop = pieces[g], positions[g] + hi - lo
+        at, stop, total = pieces_at[g], positions[g] + hi - lo, pieces_at[-1]
         heads, head_dim = c[ATT_HEADS], c[ATT_HEAD_DIM]
         mine = _segment_pieces(c, starts, positions, g)
-        sums_g = sums[:(pieces[-1]) * heads * head_dim].reshape((pieces[-1], heads * head_dim))[at:pieces[g + 1]]
-        stats_g = stats[:pieces[-1] * 2 * heads].reshape((pieces[-1], 2, heads))[at:pieces[g + 1]]
+        sums_g = sums[:total * heads * head_dim].reshape((total, heads * head_dim))[at:pieces_at[g + 1]]
+        stats_g = stats[:total * 2 * heads].reshape((total, 2, heads))[at:pieces_at[g + 1]]
         if phase == 1:
-            compiled_attention._attend_piece(attention_spec, _rows2d(arena, slots, c[ATT_Q_ROT], m)[lo:hi],
-                                             k_buf[:stop], v_buf[:stop], heads, c[ATT_KV_HEADS], head_dim,
-                                             c[ATT_CAUSAL] != 0, c[ATT_WINDOW], mine, task - at, sums_g, stats_g)
+            compiled_attention._attend_task(attention_spec, _rows2d(arena, slots, c[ATT_Q_ROT], m)[lo:hi],
+                                            k_buf[:stop], v_buf[:stop], heads, c[ATT_KV_HEADS], head_dim,
+                                            c[ATT_CAUSAL] != 0, c[ATT_WINDOW], mine, compiled_attention._tasks(mine),
+                                            task - tasks_at[g], sums_g, stats_g)
         else:
             compiled_attention._merge(mine, sums_g, stats_g, heads, head_dim,
                                       _rows2d(arena, slots, c[ATT_OUT], m)[lo:hi])
@@ -448,7 +455,7 @@ def _prepare(code, slots, weights, m, starts, positions, threads):
     most = 1
     for i in range(code.shape[0]):
         if code[i, 0] == ATTENTION:
-            most = max(most, pieces[i, -1] * slots[code[i, ATT_Q_ROT], 1])
+            most = max(most, pieces[i, 1, -1] * slots[code[i, ATT_Q_ROT], 1])
     return stages, pieces, np.empty(most, np.float32), np.empty(2 * most, np.float32), np.zeros(16, np.int64)
 
 
