@@ -625,6 +625,20 @@ class GraphExecutor:
         return {n: self._constants.get(n, w) if n in self.graph.weights else w for n, w in weights.items()}
 
     # -- reporting -----------------------------------------------------------------------------
+    def last_rows(self) -> str:
+        """What a pass that wants some rows' outputs only runs on those rows (``inspect --plan``)."""
+        if self._some_rows is None:
+            stop = next((self.graph.nodes[s.index] for s in reversed(self._steps)
+                         if s.rows.per_segment or s.kv_cache is not None), None)
+            why = (f"node {stop.id} ({stop.op_name}) runs per session" if stop is not None and self.rows.reason is None
+                   else "no step takes each row alone up to the outputs")
+            return f"every row makes the outputs: {why}"
+        plain = self._some_rows[0]
+        k = next(i for i, s in enumerate(plain) if s.fn is _keep_rows)
+        nodes = [self.graph.nodes[s.index] for s in plain[k + 1:] if s.fn is not _pass_on]
+        return (f"a pass wanting each session's last row runs nodes {nodes[0].id}..{nodes[-1].id} "
+                f"({', '.join(n.op_name for n in nodes)}) on those rows only")
+
     def plan(self) -> list[dict]:
         """Per node: id, op, backend and the reason it was chosen, its rows' kind in a batched
         pass, and the shared launch it is part of ("" if none) (``inspect --plan``)."""

@@ -101,6 +101,7 @@ def test_inspect_plan_lists_every_node_with_backend_and_reason(tmp_path, capsys)
     code, out, _ = run(capsys, "inspect", str(path), "--plan")
     assert code == 0 and "backend plan (batch-invariant" in out and "\nbatching: the rows of several" in out
     assert "\nprogram: " in out and " steps from node " in out  # the fused layer in one compiled call
+    assert "\nlast rows: every row makes the outputs: node " in out  # its graph ends in a Sample node
 
 
 def test_inspect_plan_says_which_compiled_product_runs_a_quantized_weight_and_why(tmp_path, capsys):

@@ -92,19 +92,20 @@ def _print_inspect(r: dict) -> None:
 
 
 def _backend_plan(path: str, backends: list[str] | None, fuse: bool,
-                  numerics: str | None = None) -> tuple[list[dict], str, str, str]:
+                  numerics: str | None = None) -> tuple[list[dict], str, str, str, str]:
     """Per node: the backend the executor would choose, and why; whether sessions can share
-    passes; where the matrix weights are held; what the compiled program takes (nothing is run)."""
+    passes; where the matrix weights are held; what the compiled program takes; what runs on a
+    prompt's last row only (nothing is run)."""
     from ..executor import GraphExecutor
 
     ex = GraphExecutor(path, backends=backends, fuse=fuse, numerics=None if backends else numerics)
-    return ex.plan(), ex.batching(), ex.placement.reason, ex.program
+    return ex.plan(), ex.batching(), ex.placement.reason, ex.program, ex.last_rows()
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     report = _report(args.model, args.max_memory)
     if args.plan:
-        report["plan"], report["batching"], report["weights"], report["program"] = _backend_plan(
+        report["plan"], report["batching"], report["weights"], report["program"], report["last_rows"] = _backend_plan(
             args.model, args.backends, not args.no_fuse, args.numerics)
         if not args.json:
             _print_inspect(report)
@@ -115,6 +116,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"batching: {report['batching']}")
             print(f"weights: {report['weights']}")
             print(f"program: {report['program']}")
+            print(f"last rows: {report['last_rows']}")
             return 0
     if args.json:
         print(json.dumps(report, indent=2, default=str))
