@@ -32,8 +32,8 @@ from dist_runtime.engine import LocalEngine, generate
 from dist_runtime.executor import GraphExecutor
 from dist_runtime.scheduling import Request
 from dist_runtime.sampling import Sampling
-model, lengths, repeat = sys.argv[1], [int(n) for n in sys.argv[2].split(",")], int(sys.argv[3])
-ex = GraphExecutor(model)
+model, lengths, repeat, kv = sys.argv[1], [int(n) for n in sys.argv[2].split(",")], int(sys.argv[3]), sys.argv[4]
+ex = GraphExecutor(model, kv_dtype=kv)
 engine = LocalEngine(ex)
 def ttft(n, tag):
     prompt = [1 + (7 * i) % 1000 for i in range(n)]
@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--q4", action="store_true", help="also the Q4_K_M file made by llama.cpp's quantizer")
     ap.add_argument("--only", choices=("Q8_0", "Q4_K_M"), help="one of the files only")
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
+    ap.add_argument("--kv-dtype", default="f16", choices=("f16", "f32", "q8_0"),
+                    help="what our KV caches keep (default: %(default)s, as generate's; llama.cpp's: f16)")
     args = ap.parse_args()
     bin_ = Path(sys.executable).parent / "dist-runtime"
     files = model_files(args.cache, args.q4 or args.only == "Q4_K_M")
@@ -86,7 +88,7 @@ def main() -> None:
         model = gguf_path.with_suffix(".model")
         if not model.exists():
             subprocess.run([str(bin_), "convert", str(gguf_path), "-o", str(model), "-q"], check=True)
-        ours = child(OURS_CHILD, str(model), args.lengths, str(args.repeat))
+        ours = child(OURS_CHILD, str(model), args.lengths, str(args.repeat), args.kv_dtype)
         theirs = None
         if not args.no_llama_cpp:
             try:

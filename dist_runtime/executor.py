@@ -496,9 +496,11 @@ class GraphExecutor:
             raise GraphValidationError(f"rows= takes row numbers of this pass's {total} rows, got {list(rows)}")
         if self._some_rows is None or np.array_equal(wanted, np.arange(total)):
             return steps, False
-        values[_WANTED] = wanted
         plain, with_program = self._some_rows
-        return (with_program if program and with_program is not None else plain), True
+        if program and with_program is None:  # the program alone takes the whole pass: cut after
+            return steps, False
+        values[_WANTED] = wanted
+        return (with_program if program else plain), True
 
     def _outputs(self, values: dict, rows: Sequence[int] | None) -> dict[str, np.ndarray]:
         """The graph's outputs: ``rows`` of them where the pass made them all."""
