@@ -42,10 +42,8 @@ from . import cpu, simd
 #: F16C's conversion of the f16 scales, where the CPU has it (decided by the CPU itself, as
 #: :data:`_X86_AVX2`, because numba's cache is keyed by the CPU).
 _F16C = "f16c" in cpu.FEATURES
-#: Rows of ``x`` that share each decoded sub-block (4 rows x 2 vectors + 4 codes: 12 of 16 ymm;
-#: 8 rows where the CPU has 32 vector registers: Q8_K activations, M = 512, two threads, Q4_K
-#: 8192 x 3072 209 against 192 GFLOP/s in tiles of 4, Q6_K 128256 x 3072 166 against 131).
-TILE = 8 if cpu.REGISTERS >= 32 else 4
+#: Rows of ``x`` that share each decoded sub-block (4 rows x 2 vectors + 4 codes: 12 of 16 ymm).
+TILE = 4
 #: Elements of a super-block.
 QK_K = 256
 
