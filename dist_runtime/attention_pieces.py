@@ -19,7 +19,7 @@ from __future__ import annotations
 
 SPLIT_KEYS, PIECES = 256, 4
 #: Query rows that attend together (one task): 512 rows over 2048 F16 keys, 24 heads of 128, two
-#: threads, 155-167 ms in groups of 4 against 220-248 one row at a time (the same kernels).
+#: threads (Zen 3), 155-167 ms in groups of 4 against 220-248 one row at a time (the same kernels).
 GROUP_ROWS = 4
 
 
