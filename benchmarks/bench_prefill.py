@@ -86,20 +86,41 @@ def child(code: str, *argv: str) -> dict[int, list[float]]:
     return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
+def lengths(text: str) -> str:
+    """``--lengths``: positive token counts, comma-separated (checked here, not in the children)."""
+    try:
+        ns = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token counts such as 512,2048, got {text!r}") from None
+    if any(n < 1 for n in ns):
+        raise argparse.ArgumentTypeError(f"token counts must be at least 1, got {text!r}")
+    return ",".join(map(str, ns))
+
+
+def count(text: str) -> int:
+    """A whole number (``--decode``, ``--repeat``; their ranges are checked after parsing)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", type=Path, default=Path("~/.cache/dist-runtime-bench").expanduser(),
                     help="where bench_memory.py's model files are written once and kept (default: %(default)s)")
-    ap.add_argument("--lengths", default="512,2048", help="prompt lengths, comma-separated (default: %(default)s)")
-    ap.add_argument("--repeat", type=int, default=1, help="timed prompts of each length (default: %(default)s)")
+    ap.add_argument("--lengths", type=lengths, default="512,2048", help="prompt lengths, comma-separated (default: %(default)s)")
+    ap.add_argument("--repeat", type=count, default=1, help="timed prompts of each length (default: %(default)s)")
     ap.add_argument("--q4", action="store_true", help="also the Q4_K_M file made by llama.cpp's quantizer")
     ap.add_argument("--only", choices=("Q8_0", "Q4_K_M"), help="one of the files only")
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
-    ap.add_argument("--decode", type=int, default=32, help="greedy tokens of the decode measurement (0: none; "
+    ap.add_argument("--decode", type=count, default=32, help="greedy tokens of the decode measurement (0: none; "
                     "default: %(default)s)")
     ap.add_argument("--kv-dtype", default="f16", choices=("f16", "f32", "q8_0"),
                     help="what our KV caches keep (default: %(default)s, as generate's; llama.cpp's: f16)")
     args = ap.parse_args()
+    if args.repeat < 1 or args.decode < 0:
+        ap.error(f"--repeat takes 1 or more and --decode 0 or more, got {args.repeat} and {args.decode}")
     bin_ = Path(sys.executable).parent / "dist-runtime"
     files = model_files(args.cache, args.q4 or args.only == "Q4_K_M")
     rows, decodes = [], []

@@ -15,16 +15,14 @@ from dist_runtime.kernels.attention import KvState, KvStates
 from dist_runtime.ir.ops import KvCache
 from dist_runtime.partitioner.graph_costs import graph_costs
 
+from conftest import save_example
+
 CFG = LlamaConfig(vocab=96, hidden=128, layers=2, heads=4, kv_heads=2, ffn=160)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from dist_runtime.model import save_model
-
-    path = tmp_path_factory.mktemp("kv") / "m.model"
-    save_model(path, llama_graph(CFG), llama_weights(CFG, seed=5), llama_metadata(CFG)).close()
-    return path
+    return save_example(tmp_path_factory.mktemp("kv") / "m.model", CFG, seed=5)
 
 
 def _rows(rng, t, width=16):

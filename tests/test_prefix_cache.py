@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from dist_runtime.engine import LocalEngine, Request
-from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llama_weights
+from dist_runtime.examples import LlamaConfig
 from dist_runtime.executor import GraphExecutor
-from dist_runtime.model import save_model
 from dist_runtime.prefix_cache import BLOCK, PrefixCache, block_keys
 from dist_runtime.sampling import Sampling
+
+from conftest import save_example
 
 pytest.importorskip("numba")
 CFG = LlamaConfig(vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
@@ -20,9 +21,7 @@ CFG = LlamaConfig(vocab=96, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prefix") / "m.model"
-    save_model(path, llama_graph(CFG), llama_weights(CFG, seed=3), llama_metadata(CFG)).close()
-    return path
+    return save_example(tmp_path_factory.mktemp("prefix") / "m.model", CFG, seed=3)
 
 
 def run(engine: LocalEngine, req: Request) -> tuple[list[int], int, list]:
