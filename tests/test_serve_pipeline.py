@@ -98,10 +98,11 @@ def test_health_says_recovering_while_a_killed_stage_is_replaced_then_ok(pipelin
         seen: list = []
         real_repair = co.repair
 
-        def observed_repair(dead):
+        def observed_repair(dead, progress):
             seen.append(("before", co.recovering(), health()))
-            actors, channel = real_repair(dead)
+            repaired = real_repair(dead, progress)
             seen.append(("after", co.recovering(), health()))
+            channel = repaired.channel
             real_get = channel.get
 
             def observed_get(handle, timeout=None):  # the replacement's first reply: a replayed step
@@ -110,7 +111,7 @@ def test_health_says_recovering_while_a_killed_stage_is_replaced_then_ok(pipelin
                 return real_get(handle, timeout)
 
             channel.get = observed_get
-            return actors, channel
+            return repaired
 
         co.repair = observed_repair
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -18,7 +18,10 @@ KV caches of every session in flight by replaying its history through the pipeli
 steps as the first time (so every stage computes bit for bit what it computed then), resubmits the
 steps that were lost, and goes on.  Sessions not in flight are replayed when they next resume.
 The tokens are those of a run without the fault; each recovery is logged and kept in
-``recoveries``.  A stage that hangs gives ``StageUnavailableError`` after ``timeout`` seconds; a
+``recoveries``.  When no node can take a failed stage, ``repair`` re-plans the pipeline over the
+surviving nodes (:mod:`.replan`): every session in flight is replayed onto the new stages, the
+newest ones ended with an error if the survivors cannot hold them all, and the re-plan is kept in
+``replans``.  A stage that hangs gives ``StageUnavailableError`` after ``timeout`` seconds; a
 stage that keeps dying, after ``max_recoveries`` attempts in a row.  While a recovery is under way
 (from the failed step to the replacement having answered every replayed step), ``recovering()``
 says so, from any thread and without a call to the stages: what a server's /health reports.
@@ -45,6 +48,7 @@ from ..transport import decode_message, encode_message
 from .channels import Channel
 from .cluster import call_all
 from .header import BatchSegment, StepHeader
+from .replan import Replan
 from .subgraph import StageGraph
 from .telemetry import RunTelemetry
 
@@ -96,7 +100,9 @@ class Recovering:
     """A recovery under way (``Coordinator.recovering()``): a snapshot, never updated in place."""
 
     stages: tuple[int, ...]  # being replaced; empty while the failed stage is being found
-    phase: str  # "probing" (which stage failed?), "replacing" (new actors), "replaying" (sessions' KV)
+    # "probing" (which stage failed?), "replacing" (new actors), "planning" (no node can take it:
+    # a plan over the survivors), "loading" (the new stages' weights), "replaying" (sessions' KV)
+    phase: str
     since: float  # time.monotonic() when the failed step was noticed
     attempt: int  # 1, then more if a replacement fails too
     cause: str
@@ -106,10 +112,24 @@ class Recovering:
         which = ", ".join(map(str, self.stages))
         what = {"probing": "finding the stage that failed",
                 "replacing": f"placing a new actor for stage {which}" if which else "reconnecting the stages",
+                "planning": f"no node can take stage {which}: planning over the surviving nodes",
+                "loading": "loading the weights of the re-planned stages",
                 "replaying": f"rebuilding the sessions' caches on stage {which}" if which
                 else "rebuilding the sessions' caches"}[self.phase]
         return {"stages": list(self.stages), "phase": self.phase, "attempt": self.attempt,
                 "seconds": round(time.monotonic() - self.since, 3), "message": f"{what} (after {self.cause})"}
+
+
+@dataclass(frozen=True)
+class Repaired:
+    """What ``repair`` returns: the stages' actors and channel, and when the pipeline was re-planned,
+    its new stages, the KV rows the new plan holds, and the re-plan's record so far."""
+
+    actors: list
+    channel: Channel
+    stages: list[StageGraph] | None = None  # None: the same stages (dead ones replaced in place)
+    max_kv_rows: int | None = None
+    replan: Replan | None = None
 
 
 @dataclass
@@ -128,7 +148,7 @@ class Coordinator:
 
     def __init__(self, stages: list[StageGraph], actors: list, channel: Channel, *,
                  timeout: float | None = 600.0,
-                 repair: Callable[[list[int]], tuple[list, Channel]] | None = None,
+                 repair: Callable[[list[int], Callable[[str], None]], Repaired] | None = None,
                  max_recoveries: int = 3, probe_timeout: float = 10.0, exact_replay: bool = True,
                  micro_batches: int = 1, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
                  max_kv_rows: int | None = None) -> None:
@@ -148,6 +168,7 @@ class Coordinator:
         # equal within float rounding, so a later token may differ where two logits nearly tie.
         self.exact_replay = exact_replay
         self.recoveries: list[RecoveryEvent] = []
+        self.replans: list[Replan] = []
         # Written by the engine thread only, read by any (a server's /health): each write binds a
         # new frozen snapshot, and binding an attribute is atomic, so readers need no lock.
         self._recovering: Recovering | None = None
@@ -350,7 +371,8 @@ class Coordinator:
                     lost = [flight, *inflight]
                     inflight.clear()
                     try:
-                        attempts = self._recover([self.sessions[w.session] for f in lost for w in f.works], e, attempts)
+                        attempts, replan = self._recover([self.sessions[w.session] for f in lost for w in f.works],
+                                                         e, attempts)
                     except Exception as final:  # noqa: BLE001 -- no way back: these sessions fail
                         for f in lost:
                             run.failed(f.step, time.time(), final)
@@ -358,9 +380,18 @@ class Coordinator:
                                 yield fail(w, final)
                         fill()
                         continue
+                    if replan is not None:
+                        run.replanned(replan)
+                        sched.max_kv_rows = self.max_kv_rows
                     for f in lost:
                         run.steps.pop(f.step, None)  # it never finished; the resubmission is recorded
-                        submit(f)
+                        shed = replan.shed if replan is not None else ()
+                        kept = [w for w in f.works if w.session not in shed]
+                        for w in f.works:
+                            if w.session in shed:
+                                yield fail(w, self.sessions[w.session].error)
+                        if kept:
+                            submit(_Flight(kept))
                     continue
                 except Exception as e:  # noqa: BLE001 -- one session's failure ends that session only
                     run.failed(flight.step, time.time(), e)
@@ -421,33 +452,42 @@ class Coordinator:
         return True
 
     # -- recovery ------------------------------------------------------------------------------
-    def _recover(self, lost: list[SessionState], cause: BaseException, attempts: int) -> int:
-        """Replace the dead stages and replay the lost sessions' histories, retrying while stages
-        keep failing; returns the attempts made since the last token.  Raises when out of tries."""
+    def _recover(self, lost: list[SessionState], cause: BaseException, attempts: int) -> tuple[int, Replan | None]:
+        """Replace the dead stages (or re-plan without them) and replay the lost sessions'
+        histories, retrying while stages keep failing; returns the attempts made since the last
+        token and the re-plan, if there was one.  Raises when out of tries."""
         t0 = time.perf_counter()
         since = time.monotonic()
+        stages: list[int] = []
 
-        def phase(name: str, stages: list[int]) -> None:
+        def phase(name: str) -> None:
             # Ray's errors run to many lines (a traceback): /health gets the first, bounded.
             text = (str(cause).splitlines() or [""])[0][:200]
             self._recovering = Recovering(tuple(stages), name, since, attempts, f"{type(cause).__name__}: {text}")
 
+        replan = None
         try:
             while True:
                 attempts += 1
                 if self.repair is None or attempts > self.max_recoveries:
                     raise cause
-                phase("probing", [])
-                dead = self.dead_stages()
+                phase("probing")
+                stages = dead = self.dead_stages()
                 log.warning("pipeline step failed (%s); replacing stage(s) %s", cause, dead or "none (links only)")
                 try:
-                    phase("replacing", dead)
-                    self.actors, self.channel = self.repair(dead)
+                    phase("replacing")
+                    repaired = self.repair(dead, phase)
+                    self.actors, self.channel = repaired.actors, repaired.channel
                     if self.prefix_cache is not None:  # the replaced stages kept no entry
                         self.prefix_cache.clear()
                     for state in self.sessions.values():
                         state.stale = state.stale or state.pos > 0
-                    phase("replaying", dead)
+                    if repaired.replan is not None:
+                        replan = self._replanned(repaired, lost, detect=time.perf_counter() - t0
+                                                 - sum(repaired.replan.seconds.values()))
+                        lost = [s for s in lost if s.sid not in replan.shed]
+                    phase("replaying")
+                    replayed = time.perf_counter()
                     self._replay(lost)
                     break
                 except StageUnavailableError as again:
@@ -455,13 +495,34 @@ class Coordinator:
         finally:
             self._recovering = None  # recovered, or given up (a dead stage then shows as down)
         seconds = time.perf_counter() - t0
+        if replan is not None:
+            replan = replace(replan, seconds={**replan.seconds, "replay": time.perf_counter() - replayed})
+            self.replans[-1] = replan
+            log.warning("%s", replan.line())
         for state in lost:
             for k in dead or [-1]:
                 event = RecoveryEvent(state.sid, k, state.pos, seconds, f"{type(cause).__name__}: {cause}")
                 self.recoveries.append(event)
                 log.warning("recovered session %r: stage %s, %d positions replayed, %.3f s",
                             event.session, event.stage, event.position, event.seconds)
-        return attempts
+        return attempts, replan
+
+    def _replanned(self, repaired: Repaired, lost: list[SessionState], detect: float) -> Replan:
+        """Take the new stages of a re-plan; the newest of the ``lost`` sessions beyond what the
+        new plan holds are shed (ended with an error).  Returns the record, kept in ``replans``."""
+        self.stages, self.max_kv_rows = repaired.stages, repaired.max_kv_rows
+        replan = repaired.replan
+        order = {sid: i for i, sid in enumerate(self.sessions)}  # admission order
+        newest = sorted({s.sid for s in lost}, key=order.get, reverse=True)
+        shed = tuple(newest[:max(0, len(newest) - replan.sessions)])
+        error = StageUnavailableError(
+            f"session ended: the pipeline was re-planned over {len(replan.new)} surviving node(s), which "
+            f"hold the KV caches of {replan.sessions} session(s); the newest sessions were shed")
+        for sid in shed:
+            self.sessions[sid].error = error
+        replan = replace(replan, shed=shed, seconds={"detect": max(detect, 0.0), **replan.seconds})
+        self.replans.append(replan)
+        return replan
 
     def recovering(self) -> Recovering | None:
         """The recovery under way, or None: cheap (no call to the stages) and safe from any thread."""

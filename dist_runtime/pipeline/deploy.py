@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..compile_notice import waiting
 from ..errors import ClusterError, DistRuntimeError, StageUnavailableError
-from .cluster import call_all
+from .cluster import call_all, call_each
 from .stage import stage_actor_class, thread_env
 from .options import WEIGHT_SOURCES, StageOptions
 from .subgraph import StageGraph
@@ -81,6 +81,7 @@ def deploy(model_path: str | os.PathLike, stages: list[StageGraph], options: Sta
     On failure every actor started here is killed before the error propagates.
     """
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from ..model import load_model
 
@@ -97,7 +98,9 @@ def deploy(model_path: str | os.PathLike, stages: list[StageGraph], options: Sta
                           "runtime_env": {"env_vars": {**thread_env(options.threads, options.cpus), **options.extra_env}}}
             if options.resources is not None:
                 opts["resources"] = options.resources[stage.index]
-            elif options.spread:
+            if options.nodes is not None:
+                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(options.nodes[stage.index], soft=False)
+            elif options.resources is None and options.spread:
                 opts["scheduling_strategy"] = "SPREAD"
             kwargs = dict(fuse=options.fuse, backends=options.backends, seed=options.seed, threads=options.threads,
                           kv_dtype=options.kv_dtype)
@@ -119,6 +122,18 @@ def deploy(model_path: str | os.PathLike, stages: list[StageGraph], options: Sta
         kill(actors)
         raise
     return actors, reports
+
+
+def redeploy(model_path: str | os.PathLike, stages: list[StageGraph], actors: list,
+             options: StageOptions) -> list[dict]:
+    """Give running actors (one per stage of a new plan, in order) their new stages and load
+    those stages' weights; returns the load reports.  Faster than new actors: the processes and
+    their compiled kernels are there already."""
+    from ..model import load_model
+
+    call_each(actors, "restage", stages, timeout=options.load_timeout)
+    with waiting(f"the {len(stages)} re-planned stages", "loading their weights"):
+        return _load_weights(Path(model_path), stages, actors, options, load_model)
 
 
 def _placed(actors: list, options: StageOptions) -> None:

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
+from typing import Callable
 
 from ..dtypes import kv_dtype
-from ..errors import DistRuntimeError
+from ..errors import ClusterError, DistRuntimeError, StageUnavailableError
 from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
 from .channels import DEFAULT_CHANNEL, make_channel
 from .cluster import CONNECT_TIMEOUT, call_each, connect
-from .coordinator import Coordinator
-from .deploy import check_placeable, deploy, kill, node_cpus, resolve_cpus
+from .coordinator import Coordinator, Repaired
+from .deploy import check_placeable, deploy, kill, node_cpus, redeploy, resolve_cpus
 from .options import StageOptions, stage_options
+from .replan import Replan, Stopwatch, largest_plan, stage_summary, surviving_machines
 from .subgraph import StageGraph, stages_for_plan
 
 
@@ -128,12 +131,8 @@ class Pipeline:
         try:
             self.options = resolve_cpus(self.options, len(self.stages))
             check_placeable(self.options, len(self.stages))
-            self.actors, self.reports = deploy(self.path, self.stages, self.options)
-            self.channel = make_channel(channel, self.actors)
-            self.micro_batches, self.micro_batches_reason = placement_micro_batches(self.reports, micro_batches)
-            threads, self.threads_reason = placement_threads(self.reports, node_cpus(), self.micro_batches,
-                                                             asked_threads)
-            self.threads = call_each(self.actors, "set_threads", threads)
+            self._asked = (micro_batches, asked_threads)
+            self._place()
             self.coordinator = Coordinator(self.stages, self.actors, self.channel, timeout=timeout,
                                            repair=self.repair, micro_batches=self.micro_batches,
                                            max_batch_tokens=max_batch_tokens, max_kv_rows=kv_rows(self.plan))
@@ -143,20 +142,98 @@ class Pipeline:
             self.close()
             raise
 
-    def repair(self, dead: list[int]) -> tuple[list, object]:
+    def _place(self) -> None:
+        """Deploy every stage, link them, and choose the micro-batches and threads."""
+        self.actors, self.reports = deploy(self.path, self.stages, self.options)
+        self.channel = make_channel(self.channel_kind, self.actors)
+        self._choose_threads()
+
+    def _choose_threads(self) -> None:
+        """The micro-batches in flight and each stage's compute threads, from where they run."""
+        micro_batches, threads = self._asked
+        self.micro_batches, self.micro_batches_reason = placement_micro_batches(self.reports, micro_batches)
+        chosen, self.threads_reason = placement_threads(self.reports, node_cpus(), self.micro_batches, threads)
+        self.threads = call_each(self.actors, "set_threads", chosen)
+
+    def repair(self, dead: list[int], progress: Callable[[str], None] = lambda phase: None) -> Repaired:
         """Replace the actors of the ``dead`` stages (killed first, in case they only hang) and
-        rebuild the channel over all stages; returns (actors, channel).  The coordinator calls it."""
+        rebuild the channel over all stages; when no node takes a dead stage within
+        ``spare_timeout``, re-plan over the surviving stages' nodes instead.  ``progress`` hears
+        the phases ("planning", "loading").  The coordinator calls it."""
         kill([self.actors[k] for k in dead])  # first: closing the links of a frozen actor would wait
         if self.channel is not None:
             self.channel.close()
             self.channel = None
         if dead:
-            fresh, reports = deploy(self.path, [self.stages[k] for k in dead], self.options)
-            for k, actor, report in zip(dead, fresh, reports):
-                self.actors[k], self.reports[k] = actor, report
-            call_each(fresh, "set_threads", [self.threads[k] for k in dead])
+            try:
+                self._replace(dead)
+            except StageUnavailableError as e:
+                keep = [k for k in range(len(self.stages)) if k not in dead]
+                if not keep:
+                    raise StageUnavailableError(f"every stage was lost and no node can take one: {e}") from None
+                return self.replan(keep, "node lost", f"no node took stage(s) {', '.join(map(str, dead))}",
+                                   progress)
         self.channel = make_channel(self.channel_kind, self.actors)
-        return self.actors, self.channel
+        return Repaired(self.actors, self.channel)
+
+    def _replace(self, dead: list[int]) -> None:
+        """New actors for the ``dead`` stages, where the cluster has room; ``StageUnavailableError``
+        at once when it has none, else after ``spare_timeout`` seconds unplaced."""
+        import ray
+
+        free = ray.available_resources()
+        for k in dead:
+            asked = {"CPU": self.options.cpus or 0, **(self.options.resources[k] if self.options.resources else {})}
+            short = [name for name, amount in asked.items() if free.get(name, 0.0) < amount]
+            if short:
+                raise StageUnavailableError(f"no node has the {' and '.join(short)} stage {k} asks for")
+        options = dataclasses.replace(self.options, placement_timeout=self.options.spare_timeout)
+        fresh, reports = deploy(self.path, [self.stages[k] for k in dead], options)
+        for k, actor, report in zip(dead, fresh, reports):
+            self.actors[k], self.reports[k] = actor, report
+        call_each(fresh, "set_threads", [self.threads[k] for k in dead])
+
+    def replan(self, keep: list[int], trigger: str, cause: str,
+               progress: Callable[[str], None] = lambda phase: None) -> Repaired:
+        """Plan the model again over the nodes of the stages in ``keep`` (:mod:`.replan`), with the
+        machines' first budgets, for as many of the first plan's sessions as fit; then replace every
+        stage by one of the new plan, pinned to those nodes.  The sessions' KV caches are gone:
+        the coordinator replays them."""
+        from dist_runtime.partitioner.planner import partition
+
+        at, watch = time.time(), Stopwatch()
+        progress("planning")
+        old = stage_summary(self.plan, self.reports)
+        machines, request = surviving_machines(self.plan, keep), self.plan.request
+        nodes = [self.reports[k].get("node_id") for k in keep]
+        plan = largest_plan(lambda sessions: partition(
+            self.graph, machines, max_context=request["max_context"], sessions=sessions, tokens=request["tokens"],
+            kv_dtype=request["kv_dtype"], granularity=request.get("granularity", "auto"),
+            model_name=self.plan.model.get("name")), request["sessions"])
+        watch.mark("plan")
+        progress("loading")
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        resources = [self.options.resources[k] for k in keep] if self.options.resources else None
+        self.options = dataclasses.replace(self.options, resources=resources,
+                                           nodes=nodes if all(nodes) else None)
+        self.plan, self.stages = plan, stages_for_plan(self.graph, plan)
+        # The surviving actors take the new stages: no process to start, no kernel to load.
+        gone = [a for k, a in enumerate(self.actors) if k not in keep]
+        self.actors = [self.actors[k] for k in keep]
+        kill(gone)
+        try:
+            self.reports = redeploy(self.path, self.stages, self.actors, self.options)
+        except Exception as e:  # noqa: BLE001 -- not retried: the old stages are gone
+            raise ClusterError(f"the pipeline was re-planned over {len(keep)} surviving node(s), but its "
+                               f"new stages could not be loaded there: {type(e).__name__}: {e}") from None
+        self.channel = make_channel(self.channel_kind, self.actors)
+        self._choose_threads()
+        watch.mark("load")
+        record = Replan(trigger, cause, old, stage_summary(plan, self.reports), plan.request["sessions"], at,
+                        watch.seconds)
+        return Repaired(self.actors, self.channel, stages=self.stages, max_kv_rows=kv_rows(plan), replan=record)
 
     def memory(self, timeout: float = 60.0) -> list[dict]:
         """Each stage's memory now (:meth:`.stage.StageWorker.memory`: resident and peak bytes,

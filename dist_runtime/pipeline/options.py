@@ -30,12 +30,16 @@ class StageOptions:
     max_sessions: int | None = None
     extra_env: dict = field(default_factory=dict)
     placement_timeout: float = 120.0  # seconds for the actors to be placed (running on a node)
+    # seconds for a failed stage's replacement to be placed before the pipeline is re-planned
+    # over the surviving nodes instead (a spare node, if there is one, takes it in about one)
+    spare_timeout: float = 10.0
+    nodes: list[str] | None = None  # per stage, the Ray node id it must run on (a re-plan pins them)
     # seconds for placed actors to load their weights and warm up: a node's first run compiles the
     # kernels (~100 s on an idle core of the 2-core test machine, minutes on a busy one)
     load_timeout: float = 1800.0
 
     def __post_init__(self) -> None:
-        for name in ("placement_timeout", "load_timeout"):
+        for name in ("placement_timeout", "spare_timeout", "load_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ClusterError(f"StageOptions.{name} must be a positive number of seconds, got {value!r}")

@@ -116,6 +116,21 @@ class StageWorker:
         self._install(model.weights, f"file {path}")
         return {"loaded": True, "reason": "mapped"}
 
+    def restage(self, stage: StageGraph) -> None:
+        """Become ``stage`` of a re-planned pipeline, in this process (whose kernels are loaded
+        already): the old stage's executor, sessions, parked entries and weights are dropped;
+        ``load_file`` or ``load_weights`` comes next."""
+        import gc
+
+        with self._lock:
+            self._executor, self._weights, self.source, self.warmup = None, {}, None, "not run"
+            self._parked.clear()
+            if self._model is not None:
+                self._model.close()
+                self._model = None
+            self.stage = stage
+            gc.collect()  # the old weights' buffers go before the new ones are copied in
+
     def load_weights(self, weights: dict) -> dict:
         """Use tensors sent through the object store (zero-copy, read-only views of it)."""
         missing = sorted(set(self.stage.weights) - set(weights))

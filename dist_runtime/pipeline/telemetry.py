@@ -26,6 +26,7 @@ from typing import Hashable
 
 from ..partitioner.svg import fit, text_width
 from .header import StageRecord
+from .replan import PHASES, Replan
 
 
 @dataclass
@@ -84,6 +85,7 @@ class RunTelemetry:
         self.session_start: dict[Hashable, float] = {}
         self.tokens: dict[Hashable, list] = {}  # per session: [first token's time, last's, count]
         self._idle_from: dict[tuple[int, int], float] = {}  # (stage, step) -> end of its previous call
+        self.replans: list[Replan] = []  # re-plans during the run (the pipeline's stages changed)
 
     # -- recording -----------------------------------------------------------------------------
     def submitted(self, step: int, sessions, kind: str, rows: int, at: float, queued: int = 0, slot: int = 0) -> None:
@@ -105,6 +107,9 @@ class RunTelemetry:
             self.first_token.setdefault(session, at)
             seen = self.tokens.setdefault(session, [at, at, 0])
             seen[1], seen[2] = at, seen[2] + 1
+
+    def replanned(self, replan: Replan) -> None:
+        self.replans.append(replan)
 
     def failed(self, step: int, at: float, error: BaseException) -> None:
         rec = self.steps.get(step)
@@ -175,6 +180,7 @@ class RunTelemetry:
             "batch_rows_mean": statistics.fmean(r.rows for r in ok) if ok else 0.0,
             "queue_max": max((r.queued for r in self.steps.values()), default=0),
             "stages": stages,
+            "replans": [r.describe() for r in self.replans],
         }
 
     def table(self) -> str:
@@ -196,6 +202,7 @@ class RunTelemetry:
             f"{s['batch_rows_mean']:.1f} rows per step (max {s['batch_sessions_max']} sessions), "
             f"{s['micro_batches']} micro-batch(es) in flight, queue up to {s['queue_max']}"
             + (f"; {s['errors']} failed step(s)" if s["errors"] else ""))
+        lines += [r.line() for r in self.replans]
         return "\n".join(lines)
 
     def svg(self, width: int = 1100) -> str:
@@ -222,6 +229,13 @@ class RunTelemetry:
                 events.append({"name": "sample" if rec.error is None else "failed", "cat": "driver", "ph": "X",
                                "pid": 0, "tid": 0, "ts": 1e6 * (rec.done - t0), "dur": 1e6 * rec.sample,
                                "args": {**about, "tokens": rec.sampled, "error": rec.error}})
+        for r in self.replans:  # one event per phase on the driver's lane, in order
+            start = r.at - t0
+            for phase in PHASES:
+                seconds = r.seconds.get(phase, 0.0)
+                events.append({"name": f"re-plan: {phase}", "cat": "replan", "ph": "X", "pid": 0, "tid": 1,
+                               "ts": 1e6 * start, "dur": 1e6 * seconds, "args": r.describe()})
+                start += seconds
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -282,6 +296,13 @@ def timeline_svg(run: RunTelemetry, width: int = 1100) -> str:
             out.append(f'<rect x="{x(t.start):.2f}" y="{y}" width="{w:.2f}" height="{lane}" '
                        f'fill="{fill}" stroke="white" stroke-width="0.5">'
                        f'<title>{escape(tip)}</title></rect>')
+    for r in run.replans:  # a band over every lane while the pipeline was re-planned
+        y1 = top + len(lanes) * (lane + gap) - gap
+        w = max(sum(r.seconds.values()) * scale, 2.0)
+        out.append(f'<rect x="{x(r.at):.2f}" y="{top}" width="{w:.2f}" height="{y1 - top}" fill="#d62728" '
+                   f'fill-opacity="0.18" stroke="#d62728"><title>{escape(r.line())}</title></rect>')
+        out.append(f'<text x="{x(r.at) + 3:.2f}" y="{top - 4}" fill="#d62728">'
+                   f'{escape(f"re-plan: {len(r.old)} -> {len(r.new)} stages")}</text>')
     axis_y = top + len(lanes) * (lane + gap) + 4
     out.append(f'<line x1="{left}" y1="{axis_y}" x2="{width - right}" y2="{axis_y}" stroke="black"/>')
     step_ms = _tick(1e3 * span)
