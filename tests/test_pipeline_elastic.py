@@ -1,9 +1,13 @@
 """An elastic pipeline on simulated nodes (``ray.cluster_utils.Cluster``): three 1-CPU nodes, one
 stage on each, no spare.  A node is removed mid-run: the coordinator re-plans over the two
 survivors, replays every session onto the new stages and finishes with the tokens of an
-undisturbed run; the re-plan is recorded with its phases."""
+undisturbed run; the re-plan is recorded with its phases.  A node that joins grows the pipeline
+back; an operator's drain moves the stages off a node; neither loses a token."""
 
 from __future__ import annotations
+
+import logging
+import threading
 
 import pytest
 
@@ -17,6 +21,8 @@ from dist_runtime.examples import LlamaConfig  # noqa: E402
 from dist_runtime.executor import GraphExecutor  # noqa: E402
 from dist_runtime.model import load_model  # noqa: E402
 from dist_runtime.pipeline import Pipeline, Request, Sampling, StageOptions  # noqa: E402
+from dist_runtime.errors import ClusterError  # noqa: E402
+from dist_runtime.pipeline.grow import NodeWatch  # noqa: E402
 from dist_runtime.pipeline.replan import PHASES  # noqa: E402
 
 pytestmark = pytest.mark.slow  # four raylets on this machine
@@ -51,12 +57,33 @@ def _remove(cluster, node_id: str) -> None:
     cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == node_id))
 
 
-def test_a_lost_node_with_no_spare_shrinks_the_pipeline(cluster, nodes, tmp_path):
-    path = save_example(tmp_path / "llama6.model", CFG, seed=3)
-    with load_model(path) as model:
-        want = generate(LocalEngine(GraphExecutor(model, fuse=False)), REQUESTS).tokens
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = save_example(tmp_path_factory.mktemp("elastic") / "llama6.model", CFG, seed=3)
+    with load_model(path) as m:
+        want = generate(LocalEngine(GraphExecutor(m, fuse=False)), REQUESTS).tokens
+    return path, want
+
+
+def _pipeline(path, **kw) -> Pipeline:
     options = StageOptions(fuse=False, cpus=1, resources=[{"pool": 0.01}] * 3, spare_timeout=5.0)
-    with Pipeline(path, stages=3, max_context=64, sessions=4, options=options) as p:
+    return Pipeline(path, stages=3, max_context=64, sessions=4, options=options, **kw)
+
+
+def _stream(co, at: int, action) -> dict:
+    """The requests' tokens, ``action()`` done after the ``at``-th token."""
+    got: dict = {}
+    for i, event in enumerate(co.stream(REQUESTS)):
+        assert event.error is None, event.error
+        got.setdefault(event.session, []).append(event.token)
+        if i == at:
+            action()
+    return got
+
+
+def test_a_lost_node_with_no_spare_shrinks_the_pipeline_and_a_new_one_grows_it(cluster, nodes, model):
+    path, want = model
+    with _pipeline(path, grow=False) as p:
         co = p.coordinator
         placed = [r["node_id"] for r in p.reports]
         assert len(set(placed)) == 3
@@ -81,3 +108,48 @@ def test_a_lost_node_with_no_spare_shrinks_the_pipeline(cluster, nodes, tmp_path
         assert replan.seconds["load"] < 3.0  # the survivors took the new stages: no process started
         # the shrunk pipeline serves new work
         assert co.generate([Request("e", [3], 2)])["e"]
+
+        # A node joins: checked mid-stream (from another thread, as the watch does), the pipeline
+        # grows back to three stages at the next safe point, and the stream goes on unchanged.
+        watch = NodeWatch(p, poll=3600)
+        nodes.append(cluster.add_node(num_cpus=1, resources={"pool": 1}))
+        cluster.wait_for_nodes()
+        grown: list = []
+        checker = threading.Thread(target=lambda: grown.append(watch.check()))
+        assert _stream(co, 5, checker.start) == want
+        checker.join(60)
+        watch.close()
+        [grow] = grown
+        assert grow is co.replans[-1] and grow.trigger == "node joined" and len(grow.new) == 3
+        assert [r["node_id"] for r in p.reports][:2] == [placed[0], placed[2]]
+        assert p.reports[2]["node_id"] == nodes[-1].node_id
+        assert _stream(co, 0, lambda: None) == want  # and on three stages from the start
+
+
+def test_a_drained_node_loses_no_request(cluster, nodes, model, caplog):
+    path, want = model
+    with _pipeline(path, grow=False) as p:
+        co, placed = p.coordinator, [r["node_id"] for r in p.reports]
+        for bad, why in (("nosuchnode", "no stage runs on that node"), ("", "no stage runs on that node")):
+            with pytest.raises(ClusterError, match=why):
+                p.drain(bad)
+        drained: list = []
+        drainer = threading.Thread(target=lambda: drained.append(p.drain(placed[1][:8])))
+        assert _stream(co, 9, drainer.start) == want
+        drainer.join(60)
+        [replan] = drained
+        assert replan.trigger == "drain" and len(replan.new) == 2
+        assert [r["node_id"] for r in p.reports] == [placed[0], placed[2]]
+        assert "replay" in replan.seconds
+        p.drain(placed[0])
+        with pytest.raises(ClusterError, match="last node"):
+            p.drain(placed[2])
+        # a drained node is not grown back onto; a node without the label is ignored, saying why
+        watch = NodeWatch(p, poll=3600)
+        nodes.append(cluster.add_node(num_cpus=1))
+        cluster.wait_for_nodes()
+        with caplog.at_level(logging.WARNING, logger="dist_runtime.elastic"):
+            assert watch.check() is None
+        watch.close()
+        assert "ignored, it has no 0.01 pool" in caplog.text
+        assert len(p.stages) == 1 and _stream(co, 0, lambda: None) == want

@@ -166,7 +166,7 @@ def test_a_failed_memory_read_keeps_the_last_values():
         return answer
 
     metrics = Metrics()
-    metrics.watch_memory(read, planned=[{"weights": 3, "budget": 10}])
+    metrics.watch_memory(read, planned=lambda: [{"weights": 3, "budget": 10}])
     assert _memory_of(metrics) == {"0": {"resident": 5}}  # the nested "plan" is not a gauge
     assert _memory_of(metrics) == {"0": {"resident": 5}}
     planned = memory({f.name: f for f in parser.text_string_to_metric_families(metrics.text())},

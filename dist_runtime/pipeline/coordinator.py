@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+from concurrent.futures import Future
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Iterable, Iterator, Sequence
@@ -112,7 +114,8 @@ class Recovering:
         which = ", ".join(map(str, self.stages))
         what = {"probing": "finding the stage that failed",
                 "replacing": f"placing a new actor for stage {which}" if which else "reconnecting the stages",
-                "planning": f"no node can take stage {which}: planning over the surviving nodes",
+                "planning": f"no node can take stage {which}: planning over the surviving nodes" if which
+                else "planning the pipeline again over its nodes",
                 "loading": "loading the weights of the re-planned stages",
                 "replaying": f"rebuilding the sessions' caches on stage {which}" if which
                 else "rebuilding the sessions' caches"}[self.phase]
@@ -169,6 +172,11 @@ class Coordinator:
         self.exact_replay = exact_replay
         self.recoveries: list[RecoveryEvent] = []
         self.replans: list[Replan] = []
+        # Re-plans asked for from other threads (a drain, a node that joined), run at a safe point:
+        # between two passes of a running stream, or at once when none runs.
+        self._replan_lock = threading.Lock()
+        self._streaming = False
+        self._pending: list[tuple[Callable[[Callable[[str], None]], Repaired], Future]] = []
         # Written by the engine thread only, read by any (a server's /health): each write binds a
         # new frozen snapshot, and binding an attribute is atomic, so readers need no lock.
         self._recovering: Recovering | None = None
@@ -308,6 +316,7 @@ class Coordinator:
             self._admit(sched, req)
         slots = micro_batches or self.micro_batches
         run = self.last_run = RunTelemetry(len(self.stages), micro_batches=slots)
+        run_started = time.time()
         inflight: deque[_Flight] = deque()
         attempts = 0  # recoveries since the last token
         gone: list = []  # cancelled sessions whose caches are still to be freed
@@ -343,7 +352,10 @@ class Coordinator:
             for session in [s for s in gone if s not in sched.live]:  # left the batch: free its caches
                 gone.remove(session)
                 self.close_session(session)
-            while len(inflight) < slots:
+            if self._pending and not inflight:  # a safe point: no pass travels
+                self._run_pending()
+                sched.max_kv_rows = self.max_kv_rows
+            while len(inflight) < slots and not self._pending:
                 ready = sched.ready()
                 if not ready:
                     return
@@ -354,6 +366,8 @@ class Coordinator:
             self.sessions[work.session].error = error
             return sched.fail(work, error)
 
+        with self._replan_lock:
+            self._streaming = True
         try:
             fill()
             while inflight:
@@ -417,6 +431,10 @@ class Coordinator:
                     cached = self._cached.pop(event.session, 0) if event.index == 0 else 0
                     yield replace(event, cached=cached) if cached else event
         finally:
+            with self._replan_lock:
+                self._streaming = False
+                self._run_pending()  # asked for after the last safe point
+            run.replans.extend(r for r in self.replans if r.at >= run_started and r not in run.replans)
             self._collect(run)
 
     def _admit(self, sched: Scheduler, req: Request) -> None:
@@ -522,6 +540,54 @@ class Coordinator:
             self.sessions[sid].error = error
         replan = replace(replan, shed=shed, seconds={"detect": max(detect, 0.0), **replan.seconds})
         self.replans.append(replan)
+        return replan
+
+    def replan(self, make: Callable[[Callable[[str], None]], Repaired]) -> Replan:
+        """Re-plan the pipeline at a safe point: ``make(progress)`` deploys the new stages (see
+        ``Pipeline.drain``).  While a stream runs (in another thread), its passes in flight come
+        back first and no new one leaves until it is done; else it runs now.  Every session is
+        replayed onto the new stages before its next step.  Returns the record."""
+        done: Future = Future()
+        with self._replan_lock:
+            self._pending.append((make, done))
+            if not self._streaming:
+                self._run_pending()
+        return done.result()
+
+    def _run_pending(self) -> None:
+        """Run the re-plans asked for (the engine thread, or the caller's when no stream runs)."""
+        while self._pending:
+            make, done = self._pending.pop(0)
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(self._replan_now(make))
+                except BaseException as e:  # noqa: BLE001 -- the asker hears it; the stream goes on
+                    done.set_exception(e)
+
+    def _replan_now(self, make: Callable[[Callable[[str], None]], Repaired]) -> Replan:
+        since = time.monotonic()
+
+        def phase(name: str) -> None:
+            self._recovering = Recovering((), name, since, 1, "a re-plan")
+
+        try:
+            repaired = make(phase)
+        finally:
+            self._recovering = None
+        self.actors, self.channel = repaired.actors, repaired.channel
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        for state in self.sessions.values():
+            state.stale = state.stale or state.pos > 0  # replayed before its next step
+        replan = self._replanned(repaired, [], detect=0.0)
+        phase("replaying")
+        t0 = time.perf_counter()
+        try:
+            self._replay([state for state in self.sessions.values() if state.stale and state.pos])
+        finally:
+            self._recovering = None
+        replan = self.replans[-1] = replace(replan, seconds={**replan.seconds, "replay": time.perf_counter() - t0})
+        log.warning("%s", replan.line())
         return replan
 
     def recovering(self) -> Recovering | None:

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..dtypes import kv_dtype
 from ..errors import ClusterError, DistRuntimeError, StageUnavailableError
@@ -19,9 +19,10 @@ from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
 from .channels import DEFAULT_CHANNEL, make_channel
 from .cluster import CONNECT_TIMEOUT, call_each, connect
 from .coordinator import Coordinator, Repaired
+from .grow import NodeWatch
 from .deploy import check_placeable, deploy, kill, node_cpus, redeploy, resolve_cpus
 from .options import StageOptions, stage_options
-from .replan import Replan, Stopwatch, largest_plan, stage_summary, surviving_machines
+from .replan import Replan, Stopwatch, joined_machine, largest_plan, stage_summary, surviving_machines
 from .subgraph import StageGraph, stages_for_plan
 
 
@@ -104,7 +105,7 @@ class Pipeline:
                  channel: str = DEFAULT_CHANNEL, options: StageOptions | None = None, address: str | None = None,
                  num_cpus: int | None = None, timeout: float | None = 600.0,
                  connect_timeout: float = CONNECT_TIMEOUT, micro_batches: int | None = None,
-                 max_batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:
+                 max_batch_tokens: int = DEFAULT_BATCH_TOKENS, grow: bool = True) -> None:
         from ..model import load_model
 
         self.path = Path(model_path)
@@ -113,6 +114,8 @@ class Pipeline:
         asked_threads = self.options.threads
         self.actors: list = []
         self.channel = None
+        self.drained: set[str] = set()  # node ids an operator drained: never planned onto again
+        self.watch: NodeWatch | None = None  # grows the pipeline onto nodes that join (grow.py)
         self.channel_kind = channel
         # Everything that needs no Ray is checked before Ray starts (seconds): the model, the plan.
         with load_model(self.path, tensors=[]) as model:
@@ -138,6 +141,7 @@ class Pipeline:
                                            max_batch_tokens=max_batch_tokens, max_kv_rows=kv_rows(self.plan))
             self.coordinator.batching = next((r["batching"] for r in self.reports if r.get("batching")), None)
             self.coordinator.warm_up()
+            self.watch = NodeWatch(self) if grow else None
         except BaseException:
             self.close()
             raise
@@ -194,46 +198,101 @@ class Pipeline:
         call_each(fresh, "set_threads", [self.threads[k] for k in dead])
 
     def replan(self, keep: list[int], trigger: str, cause: str,
-               progress: Callable[[str], None] = lambda phase: None) -> Repaired:
-        """Plan the model again over the nodes of the stages in ``keep`` (:mod:`.replan`), with the
-        machines' first budgets, for as many of the first plan's sessions as fit; then replace every
-        stage by one of the new plan, pinned to those nodes.  The sessions' KV caches are gone:
-        the coordinator replays them."""
-        from dist_runtime.partitioner.planner import partition
-
+               progress: Callable[[str], None] = lambda phase: None, *, joined: Sequence[str] = (),
+               shed: bool = True, fresh: tuple | None = None) -> Repaired:
+        """Plan the model again (:mod:`.replan`) over the nodes of the stages in ``keep``, then the
+        ``joined`` nodes, with the machines' first budgets, for as many of the first plan's
+        sessions as fit (``shed=False``: all of them, else ``ClusterError`` before anything
+        changes); then give every stage of the new plan an actor pinned to its node: the kept
+        stages' actors take the first ones, new actors the joined nodes' (``fresh``: those of
+        :meth:`prepare`, deployed while the pipeline still served).  The sessions' KV caches are
+        gone: the coordinator replays them."""
         at, watch = time.time(), Stopwatch()
         progress("planning")
         old = stage_summary(self.plan, self.reports)
-        machines, request = surviving_machines(self.plan, keep), self.plan.request
-        nodes = [self.reports[k].get("node_id") for k in keep]
-        plan = largest_plan(lambda sessions: partition(
-            self.graph, machines, max_context=request["max_context"], sessions=sessions, tokens=request["tokens"],
-            kv_dtype=request["kv_dtype"], granularity=request.get("granularity", "auto"),
-            model_name=self.plan.model.get("name")), request["sessions"])
+        plan, stages, options = fresh[:3] if fresh else self.prepare(keep, joined, shed, trigger)
         watch.mark("plan")
         progress("loading")
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        resources = [self.options.resources[k] for k in keep] if self.options.resources else None
-        self.options = dataclasses.replace(self.options, resources=resources,
-                                           nodes=nodes if all(nodes) else None)
-        self.plan, self.stages = plan, stages_for_plan(self.graph, plan)
-        # The surviving actors take the new stages: no process to start, no kernel to load.
+        self.options, self.plan, self.stages = options, plan, stages
+        # The surviving actors take the first stages: no process to start, no kernel to load.
         gone = [a for k, a in enumerate(self.actors) if k not in keep]
         self.actors = [self.actors[k] for k in keep]
         kill(gone)
         try:
-            self.reports = redeploy(self.path, self.stages, self.actors, self.options)
+            self.reports = redeploy(self.path, stages[:len(keep)], self.actors, options)
+            added = fresh[3:] if fresh else deploy(self.path, stages[len(keep):], options) if joined else ([], [])
+            self.actors, self.reports = self.actors + added[0], self.reports + added[1]
         except Exception as e:  # noqa: BLE001 -- not retried: the old stages are gone
-            raise ClusterError(f"the pipeline was re-planned over {len(keep)} surviving node(s), but its "
-                               f"new stages could not be loaded there: {type(e).__name__}: {e}") from None
+            raise ClusterError(f"the pipeline was re-planned over {len(stages)} node(s), but its new stages "
+                               f"could not be loaded there: {type(e).__name__}: {e}") from None
         self.channel = make_channel(self.channel_kind, self.actors)
         self._choose_threads()
         watch.mark("load")
         record = Replan(trigger, cause, old, stage_summary(plan, self.reports), plan.request["sessions"], at,
                         watch.seconds)
         return Repaired(self.actors, self.channel, stages=self.stages, max_kv_rows=kv_rows(plan), replan=record)
+
+    def prepare(self, keep: list[int], joined: Sequence[str] = (), shed: bool = True, trigger: str = "re-plan"):
+        """(plan, stages, options) of a re-plan over the stages in ``keep`` and the ``joined``
+        nodes; see :meth:`replan`."""
+        nodes = [self.reports[k].get("node_id") for k in keep] + list(joined)
+        plan = self._plan_over(keep, joined)
+        if not shed and plan.request["sessions"] < self.plan.request["sessions"]:
+            raise ClusterError(f"{trigger}: the {len(nodes)} remaining node(s) hold the KV caches of "
+                               f"{plan.request['sessions']} session(s), the pipeline was planned for "
+                               f"{self.plan.request['sessions']}; nothing was changed")
+        label = self.options.resources[0] if self.options.resources else None  # a joined node's: the shared one
+        resources = [self.options.resources[k] for k in keep] + [label] * len(joined) if label else None
+        options = dataclasses.replace(self.options, resources=resources, nodes=nodes if all(nodes) else None)
+        return plan, stages_for_plan(self.graph, plan), options
+
+    def grow(self, node: str) -> Replan:
+        """Add ``node`` (a Ray node id) as the pipeline's last stage: the plan over it, and its
+        actor with its weights, are made while the pipeline serves; at the next safe point the
+        other stages take their new parts and every session is replayed."""
+        keep = list(range(len(self.stages)))
+        plan, stages, options = self.prepare(keep, [node], shed=False, trigger="grow")
+        actors, reports = deploy(self.path, stages[len(keep):], options)
+        try:
+            return self.coordinator.replan(lambda progress: self.replan(
+                keep, "node joined", f"node {node[:12]} joined", progress, joined=[node],
+                fresh=(plan, stages, options, actors, reports)))
+        except BaseException:
+            kill(actors)
+            raise
+
+    def _plan_over(self, keep: list[int], joined: Sequence[str] = ()):
+        """The partitioner's plan over the machines of the stages in ``keep`` and the ``joined``
+        nodes (their Ray memory as the budget when the first plan had budgets), for as many of
+        the first plan's sessions as fit."""
+        from dist_runtime.partitioner.planner import partition
+
+        machines, request = surviving_machines(self.plan, keep), self.plan.request
+        machines += [joined_machine(self.plan, node) for node in joined]
+        return largest_plan(lambda sessions: partition(
+            self.graph, machines, max_context=request["max_context"], sessions=sessions, tokens=request["tokens"],
+            kv_dtype=request["kv_dtype"], granularity=request.get("granularity", "auto"),
+            model_name=self.plan.model.get("name")), request["sessions"])
+
+    def drain(self, node: str) -> Replan:
+        """Move the stages off ``node`` (a Ray node id, or its first characters) at a safe point:
+        the pipeline is re-planned over its other nodes and every session replayed; no request
+        is lost.  Refused (``ClusterError``) for a node no stage runs on, the pipeline's last
+        node, or when the others cannot hold the sessions' KV caches."""
+        ids = [r.get("node_id") or "" for r in self.reports]
+        on = [k for k, n in enumerate(ids) if node and n.startswith(node)]
+        if not on or len({ids[k] for k in on}) > 1:
+            raise ClusterError(f"drain {node!r}: {'no stage runs on that node' if not on else 'more than one node matches'}"
+                               f" (the stages' nodes: {', '.join(n[:12] for n in ids)})")
+        keep = [k for k in range(len(ids)) if k not in on]
+        if not keep:
+            raise ClusterError(f"drain {node!r}: it is the pipeline's last node; stop the pipeline instead")
+        self.drained.add(ids[on[0]])
+        return self.coordinator.replan(lambda progress: self.replan(keep, "drain", f"node {ids[on[0]][:12]} drained",
+                                                                    progress, shed=False))
 
     def memory(self, timeout: float = 60.0) -> list[dict]:
         """Each stage's memory now (:meth:`.stage.StageWorker.memory`: resident and peak bytes,
@@ -247,6 +306,9 @@ class Pipeline:
 
     def close(self) -> None:
         """Tear down the channel, kill the stage actors, and stop Ray if this pipeline started it."""
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
         if self.channel is not None:
             self.channel.close()
             self.channel = None

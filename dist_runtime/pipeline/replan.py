@@ -74,6 +74,18 @@ def surviving_machines(plan, keep: list[int]):
             for k, m in ((k, machines[k]) for k in keep)]
 
 
+def joined_machine(plan, node_id: str):
+    """A machine for a node that joined: its Ray memory as the budget when the first plan's
+    machines had budgets (else none), speed 1."""
+    import ray
+
+    from dist_runtime.partitioner.machines import Machine
+
+    budgeted = any(m.get("budget") is not None for m in plan.request.get("machines") or [])
+    memory = next((n["Resources"].get("memory") for n in ray.nodes() if n["NodeID"] == node_id), None)
+    return Machine(budget=int(memory) if budgeted and memory else None, name=node_id[:12])
+
+
 def largest_plan(make: Callable[[int], object], most: int):
     """``make(sessions)`` for the most sessions in 1..``most`` it can plan (a binary search: KV
     grows with sessions, so feasibility is monotone).  Raises ``InfeasiblePlanError`` when not

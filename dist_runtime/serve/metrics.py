@@ -27,6 +27,8 @@ COUNTERS = {
     "generated_tokens": ("tokens generated", ()),
     "stage_busy_seconds": ("seconds each pipeline stage spent computing", ("stage",)),
     "recoveries": ("sessions rebuilt on a pipeline stage that replaced a failed one", ()),
+    "replans": ("times the pipeline was planned again over other nodes, by trigger", ("trigger",)),
+    "replan_seconds": ("seconds the pipeline's re-plans took, by phase (detect, plan, load, replay)", ("phase",)),
 }
 GAUGES = {
     "queued_sessions": "sessions waiting for their first token (queued or in prefill)",
@@ -161,14 +163,15 @@ class Metrics:
             self.observe("request_generation_tokens", times.tokens)
 
     # -- memory ------------------------------------------------------------------------------------
-    def watch_memory(self, read: Callable[[], list[dict]], planned: list[dict] | None = None,
+    def watch_memory(self, read: Callable[[], list[dict]], planned: Callable[[], list[dict]] | None = None,
                      wait: float = MEMORY_WAIT) -> None:
         """Export each stage's memory, ``read()`` when scraped (a dict of bytes by kind per
-        stage), and ``planned``, the plan's estimate per stage (see :class:`StageMemory`); it
-        replaces what an earlier call watched (one backend's memory at a time)."""
+        stage), and ``planned()``, the plan's estimate per stage, also when scraped (a re-plan
+        changes it; see :class:`StageMemory`); it replaces what an earlier call watched (one
+        backend's memory at a time)."""
         if self._memory is not None:
             self.registry.unregister(self._memory)
-        self._memory = StageMemory(read, planned or [], wait)
+        self._memory = StageMemory(read, planned or list, wait)
         self.registry.register(self._memory)
 
 
@@ -181,7 +184,7 @@ class StageMemory:
     scrapes pile reads on it).  A read that fails keeps the last values too.
     """
 
-    def __init__(self, read: Callable[[], list[dict]], planned: list[dict], wait: float) -> None:
+    def __init__(self, read: Callable[[], list[dict]], planned: Callable[[], list[dict]], wait: float) -> None:
         self.read, self.planned, self.wait = read, planned, wait
         self._lock = threading.Lock()
         self._last: list[dict] = []
@@ -193,9 +196,10 @@ class StageMemory:
     def collect(self):
         yield _family("stage_memory_bytes", "bytes each pipeline stage's process holds, by kind "
                       "(resident, peak, weights, kv_in_use, kv_reserved)", self._latest())
-        if self.planned:
+        planned = self.planned()
+        if planned:
             yield _family("stage_memory_planned_bytes", "the plan's estimate of each stage's memory, by kind "
-                          "(weights, kv, activations, reserve, total, budget)", self.planned)
+                          "(weights, kv, activations, reserve, total, budget)", planned)
 
     def _latest(self) -> list[dict]:
         with self._lock:

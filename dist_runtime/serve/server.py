@@ -58,10 +58,10 @@ def pipeline_backend(model: ServedModel, pipe, metrics: Metrics, *, max_queue: i
     and the recoveries go into the metrics, and each scrape reads the stages' memory."""
     coordinator = pipe.coordinator
     metrics.watch_memory(lambda: pipe.memory(timeout=MEMORY_TIMEOUT),
-                         planned=[_planned(st.memory) for st in pipe.plan.stages])
+                         planned=lambda: [_planned(st.memory) for st in pipe.plan.stages])
     if model.kind == "embed":
         return Encoder(coordinator.run_many)
-    recovered = [0]
+    recovered, replanned = [0], [0]
 
     def record() -> None:
         run = coordinator.last_run
@@ -70,6 +70,11 @@ def pipeline_backend(model: ServedModel, pipe, metrics: Metrics, *, max_queue: i
                 metrics.count("stage_busy_seconds", max(seconds, 0.0), stage=k)  # a counter refuses < 0
         metrics.count("recoveries", len(coordinator.recoveries) - recovered[0])
         recovered[0] = len(coordinator.recoveries)
+        for replan in coordinator.replans[replanned[0]:]:
+            metrics.count("replans", trigger=replan.trigger)
+            for phase, seconds in replan.seconds.items():
+                metrics.count("replan_seconds", seconds, phase=phase)
+        replanned[0] = len(coordinator.replans)
 
     return EngineBridge(coordinator, metrics, max_queue=max_queue, after_stream=record,
                         stream_options={"max_in_flight": max_in_flight})
