@@ -129,25 +129,69 @@ def test_a_hung_stage_is_replaced(model_path, expected):
                 time.sleep(0.05)
 
 
+def test_a_stage_no_node_can_take_is_planned_away(model_path, expected):
+    """A dead stage that no node can take (it asks for a resource none has): the pipeline is
+    re-planned over the surviving stage's node, every session goes on with the tokens of a
+    fault-free run, and the re-plan is recorded."""
+    with Pipeline(model_path, stages=2, max_context=64, options=StageOptions(fuse=False, cpus=0.5)) as p:
+        p.options = dataclasses.replace(p.options, resources=[{}, {"nowhere": 1}])
+        assert _run_with_faults(p, {1: _kill_actor(1)}) == expected
+        [replan] = p.coordinator.replans
+        assert replan.trigger == "node lost" and "stage(s) 1" in replan.cause and replan.shed == ()
+        assert len(replan.old) == 2 and len(replan.new) == len(p.stages) == len(p.actors) == 1
+        assert replan.sessions is None  # machines without a budget hold any number of sessions
+
+
+def test_survivors_that_hold_fewer_sessions_shed_the_newest(model_path, expected):
+    """Budgets that hold four sessions' KV caches on two machines but fewer on one: after stage 1
+    is planned away, the newest sessions end with an error that says why, the others go on with
+    the tokens of a fault-free run, and every KV cache fits the survivor's budget."""
+    from dist_runtime.dtypes import kv_dtype
+    from dist_runtime.pipeline import make_plan
+
+    with load_model(model_path, tensors=[]) as model:
+        graph, kv = model.graph, kv_dtype(None, model.metadata.get("kv_dtype")).name.lower()
+    total = [make_plan(graph, stages=1, max_context=64, sessions=s, tokens=64, kv_dtype=kv).stages[0].memory.total
+             for s in (2, 3)]
+    budget = (total[0] + total[1]) // 2  # one machine holds two sessions, two machines all four
+    with Pipeline(model_path, budgets=f"{budget},{budget}", max_context=64, sessions=4, max_batch_tokens=64,
+                  options=StageOptions(fuse=False, cpus=0.5)) as p:
+        p.options = dataclasses.replace(p.options, resources=[{}, {"nowhere": 1}])
+        got, errors = {}, {}
+        for i, event in enumerate(p.coordinator.stream(_requests())):
+            if event.error is not None:
+                errors[event.session] = event.error
+            else:
+                got.setdefault(event.session, []).append(event.token)
+            if i == 5:
+                _kill_actor(1)(p)
+        [replan] = p.coordinator.replans
+        assert replan.sessions == 2 and set(replan.shed) == set(errors) == {"c", "d"}  # the newest two
+        assert all("re-planned over 1 surviving node" in str(e) for e in errors.values())
+        assert {s: got[s] for s in "ab"} == {s: expected[s] for s in "ab"}
+        assert p.plan.stages[0].memory.total <= budget
+
+
 def test_unrecoverable_stage_fails_typed_within_deadline(model_path):
-    """A stage that cannot be replaced (no node has what it needs): every session in flight ends
-    with StageUnavailableError after the bounded attempts, and nothing hangs."""
+    """Every stage dead and none placeable anywhere: every session in flight ends with
+    StageUnavailableError, and nothing hangs."""
     with Pipeline(model_path, stages=2, max_context=64, options=StageOptions(fuse=False, cpus=0.5)) as p:
         co = p.coordinator
         co.max_recoveries = 2
-        p.options = dataclasses.replace(p.options, placement_timeout=1.0, resources=[{}, {"nowhere": 1}])
+        p.options = dataclasses.replace(p.options, resources=[{"nowhere": 1}, {"nowhere": 1}])
         events = []
-        deadline = time.monotonic() + 60  # bounds a hang: two placements of 1 s each, then failure
+        deadline = time.monotonic() + 60  # bounds a hang
         for i, event in enumerate(co.stream(_requests())):
             events.append(event)
             assert time.monotonic() < deadline, f"still streaming after 60 s: {events[-3:]}"
             if i == 1:
+                _kill_actor(0)(p)
                 _kill_actor(1)(p)
         assert time.monotonic() < deadline, f"the failed sessions took over 60 s to end: {events[-3:]}"
         failed = [e for e in events if e.error is not None]
         assert {e.session for e in failed} == set("abcd")
         assert all(isinstance(e.error, StageUnavailableError) and e.done for e in failed)
-        assert "were not all placed" in str(failed[0].error)
+        assert "every stage was lost" in str(failed[0].error) and "nowhere" in str(failed[0].error)
     # nothing leaked: once the pipeline is closed, every CPU its actors held is free again
     deadline = time.monotonic() + 30
     while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:

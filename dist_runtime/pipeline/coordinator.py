@@ -532,7 +532,7 @@ class Coordinator:
         replan = repaired.replan
         order = {sid: i for i, sid in enumerate(self.sessions)}  # admission order
         newest = sorted({s.sid for s in lost}, key=order.get, reverse=True)
-        shed = tuple(newest[:max(0, len(newest) - replan.sessions)])
+        shed = tuple(newest[:max(0, len(newest) - replan.sessions)]) if replan.sessions is not None else ()
         error = StageUnavailableError(
             f"session ended: the pipeline was re-planned over {len(replan.new)} surviving node(s), which "
             f"hold the KV caches of {replan.sessions} session(s); the newest sessions were shed")

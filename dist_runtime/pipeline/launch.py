@@ -22,7 +22,7 @@ from .coordinator import Coordinator, Repaired
 from .grow import NodeWatch
 from .deploy import check_placeable, deploy, kill, node_cpus, redeploy, resolve_cpus
 from .options import StageOptions, stage_options
-from .replan import Replan, Stopwatch, joined_machine, largest_plan, stage_summary, surviving_machines
+from .replan import Replan, Stopwatch, held_sessions, joined_machine, largest_plan, stage_summary, surviving_machines
 from .subgraph import StageGraph, stages_for_plan
 
 
@@ -231,7 +231,7 @@ class Pipeline:
         self.channel = make_channel(self.channel_kind, self.actors)
         self._choose_threads()
         watch.mark("load")
-        record = Replan(trigger, cause, old, stage_summary(plan, self.reports), plan.request["sessions"], at,
+        record = Replan(trigger, cause, old, stage_summary(plan, self.reports), held_sessions(plan), at,
                         watch.seconds)
         return Repaired(self.actors, self.channel, stages=self.stages, max_kv_rows=kv_rows(plan), replan=record)
 

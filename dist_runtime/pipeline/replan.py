@@ -32,7 +32,7 @@ class Replan:
     cause: str  # what happened, in one line
     old: tuple[dict, ...]  # per stage: node, graph nodes, weight bytes (stage_summary)
     new: tuple[dict, ...]
-    sessions: int  # the sessions the new plan holds the KV caches of
+    sessions: int | None  # the sessions the new plan holds the KV caches of (None: machines without budgets)
     at: float  # time.time() when it began
     seconds: dict = field(default_factory=dict)  # per phase (PHASES)
     shed: tuple[Hashable, ...] = ()  # sessions ended because the new plan holds fewer
@@ -61,6 +61,13 @@ def stage_summary(plan, reports: list[dict]) -> tuple[dict, ...]:
         out.append({"stage": stage.index, "node": node[:12], "graph_nodes": span,
                     "weight_bytes": stage.memory.weights, "kv_bytes": stage.memory.kv})
     return tuple(out)
+
+
+def held_sessions(plan) -> int | None:
+    """The sessions ``plan``'s machines hold the KV caches of: the sessions it was made for, or
+    None (any number) when no machine has a budget."""
+    machines = plan.request.get("machines") or []
+    return plan.request["sessions"] if any(m.get("budget") is not None for m in machines) else None
 
 
 def surviving_machines(plan, keep: list[int]):

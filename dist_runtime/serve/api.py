@@ -50,11 +50,12 @@ class APIError(Exception):
 
 
 def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Metrics, *,
-               api_key: str | None = None, keep_alive: float = 10.0, health=None) -> FastAPI:
-    """The app.  ``api_key``: required as ``Authorization: Bearer`` on /v1 and /metrics;
+               api_key: str | None = None, keep_alive: float = 10.0, health=None, admin=None) -> FastAPI:
+    """The app.  ``api_key``: required as ``Authorization: Bearer`` on /v1, /metrics and /admin;
     ``keep_alive``: seconds between SSE comments while a stream waits for a token; ``health``:
     a callable saying what is down (a message), or a state that is not a failure (a dict with its
-    ``status``, e.g. a stage being recovered), or None when all is well."""
+    ``status``, e.g. a stage being recovered), or None when all is well; ``admin``: a pipeline's
+    operations (``server.PipelineAdmin``: its stages, drain a node), or None in one process."""
     app = FastAPI(title="dist-runtime", summary="OpenAI-compatible API of one dist-runtime model")
     _errors(app)
     auth = [Depends(_authorizer(api_key))] if api_key is not None else []
@@ -87,6 +88,29 @@ def create_app(model: ServedModel, backend: EngineBridge | Encoder, metrics: Met
     async def metrics_text():
         # on a thread: a scrape may wait (briefly) for the stages' memory
         return Response(await asyncio.to_thread(metrics.text), media_type=metrics.content_type)
+
+    def _admin():
+        if admin is None:
+            raise APIError(404, "this server runs the model in one process: it has no pipeline to manage",
+                           type="not_found_error")
+        return admin
+
+    @app.get("/admin/pipeline", dependencies=auth, include_in_schema=admin is not None)
+    async def pipeline_state():
+        return await asyncio.to_thread(_admin().state)
+
+    @app.post("/admin/drain", dependencies=auth, include_in_schema=admin is not None)
+    async def drain(request: Request):
+        ops = _admin()
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, 'the body is not JSON: send {"node": "<node id>"}') from None
+        node = body.get("node") if isinstance(body, dict) else None
+        if not isinstance(node, str) or not node.strip():
+            raise APIError(400, 'node: a node id (or its first characters) is required, e.g. {"node": "3f9a1c"}; '
+                                'GET /admin/pipeline lists the stages\' nodes', param="node")
+        return await asyncio.to_thread(ops.drain, node.strip())
 
     @app.get("/v1/models", dependencies=auth, responses=answers(ModelList, client_errors=keyed))
     async def list_models():

@@ -49,11 +49,56 @@ def register(sub) -> None:
     add_deployment_options(sv)
     sv.set_defaults(func=cmd_serve)
 
+    help_ = "Drain a node of a served pipeline: its stages move to the other nodes, no request is lost."
+    dr = sub.add_parser("drain", help=help_, description=help_ + " The server re-plans the pipeline over its "
+                        "other nodes once the passes in flight are back, replays every session onto the new "
+                        "stages and goes on; the node is not planned onto again. Without NODE, lists the "
+                        "stages and their nodes. See docs/cluster.md.")
+    dr.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8000")
+    dr.add_argument("node", metavar="NODE", nargs="?", help="the Ray node id to drain, or its first characters")
+    dr.add_argument("--api-key", default=None, help=f"the server's key (default: the {API_KEY_ENV} environment "
+                                                    f"variable)")
+    dr.add_argument("--timeout", type=positive_float, default=600.0, metavar="SECONDS",
+                    help="longest wait for the drain (default: %(default)g)")
+    dr.set_defaults(func=cmd_drain)
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    import httpx
+
+    from ..errors import DistRuntimeError
+
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    base = args.url.rstrip("/")
+    try:
+        if args.node is None:
+            r = httpx.get(f"{base}/admin/pipeline", headers=headers, timeout=args.timeout)
+        else:
+            r = httpx.post(f"{base}/admin/drain", json={"node": args.node}, headers=headers, timeout=args.timeout)
+    except httpx.HTTPError as e:
+        raise DistRuntimeError(f"{base}: {type(e).__name__}: {e}") from None
+    try:
+        body = r.json()
+    except ValueError:
+        raise DistRuntimeError(f"{base} answered {r.status_code} without JSON: is it a dist-runtime server?") from None
+    if r.status_code != 200:
+        message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+        raise DistRuntimeError(f"{base}: {message or f'status {r.status_code}'}")
+    if args.node is None:
+        for st in body["stages"]:
+            print(f"stage {st['stage']}: node {st['node']} ({st['host']})")
+        return 0
+    seconds = ", ".join(f"{k} {v:.2f} s" for k, v in body["seconds"].items())
+    print(f"drained {args.node}: {len(body['old'])} stage(s) -> {len(body['new'])} on "
+          f"{', '.join(st['node'] for st in body['new'])}; {seconds}")
+    return 0
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .metrics import Metrics
     from .served_model import ServedModel
-    from .server import Server, local_backend, pipeline_backend, pipeline_health
+    from .server import PipelineAdmin, Server, local_backend, pipeline_backend, pipeline_health
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     model = ServedModel.open(args.model, context=args.max_context, tokenizer=args.tokenizer,
@@ -70,7 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             backend = pipeline_backend(model, pipe, metrics, max_queue=args.max_queue,
                                        max_in_flight=args.max_in_flight)
             server = Server(model, backend, metrics, host=args.host, port=args.port, api_key=api_key,
-                            keep_alive=args.keep_alive, health=pipeline_health(pipe), on_close=pipe.close)
+                            keep_alive=args.keep_alive, health=pipeline_health(pipe), on_close=pipe.close,
+                            admin=PipelineAdmin(pipe))
         except BaseException:
             pipe.close()
             raise

@@ -99,6 +99,23 @@ def pipeline_health(pipe) -> Callable[[], str | dict | None]:
     return health
 
 
+class PipelineAdmin:
+    """What an operator does to a served pipeline over HTTP (/admin): see its stages, drain a node."""
+
+    def __init__(self, pipe) -> None:
+        self.pipe = pipe
+
+    def state(self) -> dict:
+        pipe = self.pipe
+        return {"stages": [{"stage": r.get("stage"), "node": r.get("node_id"), "host": r.get("host")}
+                           for r in pipe.reports],
+                "drained": sorted(pipe.drained), "replans": [r.describe() for r in pipe.coordinator.replans]}
+
+    def drain(self, node: str) -> dict:
+        """Re-plan without ``node`` once the passes in flight are back (``Pipeline.drain``)."""
+        return self.pipe.drain(node).describe()
+
+
 def _process_memory(executor, model: ServedModel) -> Callable[[], list[dict]]:
     """The one-process server's memory as one stage: the executor's (resident, peak, KV caches)
     and the model's weights, as stored."""
@@ -137,9 +154,10 @@ class Server:
     def __init__(self, model: ServedModel, backend: EngineBridge | Encoder, metrics: Metrics, *,
                  host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  keep_alive: float = 10.0, health: Callable[[], str | dict | None] | None = None,
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None, admin: PipelineAdmin | None = None) -> None:
         self.model, self.backend, self.on_close = model, backend, on_close
-        self.app = create_app(model, backend, metrics, api_key=api_key, keep_alive=keep_alive, health=health)
+        self.app = create_app(model, backend, metrics, api_key=api_key, keep_alive=keep_alive, health=health,
+                              admin=admin)
         try:
             self.socket = socket.create_server((host, port))
             # Accepted connections inherit it.  asyncio sets it only on sockets whose proto is
