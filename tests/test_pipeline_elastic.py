@@ -153,3 +153,54 @@ def test_a_drained_node_loses_no_request(cluster, nodes, model, caplog):
         watch.close()
         assert "ignored, it has no 0.01 pool" in caplog.text
         assert len(p.stages) == 1 and _stream(co, 0, lambda: None) == want
+
+
+def test_an_operator_drains_a_served_pipeline(cluster, nodes, model):
+    """``dist-runtime drain`` against a running server, as an operator runs it (another process):
+    it lists the stages' nodes, refuses an unknown node in one line, and drains a node while a
+    stream runs; the stream's text is that of an undisturbed run, /metrics counts the re-plan."""
+    import subprocess
+    import sys
+
+    httpx = pytest.importorskip("httpx")
+    from dist_runtime.serve.metrics import Metrics
+    from dist_runtime.serve.served_model import ServedModel
+    from dist_runtime.serve.server import PipelineAdmin, Server, pipeline_backend, pipeline_health
+
+    path, _ = model
+    served, metrics = ServedModel.open(path, context=64), Metrics()
+    p = _pipeline(path, grow=False)
+    backend = pipeline_backend(served, p, metrics, max_queue=8)
+    ask = {"model": served.id, "prompt": [5, 6, 7, 8], "max_tokens": 24, "temperature": 0}
+
+    def drain(*node: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dist_runtime.cli", "drain", s.url, *node],
+                              capture_output=True, text=True, timeout=300)
+
+    with Server(served, backend, metrics, port=0, health=pipeline_health(p), on_close=p.close,
+                admin=PipelineAdmin(p)) as s:
+        want = httpx.post(s.url + "/v1/completions", json=ask, timeout=120).json()["choices"][0]["text"]
+        listed = drain()
+        assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 3, listed
+        assert all(r["node_id"] in listed.stdout for r in p.reports)
+        bad = drain("nosuchnode")
+        assert bad.returncode == 1 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1, bad
+        assert "no stage runs on that node" in bad.stderr
+        victim = p.reports[1]["node_id"]
+        text, chunks = "", 0
+        with httpx.stream("POST", s.url + "/v1/completions", json={**ask, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += __import__("json").loads(line[6:])["choices"][0]["text"]
+                    chunks += 1
+                    if chunks == 4:
+                        done = drain(victim[:10])
+        assert text == want
+        assert done.returncode == 0 and "3 stage(s) -> 2" in done.stdout, done
+        assert [r["node_id"] for r in p.reports if r["node_id"] == victim] == []
+        scraped = httpx.get(s.url + "/metrics").text
+        assert 'dist_runtime_replans_total{trigger="drain"} 1.0' in scraped
+        assert 'dist_runtime_replan_seconds_total{phase="load"}' in scraped
+        state = httpx.get(s.url + "/admin/pipeline").json()
+        assert len(state["stages"]) == 2 and state["drained"] == [victim] and state["replans"][0]["trigger"] == "drain"
+        assert httpx.post(s.url + "/admin/drain", json={"node": ""}).status_code == 400

@@ -132,6 +132,7 @@ class Repaired:
     channel: Channel
     stages: list[StageGraph] | None = None  # None: the same stages (dead ones replaced in place)
     max_kv_rows: int | None = None
+    micro_batches: int | None = None  # passes in flight that suit the new placement
     replan: Replan | None = None
 
 
@@ -529,6 +530,7 @@ class Coordinator:
         """Take the new stages of a re-plan; the newest of the ``lost`` sessions beyond what the
         new plan holds are shed (ended with an error).  Returns the record, kept in ``replans``."""
         self.stages, self.max_kv_rows = repaired.stages, repaired.max_kv_rows
+        self.micro_batches = repaired.micro_batches or self.micro_batches  # the next stream's
         replan = repaired.replan
         order = {sid: i for i, sid in enumerate(self.sessions)}  # admission order
         newest = sorted({s.sid for s in lost}, key=order.get, reverse=True)

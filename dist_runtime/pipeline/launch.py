@@ -233,7 +233,8 @@ class Pipeline:
         watch.mark("load")
         record = Replan(trigger, cause, old, stage_summary(plan, self.reports), held_sessions(plan), at,
                         watch.seconds)
-        return Repaired(self.actors, self.channel, stages=self.stages, max_kv_rows=kv_rows(plan), replan=record)
+        return Repaired(self.actors, self.channel, stages=self.stages, max_kv_rows=kv_rows(plan),
+                        micro_batches=self.micro_batches, replan=record)
 
     def prepare(self, keep: list[int], joined: Sequence[str] = (), shed: bool = True, trigger: str = "re-plan"):
         """(plan, stages, options) of a re-plan over the stages in ``keep`` and the ``joined``

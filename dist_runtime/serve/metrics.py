@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "dist_runtime_"
 
@@ -27,8 +27,6 @@ COUNTERS = {
     "generated_tokens": ("tokens generated", ()),
     "stage_busy_seconds": ("seconds each pipeline stage spent computing", ("stage",)),
     "recoveries": ("sessions rebuilt on a pipeline stage that replaced a failed one", ()),
-    "replans": ("times the pipeline was planned again over other nodes, by trigger", ("trigger",)),
-    "replan_seconds": ("seconds the pipeline's re-plans took, by phase (detect, plan, load, replay)", ("phase",)),
 }
 GAUGES = {
     "queued_sessions": "sessions waiting for their first token (queued or in prefill)",
@@ -173,6 +171,36 @@ class Metrics:
             self.registry.unregister(self._memory)
         self._memory = StageMemory(read, planned or list, wait)
         self.registry.register(self._memory)
+
+
+    def watch_replans(self, read: Callable[[], list]) -> None:
+        """Export the pipeline's re-plans (``read()``: the ``Replan`` records so far), read when
+        scraped: a drain while no request runs counts at once."""
+        self.registry.register(Replans(read))
+
+
+class Replans:
+    """A collector: ``dist_runtime_replans_total{trigger}`` and
+    ``dist_runtime_replan_seconds_total{phase}``, from the coordinator's records."""
+
+    def __init__(self, read: Callable[[], list]) -> None:
+        self.read = read
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        records = list(self.read())
+        count = CounterMetricFamily(PREFIX + "replans", "times the pipeline was planned again over other nodes, "
+                                    "by trigger", labels=("trigger",))
+        seconds = CounterMetricFamily(PREFIX + "replan_seconds", "seconds the pipeline's re-plans took, by "
+                                      "phase (detect, plan, load, replay)", labels=("phase",))
+        for trigger in sorted({r.trigger for r in records}):
+            count.add_metric((trigger,), sum(r.trigger == trigger for r in records))
+        for phase in sorted({p for r in records for p in r.seconds}):
+            seconds.add_metric((phase,), sum(r.seconds.get(phase, 0.0) for r in records))
+        yield count
+        yield seconds
 
 
 class StageMemory:

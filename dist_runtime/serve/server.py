@@ -61,7 +61,8 @@ def pipeline_backend(model: ServedModel, pipe, metrics: Metrics, *, max_queue: i
                          planned=lambda: [_planned(st.memory) for st in pipe.plan.stages])
     if model.kind == "embed":
         return Encoder(coordinator.run_many)
-    recovered, replanned = [0], [0]
+    recovered = [0]
+    metrics.watch_replans(lambda: coordinator.replans)
 
     def record() -> None:
         run = coordinator.last_run
@@ -70,11 +71,7 @@ def pipeline_backend(model: ServedModel, pipe, metrics: Metrics, *, max_queue: i
                 metrics.count("stage_busy_seconds", max(seconds, 0.0), stage=k)  # a counter refuses < 0
         metrics.count("recoveries", len(coordinator.recoveries) - recovered[0])
         recovered[0] = len(coordinator.recoveries)
-        for replan in coordinator.replans[replanned[0]:]:
-            metrics.count("replans", trigger=replan.trigger)
-            for phase, seconds in replan.seconds.items():
-                metrics.count("replan_seconds", seconds, phase=phase)
-        replanned[0] = len(coordinator.replans)
+
 
     return EngineBridge(coordinator, metrics, max_queue=max_queue, after_stream=record,
                         stream_options={"max_in_flight": max_in_flight})
