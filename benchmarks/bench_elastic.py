@@ -41,6 +41,7 @@ from dist_runtime.examples import LlamaConfig, llama_graph, llama_metadata, llam
 
 CFG = LlamaConfig(vocab=16000, hidden=512, layers=8, heads=8, kv_heads=4, ffn=1408)
 LABEL = {"pool": 0.01}
+MODEL_ID = "dist-runtime-bench-llama40m-F32"  # the served name: the file's, without .model
 
 
 def model_file() -> Path:
@@ -87,10 +88,13 @@ class Serving:
 
 def stream(url: str, prompt: list[int], tokens: int, out: dict, key, on_token=None) -> None:
     """One streamed completion: ``out[key]`` = (text, token arrival times, error)."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
     text, times, error = "", [], None
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"status {r.status_code}: {r.text[:200]}")
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -102,7 +106,7 @@ def stream(url: str, prompt: list[int], tokens: int, out: dict, key, on_token=No
                 times.append(time.perf_counter())
                 if on_token is not None:
                     on_token(len(times))
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, RuntimeError) as e:
         error = f"{type(e).__name__}: {e}"
     out[key] = (text, times, error)
 
