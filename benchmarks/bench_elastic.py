@@ -17,9 +17,10 @@ stream completions over HTTP (httpx, SSE) from threads of this process.  Printed
 4. a fresh 2-stage deployment on two nodes, tokens/s (median of ``--repeat``): the shrunk
    pipeline's throughput over it (target >= 0.9x);
 5. with ``--soak SECONDS`` (600 for the issue's soak), steady load (``--sessions`` streams kept
-   running) while every ``--every`` (90) s a stage's node is removed or a node is added, in turn:
-   requests lost (target 0), sessions left on the stages after (target 0), and this process's and
-   the stages' resident memory at the start and end (target: flat).
+   running by a client process of its own) while every ``--every`` (90) s a stage's node is
+   removed or a node is added, in turn: requests lost (target 0), sessions left on the stages
+   after (target 0), and the server's (this process's) resident memory after each change and the
+   stages' at the start and end (target: flat).
 
     .venv/bin/python benchmarks/bench_elastic.py [--soak 600]
 """
@@ -142,30 +143,56 @@ def rss(pid: int | None = None) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def soak(cluster, serving: Serving, asks, tokens: int, seconds: float, every: float) -> None:
-    import ray
-
-    pipe, stop, lost, done = serving.pipe, threading.Event(), [], [0]
+def soak_clients(url: str, asks, tokens: int, stop, done, lost) -> None:
+    """In a process of its own (the server's RSS is then the server's): one thread per prompt
+    streaming completions until ``stop`` is set; ``done`` counts requests, ``lost`` gets the
+    failures' reasons."""
 
     def client(i: int) -> None:
         while not stop.is_set():
             out: dict = {}
-            stream(serving.url, asks[i % len(asks)], tokens, out, 0)
+            stream(url, asks[i % len(asks)], tokens, out, 0)
             text, times, error = out[0]
             if error is not None or len(times) != tokens:
-                lost.append(error or f"{len(times)} of {tokens} tokens")
-            done[0] += 1
+                lost.put(error or f"{len(times)} of {tokens} tokens")
+            with done.get_lock():
+                done.value += 1
 
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(asks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def soak(cluster, serving: Serving, asks, tokens: int, seconds: float, every: float) -> None:
+    import multiprocessing
+    import queue
+
+    import ray
+
+    pipe, ctx = serving.pipe, multiprocessing.get_context("spawn")
+    stop, done, lost_q = ctx.Event(), ctx.Value("i", 0), ctx.Queue()
+    lost: list = []
+
+    def drain_lost() -> None:
+        try:
+            while True:
+                lost.append(lost_q.get_nowait())
+        except queue.Empty:
+            pass
+
+    clients = ctx.Process(target=soak_clients, args=(serving.url, asks, tokens, stop, done, lost_q))
+    clients.start()
+    time.sleep(min(every, 30.0) / 2)  # warmed up: the clients' streams are running
     start_rss = rss()
     stage_rss = [m["resident"] for m in pipe.memory()]
-    clients = [threading.Thread(target=client, args=(i,)) for i in range(len(asks))]
-    for t in clients:
-        t.start()
     t0, events, remove = time.monotonic(), [], True
     while time.monotonic() - t0 < seconds:
         time.sleep(min(every, max(0.0, seconds - (time.monotonic() - t0))))
         if time.monotonic() - t0 >= seconds:
             break
+        before, changed = len(pipe.stages), time.monotonic()
         if remove and len(pipe.stages) > 1:
             cluster.remove_node(node_of(cluster, pipe.reports[len(pipe.stages) // 2]["node_id"]))
             events.append("removed")
@@ -173,20 +200,25 @@ def soak(cluster, serving: Serving, asks, tokens: int, seconds: float, every: fl
             cluster.add_node(num_cpus=1, resources={"pool": 1})
             events.append("added")
         remove = not remove
-        print(f"  {time.monotonic() - t0:6.0f} s: node {events[-1]}; {done[0]} requests done, "
-              f"{len(lost)} lost, {len(pipe.stages)} stage(s)", flush=True)
+        while len(pipe.stages) == before and time.monotonic() - changed < 60:
+            time.sleep(0.2)
+        drain_lost()
+        print(f"  {time.monotonic() - t0:6.0f} s: node {events[-1]}; {before} -> {len(pipe.stages)} stage(s) "
+              f"in {time.monotonic() - changed:.1f} s; {done.value} requests done, {len(lost)} lost; "
+              f"server RSS {rss() / 2**20:.0f} MiB", flush=True)
     stop.set()
-    for t in clients:
-        t.join()
+    clients.join(300)
+    drain_lost()
     time.sleep(1.0)
     left = sum(len(s) for s in ray.get([a.sessions.remote() for a in pipe.actors]))
     end_rss = rss()
     stage_end = [m["resident"] for m in pipe.memory()]
     print(f"\nsoak {seconds:.0f} s, a node {' / '.join(events[:2])} every {every:.0f} s ({len(events)} changes, "
-          f"{len(pipe.coordinator.replans)} re-plans): {done[0]} requests, {len(lost)} lost"
+          f"{len(pipe.coordinator.replans)} re-plans in all): {done.value} requests, {len(lost)} lost"
           f"{(': ' + str(lost[:3])) if lost else ''}; sessions left on the stages: {left}")
     print(f"server RSS {start_rss / 2**20:.0f} -> {end_rss / 2**20:.0f} MiB; stages' RSS "
-          f"{[round(r / 2**20) for r in stage_rss]} -> {[round(r / 2**20) for r in stage_end]} MiB")
+          f"{[round(r / 2**20) for r in stage_rss]} -> {[round(r / 2**20) for r in stage_end]} MiB "
+          f"(the stages after the last change are not all the first ones)")
 
 
 def main() -> None:
@@ -252,7 +284,7 @@ def main() -> None:
             serving.close()
 
         # a fresh deployment on two nodes: the shrunk pipeline's reference
-        for node in cluster.worker_nodes[:-2]:
+        for node in list(cluster.worker_nodes)[:-2]:
             cluster.remove_node(node)
         fresh = Serving(path, stages=2, sessions=args.sessions, grow=False)
         try:

@@ -293,6 +293,14 @@ def test_run_telemetry_stays_bounded():
     assert run.tokens[0] == [0.5, 996.5, 250]
     summary = run.summary()
     assert summary["tokens"] == 100 and summary["session_decode_tokens_per_s"] > 0
+    # a server's stream: every request a new session, and the oldest of them forgotten
+    for step in range(1000, 1300):
+        run.submitted(step, [f"request-{step}"], "prefill", 4, float(step))
+        run.token(step, step + 0.25, 0.0)
+    assert len(run.session_start) == len(run.first_token) == len(run.tokens) == 100
+    assert "request-1299" in run.tokens and "request-1199" not in run.session_start
+    run.token(1299, 1299.5, 0.0, sessions=["request-1000"])  # a forgotten session is not brought back
+    assert "request-1000" not in run.first_token and run.summary()["ttft_ms_max"] == 250.0
 
 
 def test_thread_env_lets_idle_threads_sleep_when_oversubscribed():

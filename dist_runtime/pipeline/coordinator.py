@@ -49,7 +49,7 @@ from ..scheduling_defaults import DEFAULT_BATCH_TOKENS
 from ..transport import decode_message, encode_message
 from .channels import Channel
 from .cluster import call_all
-from .header import BatchSegment, StepHeader
+from .header import RECORDS_KEPT, BatchSegment, StepHeader
 from .replan import Replan
 from .subgraph import StageGraph
 from .telemetry import RunTelemetry
@@ -302,12 +302,13 @@ class Coordinator:
 
     def stream(self, requests: Iterable[Request], *, max_in_flight: int | None = None,
                max_batch_tokens: int | None = None, micro_batches: int | None = None,
-               inbox: Inbox | None = None) -> Iterator[TokenEvent]:
+               inbox: Inbox | None = None, telemetry_steps: int | None = None) -> Iterator[TokenEvent]:
         """Tokens as they are produced (see the module docstring).  ``max_in_flight`` bounds the
         resident sessions (more wait in the queue), ``max_batch_tokens`` the rows of one pass,
         ``micro_batches`` the passes travelling at once (default: :attr:`micro_batches`);
         ``inbox`` brings requests and cancellations that arrive meanwhile (taken whenever passes
-        are submitted; a cancelled session's KV caches are freed on every stage)."""
+        are submitted; a cancelled session's KV caches are freed on every stage);
+        ``telemetry_steps`` bounds the step records :attr:`last_run` keeps (default: RECORDS_KEPT)."""
         self._check_generative()
         requests = list(requests)
         check_requests(requests)
@@ -316,7 +317,8 @@ class Coordinator:
         for req in requests:
             self._admit(sched, req)
         slots = micro_batches or self.micro_batches
-        run = self.last_run = RunTelemetry(len(self.stages), micro_batches=slots)
+        run = self.last_run = RunTelemetry(len(self.stages), micro_batches=slots,
+                                            max_steps=telemetry_steps or RECORDS_KEPT)
         run_started = time.time()
         inflight: deque[_Flight] = deque()
         attempts = 0  # recoveries since the last token

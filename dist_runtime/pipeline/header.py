@@ -107,6 +107,12 @@ def _flag(meta: dict, key: str) -> bool:
     return value
 
 
+#: Step records a run keeps, the oldest dropped first, on the driver and on each stage (between two
+#: collections): a server's endless stream stays within a few MiB per process (~700 bytes a step on
+#: the driver, ~300 on a stage), and its figures describe the last RECORDS_KEPT steps.
+RECORDS_KEPT = 32_768
+
+
 class StageRecord(NamedTuple):
     """One step as a stage saw it: wall-clock start and end (to line stages up on one timeline),
     the seconds spent decoding, computing and encoding, and when the stage's previous call ended

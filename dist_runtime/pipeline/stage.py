@@ -29,13 +29,10 @@ from ..batched_pass import Segment
 from ..errors import DistRuntimeError, TransportError
 from ..kernels.elementwise import argmax
 from ..transport import decode_message, encode_message
-from .header import BatchSegment, StageRecord, StepHeader
+from .header import RECORDS_KEPT, BatchSegment, StageRecord, StepHeader
 from .options import MAX_SESSIONS
 from .subgraph import StageGraph
 from .weights import fingerprint, held_bytes, resident_file_bytes
-
-#: Telemetry records kept between two ``telemetry()`` calls (the oldest are dropped first).
-MAX_RECORDS = 200_000
 
 #: The scratch session a stage warms up on when it gets its weights (a name no driver uses:
 #: the coordinator's sessions are the caller's ids, and one-off passes are "run:<step>").
@@ -83,7 +80,7 @@ class StageWorker:
         self._weights: dict = {}
         self._model = None  # keeps the mapping open while the executor uses its views
         self.source: str | None = None
-        self._records: deque = deque(maxlen=MAX_RECORDS)
+        self._records: deque = deque(maxlen=RECORDS_KEPT)
         self._last_end = 0.0  # wall time the previous call finished: queue wait is measured from it
         self.steps = 0
         self.errors = 0

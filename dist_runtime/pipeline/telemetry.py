@@ -25,7 +25,7 @@ from html import escape
 from typing import Hashable
 
 from ..partitioner.svg import fit, text_width
-from .header import StageRecord
+from .header import RECORDS_KEPT, StageRecord
 from .replan import PHASES, Replan
 
 
@@ -68,15 +68,10 @@ class StepRecord:
         return self.done - self.stages[-1].end
 
 
-#: Step records one run keeps, the oldest dropped first: a stream serving for hours stays bounded
-#: (its figures then describe the last MAX_STEPS steps).
-MAX_STEPS = 200_000
-
-
 class RunTelemetry:
     """Everything measured in one run (``Coordinator.stream`` / ``generate``)."""
 
-    def __init__(self, num_stages: int, max_steps: int = MAX_STEPS, micro_batches: int = 1) -> None:
+    def __init__(self, num_stages: int, max_steps: int = RECORDS_KEPT, micro_batches: int = 1) -> None:
         self.num_stages = num_stages
         self.micro_batches = micro_batches
         self.max_steps = max_steps
@@ -91,7 +86,12 @@ class RunTelemetry:
     def submitted(self, step: int, sessions, kind: str, rows: int, at: float, queued: int = 0, slot: int = 0) -> None:
         self.steps[step] = StepRecord(step, tuple(sessions), kind, rows, at, queued, slot)
         for session in sessions:
-            self.session_start.setdefault(session, at)
+            if session not in self.session_start:
+                self.session_start[session] = at
+                if len(self.session_start) > self.max_steps:  # a server's sessions never end
+                    oldest = next(iter(self.session_start))
+                    for seen in (self.session_start, self.first_token, self.tokens):
+                        seen.pop(oldest, None)
         if len(self.steps) > self.max_steps:
             self.steps.pop(next(iter(self.steps)))
 
@@ -99,11 +99,13 @@ class RunTelemetry:
         """Step ``step``'s reply was in hand at ``at``; ``sessions`` got a token each (default:
         every session of the step)."""
         rec = self.steps.get(step)
-        if rec is None:  # dropped while in flight (MAX_STEPS)
+        if rec is None:  # dropped while in flight (max_steps)
             return
         sessions = rec.sessions if sessions is None else sessions
         rec.done, rec.sample, rec.sampled = at, sample_seconds, len(sessions)
         for session in sessions:
+            if session not in self.session_start:  # dropped (max_steps): a session of long ago
+                continue
             self.first_token.setdefault(session, at)
             seen = self.tokens.setdefault(session, [at, at, 0])
             seen[1], seen[2] = at, seen[2] + 1

@@ -27,6 +27,9 @@ from .served_model import ServedModel
 
 #: Seconds a read of the stages' memory may take (a scrape shows the last values meanwhile).
 MEMORY_TIMEOUT = 30.0
+#: Step records a served pipeline's stream keeps: only the stages' busy seconds are read from them
+#: (after each stream), and the stream of a busy server may run for days.
+SERVE_STEPS = 4096
 
 
 def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int, max_queue: int,
@@ -74,7 +77,7 @@ def pipeline_backend(model: ServedModel, pipe, metrics: Metrics, *, max_queue: i
 
 
     return EngineBridge(coordinator, metrics, max_queue=max_queue, after_stream=record,
-                        stream_options={"max_in_flight": max_in_flight})
+                        stream_options={"max_in_flight": max_in_flight, "telemetry_steps": SERVE_STEPS})
 
 
 def pipeline_health(pipe) -> Callable[[], str | dict | None]:
