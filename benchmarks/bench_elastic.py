@@ -143,6 +143,11 @@ def rss(pid: int | None = None) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
+def mib(nbytes):
+    """Bytes (or a list of them) in whole MiB."""
+    return [mib(b) for b in nbytes] if isinstance(nbytes, list) else round(nbytes / 2**20)
+
+
 def soak_clients(url: str, asks, tokens: int, stop, done, lost) -> None:
     """In a process of its own (the server's RSS is then the server's): one thread per prompt
     streaming completions until ``stop`` is set; ``done`` counts requests, ``lost`` gets the
@@ -192,7 +197,7 @@ def soak(cluster, serving: Serving, asks, tokens: int, seconds: float, every: fl
         time.sleep(min(every, max(0.0, seconds - (time.monotonic() - t0))))
         if time.monotonic() - t0 >= seconds:
             break
-        before, changed = len(pipe.stages), time.monotonic()
+        before, replans, changed = len(pipe.stages), len(pipe.coordinator.replans), time.monotonic()
         if remove and len(pipe.stages) > 1:
             cluster.remove_node(node_of(cluster, pipe.reports[len(pipe.stages) // 2]["node_id"]))
             events.append("removed")
@@ -200,12 +205,15 @@ def soak(cluster, serving: Serving, asks, tokens: int, seconds: float, every: fl
             cluster.add_node(num_cpus=1, resources={"pool": 1})
             events.append("added")
         remove = not remove
-        while len(pipe.stages) == before and time.monotonic() - changed < 60:
+        while len(pipe.coordinator.replans) == replans and time.monotonic() - changed < 60:
             time.sleep(0.2)
         drain_lost()
+        now = pipe.memory()
         print(f"  {time.monotonic() - t0:6.0f} s: node {events[-1]}; {before} -> {len(pipe.stages)} stage(s) "
               f"in {time.monotonic() - changed:.1f} s; {done.value} requests done, {len(lost)} lost; "
-              f"server RSS {rss() / 2**20:.0f} MiB", flush=True)
+              f"server RSS {mib(rss())} MiB; stages' RSS {mib([m['resident'] for m in now])} "
+              f"(weights {mib([m['weights'] for m in now])}) MiB", flush=True)
+    loaded_rss, loaded_stages = rss(), [m["resident"] for m in pipe.memory()]
     stop.set()
     clients.join(300)
     drain_lost()
@@ -216,8 +224,8 @@ def soak(cluster, serving: Serving, asks, tokens: int, seconds: float, every: fl
     print(f"\nsoak {seconds:.0f} s, a node {' / '.join(events[:2])} every {every:.0f} s ({len(events)} changes, "
           f"{len(pipe.coordinator.replans)} re-plans in all): {done.value} requests, {len(lost)} lost"
           f"{(': ' + str(lost[:3])) if lost else ''}; sessions left on the stages: {left}")
-    print(f"server RSS {start_rss / 2**20:.0f} -> {end_rss / 2**20:.0f} MiB; stages' RSS "
-          f"{[round(r / 2**20) for r in stage_rss]} -> {[round(r / 2**20) for r in stage_end]} MiB "
+    print(f"server RSS {mib(start_rss)} -> {mib(loaded_rss)} MiB under load, {mib(end_rss)} after; stages' RSS "
+          f"{mib(stage_rss)} -> {mib(loaded_stages)} under load, {mib(stage_end)} after "
           f"(the stages after the last change are not all the first ones)")
 
 

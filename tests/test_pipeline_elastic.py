@@ -158,7 +158,8 @@ def test_a_drained_node_loses_no_request(cluster, nodes, model, caplog):
 def test_an_operator_drains_a_served_pipeline(cluster, nodes, model):
     """``dist-runtime drain`` against a running server, as an operator runs it (another process):
     it lists the stages' nodes, refuses an unknown node in one line, and drains a node while a
-    stream runs; the stream's text is that of an undisturbed run, /metrics counts the re-plan."""
+    stream runs; /health says recovering with each phase, then ok; the stream's text is that of
+    an undisturbed run, /metrics counts the re-plan."""
     import subprocess
     import sys
 
@@ -187,6 +188,17 @@ def test_an_operator_drains_a_served_pipeline(cluster, nodes, model):
         assert bad.returncode == 1 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1, bad
         assert "no stage runs on that node" in bad.stderr
         victim = p.reports[1]["node_id"]
+        healths: list = []
+        real_replan = p.replan
+
+        def observed_replan(keep, trigger, cause, progress=lambda phase: None, **kw):
+            def observed(phase: str) -> None:  # /health as a client sees it in each phase
+                progress(phase)
+                healths.append(httpx.get(s.url + "/health", timeout=30).json())
+
+            return real_replan(keep, trigger, cause, observed, **kw)
+
+        p.replan = observed_replan
         text, chunks = "", 0
         with httpx.stream("POST", s.url + "/v1/completions", json={**ask, "stream": True}, timeout=120) as r:
             for line in r.iter_lines():
@@ -197,6 +209,8 @@ def test_an_operator_drains_a_served_pipeline(cluster, nodes, model):
                         done = drain(victim[:10])
         assert text == want
         assert done.returncode == 0 and "3 stage(s) -> 2" in done.stdout, done
+        assert [(h["status"], h["phase"]) for h in healths] == [("recovering", "planning"), ("recovering", "loading")]
+        assert httpx.get(s.url + "/health").json()["status"] == "ok"
         assert [r["node_id"] for r in p.reports if r["node_id"] == victim] == []
         scraped = httpx.get(s.url + "/metrics").text
         assert 'dist_runtime_replans_total{trigger="drain"} 1.0' in scraped

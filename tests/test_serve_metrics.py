@@ -84,7 +84,7 @@ def test_counters_histograms_and_memory_of_a_local_server(tmp_path):
     assert value(got, "dist_runtime_requests_total", endpoint="/v1/chat/completions", status=200) == 1
     assert value(got, "dist_runtime_prompt_tokens_total") == prompt
     assert value(got, "dist_runtime_generated_tokens_total") == generated
-    assert value(got, "dist_runtime_recoveries_total") == 0
+    assert "dist_runtime_recoveries" not in got and "dist_runtime_stage_busy_seconds" not in got  # a pipeline's
     assert value(got, "dist_runtime_queued_sessions") == value(got, "dist_runtime_running_sessions") == 0
     for name in HISTOGRAMS:
         assert got[f"dist_runtime_{name}"].type == "histogram"

@@ -669,7 +669,7 @@ class Coordinator:
         """Fetch the stages' records of this run and join them with the driver's."""
 
         try:
-            records = call_all(self.actors, "telemetry", timeout=self.timeout)
+            records = call_all(self.actors, "telemetry", min(run.steps, default=0), timeout=self.timeout)
         except Exception:  # noqa: BLE001 -- telemetry must not mask the run's own outcome
             return
         for k, recs in enumerate(records):

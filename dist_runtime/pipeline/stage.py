@@ -84,6 +84,7 @@ class StageWorker:
         self._last_end = 0.0  # wall time the previous call finished: queue wait is measured from it
         self.steps = 0
         self.errors = 0
+        self.busy = 0.0  # seconds spent in steps since this process started (/metrics reads it)
         # The direct channel runs steps in its link thread while Ray calls reset, reports and
         # telemetry on the actor's main thread: one lock keeps the executor's sessions consistent.
         self._lock = threading.Lock()
@@ -243,6 +244,7 @@ class StageWorker:
         except BaseException:
             self.errors += 1
             self._last_end = time.time()
+            self.busy += self._last_end - start
             raise
         t3 = time.perf_counter()
         end = time.time()
@@ -251,6 +253,7 @@ class StageWorker:
                                              self._last_end))
             self._last_end = end
             self.steps += 1
+            self.busy += end - start
         return reply
 
     def _run(self, tensors: dict, header: StepHeader) -> dict:
@@ -294,10 +297,11 @@ class StageWorker:
         return {name: outputs[name] for name in stage.sends}
 
     # -- reports -------------------------------------------------------------------------------
-    def telemetry(self) -> list[StageRecord]:
-        """Records since the last call."""
+    def telemetry(self, first_step: int = 0) -> list[StageRecord]:
+        """Records since the last call, of steps ``first_step`` and later (the older ones the
+        driver no longer keeps are not sent)."""
         with self._lock:
-            records = list(self._records)
+            records = [r for r in self._records if r.step >= first_step]
             self._records.clear()
         return records
 
@@ -322,10 +326,11 @@ class StageWorker:
 
     def memory(self) -> dict[str, Any]:
         """This stage's process: resident bytes now and at peak, its weights' bytes, and its KV
-        caches' bytes in use and reserved."""
+        caches' bytes in use and reserved; beside them ``busy_seconds``, the seconds it has spent
+        in steps since it started (read with the memory: one call when /metrics is scraped)."""
         own = self._executor.memory() if self._executor is not None else {
             **(process_memory() or {}), "kv_in_use": 0, "kv_reserved": 0}
-        return {**own, "weights": held_bytes(self._weights)}
+        return {**own, "weights": held_bytes(self._weights), "busy_seconds": self.busy}
 
     # -- the direct channel's link (see links.py) -----------------------------------------------
     def open_link(self, token: bytes) -> tuple[str, int]:

@@ -71,11 +71,9 @@ class Subscription:
 class EngineBridge:
     """One engine thread for many asyncio requests (see the module docstring)."""
 
-    def __init__(self, engine, metrics: Metrics, *, max_queue: int = 64, stream_options: dict | None = None,
-                 after_stream: Callable[[], None] | None = None) -> None:
+    def __init__(self, engine, metrics: Metrics, *, max_queue: int = 64, stream_options: dict | None = None) -> None:
         self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
         self.stream_options = stream_options or {}
-        self.after_stream = after_stream  # e.g. the pipeline's telemetry into the metrics
         self.inbox = _TimedInbox(metrics)
         self._lock = threading.Lock()
         self._routes: dict[Hashable, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -154,9 +152,6 @@ class EngineBridge:
                 self.error = e
                 self._fail_all(e)
                 return
-            finally:
-                if self.after_stream is not None:
-                    self.after_stream()
 
     def _route(self, event: TokenEvent) -> None:
         with self._lock:

@@ -25,8 +25,6 @@ COUNTERS = {
     "requests": ("HTTP API requests answered, by endpoint and status code", ("endpoint", "status")),
     "prompt_tokens": ("prompt tokens accepted", ()),
     "generated_tokens": ("tokens generated", ()),
-    "stage_busy_seconds": ("seconds each pipeline stage spent computing", ("stage",)),
-    "recoveries": ("sessions rebuilt on a pipeline stage that replaced a failed one", ()),
 }
 GAUGES = {
     "queued_sessions": "sessions waiting for their first token (queued or in prefill)",
@@ -109,10 +107,11 @@ class Metrics:
         self._metrics[name].observe(value)
 
     def get(self, name: str, **labels) -> float:
-        """A counter's or gauge's value now (0 when never set); a histogram's count."""
+        """A counter's or gauge's value now (0 when never set); a histogram's count; a watched
+        value (the stages', the pipeline's) as a scrape reads it."""
         wanted = {k: str(v) for k, v in labels.items()}
         names = {PREFIX + name + suffix for suffix in ("", "_total", "_count")}
-        for family in self._metrics[name].collect():
+        for family in self._metrics[name].collect() if name in self._metrics else self.registry.collect():
             for sample in family.samples:
                 if sample.name in names and sample.labels == wanted:
                     return sample.value
@@ -173,24 +172,27 @@ class Metrics:
         self.registry.register(self._memory)
 
 
-    def watch_replans(self, read: Callable[[], list]) -> None:
-        """Export the pipeline's re-plans (``read()``: the ``Replan`` records so far), read when
-        scraped: a drain while no request runs counts at once."""
-        self.registry.register(Replans(read))
+    def watch_pipeline(self, replans: Callable[[], list], recoveries: Callable[[], int]) -> None:
+        """Export the pipeline's re-plans (``replans()``: the ``Replan`` records so far) and
+        recoveries (``recoveries()``: sessions rebuilt so far), read when scraped: a server's
+        stream may never end, and a drain while no request runs counts at once."""
+        self.registry.register(PipelineEvents(replans, recoveries))
 
 
-class Replans:
-    """A collector: ``dist_runtime_replans_total{trigger}`` and
-    ``dist_runtime_replan_seconds_total{phase}``, from the coordinator's records."""
+class PipelineEvents:
+    """A collector: ``dist_runtime_recoveries_total``, ``dist_runtime_replans_total{trigger}``
+    and ``dist_runtime_replan_seconds_total{phase}``, from the coordinator's records."""
 
-    def __init__(self, read: Callable[[], list]) -> None:
-        self.read = read
+    def __init__(self, replans: Callable[[], list], recoveries: Callable[[], int]) -> None:
+        self.replans, self.recoveries = replans, recoveries
 
     def describe(self):
         return []
 
     def collect(self):
-        records = list(self.read())
+        yield CounterMetricFamily(PREFIX + "recoveries", "sessions rebuilt on a pipeline stage that replaced a "
+                                  "failed one", value=self.recoveries())
+        records = list(self.replans())
         count = CounterMetricFamily(PREFIX + "replans", "times the pipeline was planned again over other nodes, "
                                     "by trigger", labels=("trigger",))
         seconds = CounterMetricFamily(PREFIX + "replan_seconds", "seconds the pipeline's re-plans took, by "
@@ -204,7 +206,8 @@ class Replans:
 
 
 class StageMemory:
-    """A collector: ``dist_runtime_stage_memory_bytes{stage, kind}`` read when scraped, and
+    """A collector: ``dist_runtime_stage_memory_bytes{stage, kind}`` and
+    ``dist_runtime_stage_busy_seconds_total{stage}`` read when scraped, and
     ``dist_runtime_stage_memory_planned_bytes{stage, kind}``, the plan's estimate.
 
     One read runs at a time, on a thread of its own; a scrape waits for it at most ``wait``
@@ -222,8 +225,17 @@ class StageMemory:
         return []  # nothing to check at registration: its names are its own
 
     def collect(self):
+        latest = self._latest()
         yield _family("stage_memory_bytes", "bytes each pipeline stage's process holds, by kind "
-                      "(resident, peak, weights, kv_in_use, kv_reserved)", self._latest())
+                      "(resident, peak, weights, kv_in_use, kv_reserved)",
+                      [{kind: v for kind, v in kinds.items() if kind != "busy_seconds"} for kinds in latest])
+        busy = CounterMetricFamily(PREFIX + "stage_busy_seconds", "seconds each pipeline stage's process has "
+                                   "spent in steps (from 0 again when a stage's process is new)", labels=("stage",))
+        for k, kinds in enumerate(latest):
+            if "busy_seconds" in kinds:
+                busy.add_metric((str(k),), kinds["busy_seconds"])
+        if busy.samples:  # a pipeline's stages: one process serving has none
+            yield busy
         planned = self.planned()
         if planned:
             yield _family("stage_memory_planned_bytes", "the plan's estimate of each stage's memory, by kind "

@@ -27,8 +27,8 @@ from .served_model import ServedModel
 
 #: Seconds a read of the stages' memory may take (a scrape shows the last values meanwhile).
 MEMORY_TIMEOUT = 30.0
-#: Step records a served pipeline's stream keeps: only the stages' busy seconds are read from them
-#: (after each stream), and the stream of a busy server may run for days.
+#: Step records a served pipeline's stream keeps (``Coordinator.last_run``, for whoever inspects it):
+#: the stream of a busy server may run for days.
 SERVE_STEPS = 4096
 
 
@@ -57,26 +57,15 @@ def local_backend(model: ServedModel, metrics: Metrics, *, max_batch_tokens: int
 
 def pipeline_backend(model: ServedModel, pipe, metrics: Metrics, *, max_queue: int,
                      max_in_flight: int | None = None) -> EngineBridge | Encoder:
-    """The model on a deployed ``Pipeline``'s stages; after every stream the stages' busy time
-    and the recoveries go into the metrics, and each scrape reads the stages' memory."""
+    """The model on a deployed ``Pipeline``'s stages; each scrape of the metrics reads the stages'
+    memory and busy seconds and the coordinator's recoveries and re-plans."""
     coordinator = pipe.coordinator
     metrics.watch_memory(lambda: pipe.memory(timeout=MEMORY_TIMEOUT),
                          planned=lambda: [_planned(st.memory) for st in pipe.plan.stages])
     if model.kind == "embed":
         return Encoder(coordinator.run_many)
-    recovered = [0]
-    metrics.watch_replans(lambda: coordinator.replans)
-
-    def record() -> None:
-        run = coordinator.last_run
-        if run is not None and run.steps:
-            for k, seconds in enumerate(_stage_busy(run)):
-                metrics.count("stage_busy_seconds", max(seconds, 0.0), stage=k)  # a counter refuses < 0
-        metrics.count("recoveries", len(coordinator.recoveries) - recovered[0])
-        recovered[0] = len(coordinator.recoveries)
-
-
-    return EngineBridge(coordinator, metrics, max_queue=max_queue, after_stream=record,
+    metrics.watch_pipeline(lambda: coordinator.replans, lambda: len(coordinator.recoveries))
+    return EngineBridge(coordinator, metrics, max_queue=max_queue,
                         stream_options={"max_in_flight": max_in_flight, "telemetry_steps": SERVE_STEPS})
 
 
@@ -140,12 +129,6 @@ def _planned(memory) -> dict:
     kinds = {"weights": memory.weights, "kv": memory.kv, "activations": memory.activations,
              "reserve": memory.reserve, "total": memory.total}
     return kinds | ({"budget": memory.budget} if memory.budget is not None else {})
-
-
-def _stage_busy(run) -> list[float]:
-    """Seconds each stage computed during ``run`` (its telemetry's busy share of the wall time)."""
-    summary = run.summary()
-    return [s["busy_pct"] / 100 * summary["wall_s"] for s in summary["stages"]]
 
 
 class Server:
