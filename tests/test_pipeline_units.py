@@ -83,6 +83,18 @@ def test_cut_matches_plan_and_reference(model, model_path, n):
         assert got.dtype == np.float32
 
 
+def test_a_stage_counts_its_busy_seconds_and_sends_only_the_records_asked_for(model, model_path):
+    plan = make_plan(model.graph, stages=2, max_context=64)
+    workers = _workers(stages_for_plan(model.graph, plan), model_path)
+    for step, (tokens, pos) in enumerate((([3, 1, 4], 0), ([9], 3), ([2], 4)), start=1):
+        _run(workers, _message(tokens, "s", pos, step=step))
+    first = workers[0]
+    records = first.telemetry(first_step=2)  # the driver keeps steps 2 and later only
+    assert [r.step for r in records] == [2, 3] and first.telemetry() == []  # and the rest is gone
+    busy = first.memory()["busy_seconds"]
+    assert busy >= sum(r.end - r.start for r in records) > 0  # every step counts, sent or not
+
+
 def test_forwarded_tensor_skips_a_stage(model, model_path):
     """Stage 1 takes only layer 0's k projection: the residual stream and the normed input skip
     past it to stage 2 (received and sent on unchanged, outside its executor)."""

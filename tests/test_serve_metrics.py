@@ -174,6 +174,26 @@ def test_a_failed_memory_read_keeps_the_last_values():
     assert planned == {"0": {"weights": 3, "budget": 10}}
 
 
+def test_stage_busy_seconds_and_recoveries_are_read_when_scraped():
+    """A busy server's stream never ends: what the stages and the coordinator counted so far is
+    read at each scrape, not when a stream ends."""
+    busy = iter([[{"resident": 9, "busy_seconds": 1.5}, {"resident": 8, "busy_seconds": 0.5}],
+                 [{"resident": 9, "busy_seconds": 2.5}, {"resident": 8, "busy_seconds": 0.75}]])
+    recoveries = [0]
+    metrics = Metrics()
+    metrics.watch_memory(lambda: next(busy), wait=5.0)
+    metrics.watch_pipeline(list, lambda: recoveries[0])
+    families = {f.name: f for f in parser.text_string_to_metric_families(metrics.text())}
+    assert value(families, "dist_runtime_stage_busy_seconds_total", stage=0) == 1.5
+    assert value(families, "dist_runtime_stage_busy_seconds_total", stage=1) == 0.5
+    assert memory(families) == {"0": {"resident": 9}, "1": {"resident": 8}}  # busy is not a memory kind
+    assert value(families, "dist_runtime_recoveries_total") == 0
+    recoveries[0] = 3
+    families = {f.name: f for f in parser.text_string_to_metric_families(metrics.text())}
+    assert value(families, "dist_runtime_stage_busy_seconds_total", stage=0) == 2.5
+    assert value(families, "dist_runtime_recoveries_total") == 3
+
+
 def test_each_metrics_has_its_own_registry():
     a, b = Metrics(), Metrics()
     a.count("requests", endpoint="/x", status=200)
