@@ -171,7 +171,6 @@ class Metrics:
         self._memory = StageMemory(read, planned or list, wait)
         self.registry.register(self._memory)
 
-
     def watch_pipeline(self, replans: Callable[[], list], recoveries: Callable[[], int]) -> None:
         """Export the pipeline's re-plans (``replans()``: the ``Replan`` records so far) and
         recoveries (``recoveries()``: sessions rebuilt so far), read when scraped: a server's
