@@ -192,6 +192,9 @@ def test_stage_busy_seconds_and_recoveries_are_read_when_scraped():
     families = {f.name: f for f in parser.text_string_to_metric_families(metrics.text())}
     assert value(families, "dist_runtime_stage_busy_seconds_total", stage=0) == 2.5
     assert value(families, "dist_runtime_recoveries_total") == 3
+    assert metrics.get("recoveries") == 3
+    with pytest.raises(KeyError):  # a misspelt name is not a 0
+        metrics.get("recovery")
 
 
 def test_each_metrics_has_its_own_registry():

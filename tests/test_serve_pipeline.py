@@ -38,8 +38,7 @@ def _texts(url: str, stream: bool = False) -> list[str]:
 
 
 def _eventually(check, seconds: float = 30.0) -> bool:
-    """The pipeline's telemetry reaches the metrics when the engine's stream has ended, just
-    after the last answer."""
+    """A scrape waits for the stages' reports at most a second, then shows the last ones read."""
     deadline = time.monotonic() + seconds
     while not check() and time.monotonic() < deadline:
         time.sleep(0.05)

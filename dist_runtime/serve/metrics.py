@@ -52,6 +52,10 @@ HISTOGRAMS = {
     "request_generation_tokens": ("tokens a request generated", None),
 }
 
+#: What the collectors of watch_memory and watch_pipeline export, read when scraped.
+WATCHED = ("stage_memory_bytes", "stage_memory_planned_bytes", "stage_busy_seconds", "recoveries", "replans",
+           "replan_seconds")
+
 #: How long a scrape waits for the stages' memory before it shows the last values read.
 MEMORY_WAIT = 1.0
 
@@ -108,7 +112,10 @@ class Metrics:
 
     def get(self, name: str, **labels) -> float:
         """A counter's or gauge's value now (0 when never set); a histogram's count; a watched
-        value (the stages', the pipeline's) as a scrape reads it."""
+        value (the stages', the pipeline's) as a scrape reads it.  A name that is neither is a
+        ``KeyError``, not 0."""
+        if name not in self._metrics and name not in WATCHED:
+            raise KeyError(f"no metric {name!r}")
         wanted = {k: str(v) for k, v in labels.items()}
         names = {PREFIX + name + suffix for suffix in ("", "_total", "_count")}
         for family in self._metrics[name].collect() if name in self._metrics else self.registry.collect():
