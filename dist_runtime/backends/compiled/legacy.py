@@ -1,13 +1,15 @@
 """Kernels of the GGML legacy block types Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (layouts: kernels/quant.py).
 
 Threads take output rows ``n`` (``prange``); each weight row is read once, block by block, for all
-rows of ``x``.  On the vector path (``cpu.AVX2``) a :mod:`.simd_int8` intrinsic runs a whole
-weight row against a tile of rows of ``x`` (f32: 8 rows where the CPU has 32 vector registers,
-then 4, then one at a time; q8_0: 4, then one, one call taking a thread's whole range of weight
-rows), each block decoded once per tile; the portable path decodes each block once for all rows
-into a small scratch and runs plain loops (block length passed at run time so that numba does
-not unroll them): a fallback, measured 10-20x slower than the vector path here.  Both keep, for
-every ``(m, n)``, one fixed sequence of operations whatever ``M``: bitwise batch-invariant.
+rows of ``x`` (q8_0 activations of more than a few rows: once per tile of ``x``, from L2, a span
+of weight rows at a time: :data:`.registry.WEIGHT_SPAN_BYTES`).  On the vector path
+(``cpu.AVX2``) a :mod:`.simd_int8` intrinsic runs a whole weight row against a tile of rows of
+``x`` (f32: 8 rows where the CPU has 32 vector registers, then 4, then one at a time; q8_0: 4,
+then one, one call taking a span of weight rows), each block decoded once per tile; the portable
+path decodes each block once for all rows into a small scratch and runs plain loops (block length
+passed at run time so that numba does not unroll them): a fallback, measured 10-20x slower than
+the vector path here.  Both keep, for every ``(m, n)``, one fixed sequence of operations whatever
+``M``: bitwise batch-invariant.
 
 Activations (``q8``):
 
@@ -41,7 +43,7 @@ from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
 from . import cpu
 from .cache import jit
-from .registry import CHUNKS, LEGACY, X_ROWS, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
+from .registry import CHUNKS, LEGACY, SPAN_MIN_ROWS, WEIGHT_SPAN_BYTES, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
 from .simd_int8 import FORMATS, GROUP, GROUP_BYTES, LANES, centre, unsigned_centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
@@ -235,7 +237,7 @@ def _quantized(x, qk, c):
 
 
 if cpu.AVX2:
-    from .simd_int8 import f32_rows, q8_rows, quantize_row
+    from .simd_int8 import TILES, f32_rows, q8_rows, quantize_row
 
     _F32_EIGHT, _F32_FOUR, _F32_ONE = f32_rows(8), f32_rows(4), f32_rows(1)
     #: Tiles of 8 rows of ``x`` where 32 vector registers hold their accumulators: the 125M
@@ -267,12 +269,24 @@ if cpu.AVX2:
                 _F32_ONE(w, x, xsum, out, n, m, nb, fmt)
                 m += 1
 
+    #: Rows of ``x`` in a tile of a product of many rows: :func:`q8_rows`' largest.
+    _X_TILE = TILES[0]
+
     @jit(nogil=True)
     def _q8_avx2(xp, xn, xd, xs, w, out, fmt, _qk, lo, hi):  # _qk: the portable signature
+        """Weight rows ``lo..hi`` against every row of ``x``; more than :data:`SPAN_MIN_ROWS` rows
+        in spans of weight rows (:data:`WEIGHT_SPAN_BYTES`), each span against one tile of ``x``
+        after another.  Every (m, n) is the same call's operations whatever the order."""
         m = xp.shape[0]
-        for m0 in range(0, m, 128):
-            m1 = min(m, m0 + 128)
-            _Q8_ROWS(w, xp[m0:m1], xn[m0:m1], xd[m0:m1], xs[m0:m1], out[m0:m1], lo, hi, fmt)
+        if m <= SPAN_MIN_ROWS:
+            _Q8_ROWS(w, xp, xn, xd, xs, out, lo, hi, fmt)
+            return
+        span = max(_X_TILE, WEIGHT_SPAN_BYTES // w.shape[1])
+        for n0 in range(lo, hi, span):
+            n1 = min(hi, n0 + span)
+            for m0 in range(0, m, _X_TILE):
+                m1 = min(m, m0 + _X_TILE)
+                _Q8_ROWS(w, xp[m0:m1], xn[m0:m1], xd[m0:m1], xs[m0:m1], out[m0:m1], n0, n1, fmt)
 
 
     @jit(nogil=True)

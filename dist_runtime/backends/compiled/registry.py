@@ -40,12 +40,25 @@ class Route(NamedTuple):
 #: ms a token against 17.4-17.7 / 7.9-8.7 / 5.5-6.5 with 1 MB and 20.6 / 10.5 (F32 / Q8_0) with 64
 #: KB.  Same bits either way: threads never split a row's sum.
 SERIAL_BYTES = 1 << 19
-#: Rows of ``x`` a thread runs its weight rows against at a time (products of many rows: a prefill
-#: chunk's).  Each weight row streams the whole of its tile's quantized ``x``; 512 rows of K = 3072
-#: (4.5 MB as Q8_0 activations with their scales) leave the L2 cache and every weight row then waits
-#: on them: 8192 x 3072, two threads, at M = 512 (Zen 3), Q8_0 100 GFLOP/s in one tile against 137
-#: in tiles of 32 (16: 137, 64: 132, 128: 122); Q4_K 143 against 192.
+#: Rows of ``x`` a thread runs its K-quant weight rows against at a time (products of many rows: a
+#: prefill chunk's).  Each weight row streams the whole of its tile's quantized ``x``; 512 rows of
+#: K = 3072 (4.5 MB as Q8_K activations with their scales) leave the L2 cache and every weight row
+#: then waits on them: 8192 x 3072, two threads, at M = 512 (Zen 3), Q4_K 143 GFLOP/s in one tile
+#: against 192 in tiles of 32, Q6_K 108 against 131.  Walking the weight rows in spans instead (as
+#: the legacy blocks do, :data:`WEIGHT_SPAN_BYTES`) gained them nothing: each of their tiles decodes
+#: its super-blocks again, so they want the larger tiles of ``x`` that stay in L2 rather than L1.
 X_ROWS = 32
+#: Bytes of a thread's weight rows that the legacy blocks' products of more than
+#: :data:`SPAN_MIN_ROWS` rows run every tile of ``x`` against in turn: the tile's quantized rows
+#: (4 of them: 18 KB at K = 3072) stay in L1 while the span's rows come from L2, where each weight
+#: row streaming tiles of 32 rows from L2 has every tile's loads wait there.  Q8_0, two threads,
+#: medians of interleaved runs (Zen 3): 8192 x 3072 at M = 512 0.81-0.84x the time of tiles of
+#: 128 rows a weight row, 0.92x of tiles of 32; 3072 x 8192 0.86-0.89x; at M = 64 0.87x, M = 32
+#: 0.95x; spans of 16-64 rows of K = 3072 no different from each other, of 128 0.92x.
+WEIGHT_SPAN_BYTES = 128 << 10
+#: Rows of ``x`` up to which a legacy product runs each weight row against all of them at once: at
+#: M = 16 the weight's own bytes come from memory and the spans' extra passes cost (1.03x the time).
+SPAN_MIN_ROWS = 16
 #: Chunks of weight rows a threaded product hands out (a multiple of any thread count here).
 CHUNKS = 64
 
