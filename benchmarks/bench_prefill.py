@@ -8,8 +8,9 @@ decode more finely).
 Ours runs as ``dist-runtime generate`` does (``GraphExecutor`` with the default backends and
 numerics, F16 KV caches, ``LocalEngine``: one idle session's prompt goes in passes of 512 rows);
 llama.cpp as llama-cpp-python's ``Llama.eval`` does (``n_batch`` 512, ``n_ubatch`` 512).  Each
-engine runs in a child process of its own, first a short prompt (compiling, loading the weights
-into memory), then ``--repeat`` timed prompts of each length; medians.
+engine runs in a child process of its own, first an untimed prompt of :data:`WARM` tokens
+(compiling, loading the weights into memory), then ``--repeat`` timed prompts of each length;
+medians.
 
 Run as (see the OPENBLAS trap in shared/notes/performance.md)::
 
@@ -35,14 +36,14 @@ from dist_runtime.executor import GraphExecutor
 from dist_runtime.scheduling import Request
 from dist_runtime.sampling import Sampling
 model, lengths, repeat, kv, decode = (sys.argv[1], [int(n) for n in sys.argv[2].split(",")], int(sys.argv[3]),
-                                      sys.argv[4], int(sys.argv[5]))
+                                      sys.argv[4], int(sys.argv[5]))  # argv[6]: WARM
 ex = GraphExecutor(model, kv_dtype=kv)
 engine = LocalEngine(ex)
 def ttft(n, tag):
     prompt = [1 + (7 * i) % 1000 for i in range(n)]
     req = Request(session=tag, prompt=prompt, max_new_tokens=1, sampling=Sampling.from_options(greedy=True))
     return generate(engine, [req]).sessions[0].first_token_seconds
-ttft(32, "warm")
+ttft(int(sys.argv[6]), "warm")
 times = {n: [ttft(n, f"{n}-{i}") for i in range(repeat)] for n in lengths}
 if decode:
     greedy = Sampling.from_options(greedy=True)
@@ -56,7 +57,7 @@ LLAMA_CHILD = """
 import json, sys, time
 from llama_cpp import Llama
 path, lengths, repeat, decode = sys.argv[1], [int(n) for n in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
-llm = Llama(model_path=path, n_ctx=max(lengths) + 16, n_batch=512, n_ubatch=512, n_threads=2,
+llm = Llama(model_path=path, n_ctx=max(lengths + [int(sys.argv[5])]) + 16, n_batch=512, n_ubatch=512, n_threads=2,
             n_threads_batch=2, verbose=False)
 def ttft(n):
     llm.reset()
@@ -64,7 +65,7 @@ def ttft(n):
     t0 = time.perf_counter()
     llm.eval(prompt)
     return time.perf_counter() - t0
-ttft(32)
+ttft(int(sys.argv[5]))
 times = {n: [ttft(n) for _ in range(repeat)] for n in lengths}
 def tokens_per_second():
     llm.reset()
@@ -77,6 +78,12 @@ if decode:
     times[0] = [tokens_per_second() for _ in range(repeat)]
 print(json.dumps(times))
 """
+
+
+#: The untimed first prompt of each engine: longer than a row's first piece of keys
+#: (``attention_pieces.SPLIT_KEYS``), so that it takes every path a long prompt takes.  After a
+#: 32-token one, on a cold kernel cache, the first 512-token prompt still paid ~5 s of compiling.
+WARM = 300
 
 
 def child(code: str, *argv: str) -> dict[int, list[float]]:
@@ -130,11 +137,11 @@ def main() -> None:
         model = gguf_path.with_suffix(".model")
         if not model.exists():
             subprocess.run([str(bin_), "convert", str(gguf_path), "-o", str(model), "-q"], check=True)
-        ours = child(OURS_CHILD, str(model), args.lengths, str(args.repeat), args.kv_dtype, str(args.decode))
+        ours = child(OURS_CHILD, str(model), args.lengths, str(args.repeat), args.kv_dtype, str(args.decode), str(WARM))
         theirs = None
         if not args.no_llama_cpp:
             try:
-                theirs = child(LLAMA_CHILD, str(gguf_path), args.lengths, str(args.repeat), str(args.decode))
+                theirs = child(LLAMA_CHILD, str(gguf_path), args.lengths, str(args.repeat), str(args.decode), str(WARM))
             except RuntimeError as e:
                 print(f"llama.cpp: {e}", file=sys.stderr)
         for n, times in ours.items():
