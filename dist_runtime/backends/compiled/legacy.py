@@ -43,7 +43,7 @@ from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
 from . import cpu
 from .cache import jit
-from .registry import CHUNKS, LEGACY, SPAN_MIN_ROWS, WEIGHT_SPAN_BYTES, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
+from .registry import CHUNKS, DECODED_SPAN_BYTES, LEGACY, SPAN_MIN_ROWS, WEIGHT_SPAN_BYTES, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
 from .simd_int8 import FORMATS, GROUP, GROUP_BYTES, LANES, centre, unsigned_centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
@@ -237,7 +237,7 @@ def _quantized(x, qk, c):
 
 
 if cpu.AVX2:
-    from .simd_int8 import TILES, f32_rows, q8_rows, quantize_row
+    from .simd_int8 import DECODED_GROUP, TILES, decode_pairs, f32_rows, q8_rows, quantize_row
 
     _F32_EIGHT, _F32_FOUR, _F32_ONE = f32_rows(8), f32_rows(4), f32_rows(1)
     #: Tiles of 8 rows of ``x`` where 32 vector registers hold their accumulators: the 125M
@@ -245,6 +245,7 @@ if cpu.AVX2:
     #: of 4 on Q8_0 / Q4_0, no different on Q4_1 or at K = 4096.
     _EIGHTS = cpu.REGISTERS >= 32
     _Q8_ROWS = q8_rows(cpu.WIDE)
+    _Q8_DECODED = q8_rows(False, decoded=True)
 
     @jit(nogil=True)
     def _quantize_all(x, _qk, c, xp, xn, xd, xs):
@@ -275,18 +276,31 @@ if cpu.AVX2:
     @jit(nogil=True)
     def _q8_avx2(xp, xn, xd, xs, w, out, fmt, _qk, lo, hi):  # _qk: the portable signature
         """Weight rows ``lo..hi`` against every row of ``x``; more than :data:`SPAN_MIN_ROWS` rows
-        in spans of weight rows (:data:`WEIGHT_SPAN_BYTES`), each span against one tile of ``x``
-        after another.  Every (m, n) is the same call's operations whatever the order."""
+        in spans of weight rows (:data:`WEIGHT_SPAN_BYTES`; on the 256-bit path
+        :data:`DECODED_SPAN_BYTES` of them decoded by :func:`.simd_int8.decode_pairs`, which each
+        tile then loads), each span against one tile of ``x`` after another.
+        Every (m, n) is the same operations on the same values whatever the order."""
         m = xp.shape[0]
         if m <= SPAN_MIN_ROWS:
             _Q8_ROWS(w, xp, xn, xd, xs, out, lo, hi, fmt)
             return
-        span = max(_X_TILE, WEIGHT_SPAN_BYTES // w.shape[1])
+        if cpu.WIDE:
+            span = max(_X_TILE, WEIGHT_SPAN_BYTES // w.shape[1])
+            for n0 in range(lo, hi, span):
+                n1 = min(hi, n0 + span)
+                for m0 in range(0, m, _X_TILE):
+                    m1 = min(m, m0 + _X_TILE)
+                    _Q8_ROWS(w, xp[m0:m1], xn[m0:m1], xd[m0:m1], xs[m0:m1], out[m0:m1], n0, n1, fmt)
+            return
+        row_bytes = xp.shape[1] // GROUP_BYTES * DECODED_GROUP
+        span = max(_X_TILE, DECODED_SPAN_BYTES // row_bytes)
+        decoded = np.empty((min(span, hi - lo), row_bytes), np.uint8)
         for n0 in range(lo, hi, span):
             n1 = min(hi, n0 + span)
+            decode_pairs(w, decoded, n0, n1, fmt)
             for m0 in range(0, m, _X_TILE):
                 m1 = min(m, m0 + _X_TILE)
-                _Q8_ROWS(w, xp[m0:m1], xn[m0:m1], xd[m0:m1], xs[m0:m1], out[m0:m1], n0, n1, fmt)
+                _Q8_DECODED(decoded, xp[m0:m1], xn[m0:m1], xd[m0:m1], xs[m0:m1], out[m0:m1], n0, n1, fmt)
 
 
     @jit(nogil=True)

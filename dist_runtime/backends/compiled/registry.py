@@ -56,6 +56,13 @@ X_ROWS = 32
 #: 128 rows a weight row, 0.92x of tiles of 32; 3072 x 8192 0.86-0.89x; at M = 64 0.87x, M = 32
 #: 0.95x; spans of 16-64 rows of K = 3072 no different from each other, of 128 0.92x.
 WEIGHT_SPAN_BYTES = 128 << 10
+#: Bytes of the weight rows of a span as the 256-bit path decodes them once for every tile of ``x``
+#: (:func:`.simd_int8.decode_pairs`: 384 bytes a group of 4 blocks, 2.8x Q8_0's own).  Q8_0, two
+#: threads, medians of interleaved runs (Zen 3), against spans decoded again by every tile: 8192 x
+#: 3072 at M = 512 0.80-0.87x the time, 3072 x 8192 0.87-0.94x, M = 64 0.90x, M = 32 0.92x; with
+#: 256 KB 3072 x 8192 took 0.98x (spans of 10 rows: every tile of ``x``, 48 KB there, comes back
+#: from L2 every few rows).
+DECODED_SPAN_BYTES = 384 << 10
 #: Rows of ``x`` up to which a legacy product runs each weight row against all of them at once: at
 #: M = 16 the weight's own bytes come from memory and the spans' extra passes cost (1.03x the time).
 SPAN_MIN_ROWS = 16

@@ -362,13 +362,63 @@ def _quad_halves(builder, grp, bb, at, lanes):
     return builder.fpext(builder.bitcast(picked, ir.VectorType(ir.HalfType(), lanes)), ir.VectorType(F32, lanes))
 
 
+def _each_group(builder, row, rows_left, wcols, fmt, bb, wide, copy, body):
+    """``body(g, grp)`` for each group of 4 blocks of the weight row at ``row`` (``grp``: its
+    first byte), in order; ``rows_left``: rows from this one to the array's end.  Whole groups
+    whose loads stay in the array (rows are C-contiguous: a row's end is the next one's start) are
+    read in place; the others go through ``copy`` (256 bytes), zeros past the row's end."""
+    span, far = GROUP * bb, reach(fmt, bb, wide)
+    nb = builder.sdiv(wcols, _i(bb))
+    total = builder.sdiv(builder.add(nb, _i(GROUP - 1)), _i(GROUP))
+    room = builder.sub(builder.mul(rows_left, wcols), _i(far))  # g * span + far <= bytes from the row on
+    direct = builder.select(builder.icmp_signed("<", room, _i(0)), _i(0),
+                            builder.add(builder.sdiv(room, _i(span)), _i(1)))
+    full = builder.sdiv(nb, _i(GROUP))
+    direct = builder.select(builder.icmp_signed("<", direct, full), direct, full)
+    with cgutils.for_range(builder, direct) as gl:
+        start = builder.mul(gl.index, _i(span))
+        # The 256-bit path into L2 only: with the L1 hint as well, from memory on 2 threads,
+        # every format takes 1.02-1.07x the time at M = 1 and 1.02-1.03x at M = 4 (Zen 3;
+        # none at all: 1.13-1.21x).  The 512-bit path keeps both (not measured without).
+        simd.prefetch_ahead(builder, row, start, span, near=wide)
+        body(gl.index, builder.gep(row, [start]))
+    with cgutils.for_range(builder, total, start=direct) as gl:
+        start = builder.mul(gl.index, _i(span))
+        left = builder.sub(wcols, start)
+        cgutils.memset(builder, copy, _i(256), 0)
+        cgutils.raw_memcpy(builder, copy, builder.gep(row, [start]),
+                           builder.select(builder.icmp_signed("<", left, _i(span)), left, _i(span)), 1)
+        body(gl.index, copy)
+
+
 #: Tiles of rows of ``x`` that :func:`q8_rows` runs each decoded group against, largest first.
 #: Tiles of 8 rows took 1.0-1.2x the time of tiles of 4 (512-bit path, one thread, in cache,
 #: M = 8-64); of 2, or 4 then 2, no different from 4: the rows' own work is the limit there.
 TILES = (4, 1)
 
 
-def q8_rows(wide: bool):
+#: Bytes of a pair of blocks decoded by :func:`decode_pairs` for :func:`q8_rows` (256-bit path):
+#: the unsigned codes (elements 0-15 of both blocks, then 16-31), the signed ones whose signs
+#: Q8_0's go by, the blocks' ``d`` as 8 f32 lanes and their ``m`` as 2: 32 bytes a field.
+PAIR_BYTES = 192
+#: Bytes of a decoded group of 4 blocks.
+DECODED_GROUP = 2 * PAIR_BYTES
+
+
+def _pair_fields(builder, blk0, blk1, fmt):
+    """What :func:`q8_rows`' 256-bit step takes of two adjacent blocks: unsigned codes ``lo``,
+    ``hi``; ``signs`` (Q8_0 without VNNI: the signed codes, whose signs the row's codes take; the
+    unsigned ones are then their absolute values, as ggml's AVX2 q8_0); ``d`` and ``m`` (affine)
+    as <8 x float>."""
+    lo, hi = _pair_codes(builder, blk0, blk1, fmt)
+    signs = None
+    if fmt.bits == 8 and not cpu.VNNI:
+        signs, (lo, hi) = (lo, hi), [_call(builder, "llvm.x86.avx2.psign.b", V32B, v, v) for v in (lo, hi)]
+    mw = _pair_halves(builder, blk0, blk1, 2) if fmt.affine else None
+    return lo, hi, signs, _pair_scales(builder, blk0, blk1, fmt), mw
+
+
+def q8_rows(wide: bool, decoded: bool = False):
     """``q8_rows(wide)(w, xp, xn, xd, xs, out, lo, hi, fmt)``: ``out[m, n] = x[m] . W[n]`` for every
     row ``m`` of ``x`` and ``lo <= n < hi``, on activations quantized per 32-block to Q8_0 / Q8_1
     and laid out by groups of 4 blocks (``legacy._quantized``): codes ``xp`` int8 [M, G * 128],
@@ -390,7 +440,11 @@ def q8_rows(wide: bool):
     whose loads would pass the array's end, or with fewer than 4 blocks, is first copied into
     zeros on the stack: its missing blocks then add ``+0.0`` to their lanes, which leaves them as
     they are (a lane starts at ``+0.0`` and so never holds ``-0.0``).  The format switch is outside
-    the loops over ``n``: inside them it cost a third of the 512-bit path's speed."""
+    the loops over ``n``: inside them it cost a third of the 512-bit path's speed.
+
+    ``decoded`` (256-bit path only): ``w`` holds weight rows ``lo..hi`` as :func:`decode_pairs`
+    leaves them (row ``n - lo``), every group whole: each tile loads its pairs' fields where the
+    other way decodes them again (:data:`.registry.DECODED_SPAN_BYTES`)."""
 
     @intrinsic
     def run(typingctx, w, xp, xn, xd, xs, out, lo, hi, fmt):
@@ -448,39 +502,22 @@ def q8_rows(wide: bool):
                     step(g, 0, lo, hi, _quad_halves(builder, grp, bb, 0, LANES), mw, None)
                     return
                 for h in (0, 1):
+                    if decoded:  # the fields as decode_pairs stores them
+                        pair = builder.gep(grp, [_i(h * PAIR_BYTES)])
+                        lo, hi, slo, shi = (_load(builder, pair, _i(32 * f), V32B) for f in range(4))
+                        dw, mw = _load(builder, pair, _i(32 * 4), V8F), _load(builder, pair, _i(32 * 5), vm)
+                        signs = (slo, shi) if fmt.bits == 8 and not cpu.VNNI else None
+                        step(g, h, lo, hi, dw, mw if fmt.affine else None, signs)
+                        continue
                     blk0 = builder.gep(grp, [_i(2 * h * bb)])
-                    blk1 = builder.gep(blk0, [_i(bb)])
-                    lo, hi = _pair_codes(builder, blk0, blk1, fmt)
-                    signs = None
-                    if fmt.bits == 8 and not cpu.VNNI:  # |w| and x carrying w's sign, as ggml's AVX2 q8_0
-                        signs, (lo, hi) = (lo, hi), [_call(builder, "llvm.x86.avx2.psign.b", V32B, v, v) for v in (lo, hi)]
-                    mw = _pair_halves(builder, blk0, blk1, 2) if fmt.affine else None
-                    step(g, h, lo, hi, _pair_scales(builder, blk0, blk1, fmt), mw, signs)
+                    lo, hi, signs, dw, mw = _pair_fields(builder, blk0, builder.gep(blk0, [_i(bb)]), fmt)
+                    step(g, h, lo, hi, dw, mw, signs)
 
-            span, far = GROUP * bb, reach(fmt, bb, wide)
-            nb = builder.sdiv(wcols, _i(bb))
-            total = builder.sdiv(builder.add(nb, _i(GROUP - 1)), _i(GROUP))
-            # Whole groups whose loads stay in the array (rows are C-contiguous: a row's end is
-            # the next one's start) are read in place: g * span + far <= bytes from the row on.
-            room = builder.sub(builder.mul(builder.sub(wa_rows, n_), wcols), _i(far))
-            direct = builder.select(builder.icmp_signed("<", room, _i(0)), _i(0),
-                                    builder.add(builder.sdiv(room, _i(span)), _i(1)))
-            full = builder.sdiv(nb, _i(GROUP))
-            direct = builder.select(builder.icmp_signed("<", direct, full), direct, full)
-            with cgutils.for_range(builder, direct) as gl:
-                start = builder.mul(gl.index, _i(span))
-                # The 256-bit path into L2 only: with the L1 hint as well, from memory on 2 threads,
-                # every format takes 1.02-1.07x the time at M = 1 and 1.02-1.03x at M = 4 (Zen 3;
-                # none at all: 1.13-1.21x).  The 512-bit path keeps both (not measured without).
-                simd.prefetch_ahead(builder, row, start, span, near=wide)
-                group(gl.index, builder.gep(row, [start]))
-            with cgutils.for_range(builder, total, start=direct) as gl:
-                start = builder.mul(gl.index, _i(span))
-                left = builder.sub(wcols, start)
-                cgutils.memset(builder, copy, _i(256), 0)
-                cgutils.raw_memcpy(builder, copy, builder.gep(row, [start]),
-                                   builder.select(builder.icmp_signed("<", left, _i(span)), left, _i(span)), 1)
-                group(gl.index, copy)
+            if decoded:
+                with cgutils.for_range(builder, groups) as gl:
+                    group(gl.index, builder.gep(row, [builder.mul(gl.index, _i(DECODED_GROUP))]))
+            else:
+                _each_group(builder, row, builder.sub(wa_rows, n_), wcols, fmt, bb, wide, copy, group)
             for r in range(rows):
                 lanes = builder.load(acc[r][0]) if wide else builder.fadd(*(builder.load(a) for a in acc[r]))
                 result = simd.hsum(builder, lanes)
@@ -492,7 +529,8 @@ def q8_rows(wide: bool):
         def loop(fmt, bb):
             with cgutils.for_range(builder, hi_, start=lo_) as nl:
                 n_ = nl.index
-                row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
+                at = builder.sub(n_, lo_) if decoded else n_  # a decoded span's rows start at lo
+                row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(at, wst[0])])
                 m_ = _i(0)
                 for rows in TILES:  # as many tiles of each size as fit, the largest first
                     count = builder.sdiv(builder.sub(m_rows, m_), _i(rows)) if rows > 1 else builder.sub(m_rows, m_)
@@ -505,6 +543,43 @@ def q8_rows(wide: bool):
         return context.get_dummy_value()
 
     return run
+
+
+@intrinsic
+def decode_pairs(typingctx, w, out, lo, hi, fmt):
+    """Weight rows ``lo..hi`` of ``w`` (u8, rows of blocks of format ``fmt``) into ``out`` (u8,
+    row ``n - lo``, :data:`DECODED_GROUP` bytes a group of 4 blocks, the last group completed with
+    zero blocks) as :func:`q8_rows` (``decoded``) reads them: each pair of blocks' unsigned codes,
+    signed codes, ``d`` and ``m`` (:data:`PAIR_BYTES`), the same values the 256-bit path decodes
+    in place (a missing block: codes 0, ``d`` 0, as the copy of a last group gives it)."""
+    def codegen(context, builder, sig, args):
+        (wa, (wa_rows, wcols), wst), (oa, _, ost) = (_array(context, builder, t, v) for t, v in zip(sig.args[:2], args[:2]))
+        lo_, hi_, code = args[2:]
+        copy = builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(I8, 256)), I8.as_pointer())
+        zero = ir.Constant(V32B, None)
+
+        def loop(fmt, bb):
+            with cgutils.for_range(builder, hi_, start=lo_) as nl:
+                n_ = nl.index
+                row = builder.gep(builder.bitcast(wa.data, I8.as_pointer()), [builder.mul(n_, wst[0])])
+                dst = builder.gep(builder.bitcast(oa.data, I8.as_pointer()), [builder.mul(builder.sub(n_, lo_), ost[0])])
+
+                def group(g, grp):
+                    base = builder.gep(dst, [builder.mul(g, _i(DECODED_GROUP))])
+                    for h in (0, 1):
+                        blk0 = builder.gep(grp, [_i(2 * h * bb)])
+                        lo, hi, signs, dw, mw = _pair_fields(builder, blk0, builder.gep(blk0, [_i(bb)]), fmt)
+                        fields = (lo, hi, *(signs or (zero, zero)), dw, mw if mw is not None else ir.Constant(V8F, None))
+                        pair = builder.gep(base, [_i(h * PAIR_BYTES)])
+                        for f, v in enumerate(fields):
+                            builder.store(v, builder.bitcast(builder.gep(pair, [_i(32 * f)]), v.type.as_pointer()), align=1)
+
+                _each_group(builder, row, builder.sub(wa_rows, n_), wcols, fmt, bb, False, copy, group)
+
+        _by_format(builder, code, loop)
+        return context.get_dummy_value()
+
+    return types.void(w, out, lo, hi, fmt), codegen
 
 
 @intrinsic
