@@ -5,11 +5,12 @@ rows of ``x`` (q8_0 activations of more than a few rows: once per tile of ``x``,
 of weight rows at a time: :data:`.registry.WEIGHT_SPAN_BYTES`).  On the vector path
 (``cpu.AVX2``) a :mod:`.simd_int8` intrinsic runs a whole weight row against a tile of rows of
 ``x`` (f32: 8 rows where the CPU has 32 vector registers, then 4, then one at a time; q8_0: 4,
-then one, one call taking a span of weight rows), each block decoded once per tile; the portable
-path decodes each block once for all rows into a small scratch and runs plain loops (block length
-passed at run time so that numba does not unroll them): a fallback, measured 10-20x slower than
-the vector path here.  Both keep, for every ``(m, n)``, one fixed sequence of operations whatever
-``M``: bitwise batch-invariant.
+then one, one call taking a span of weight rows), each block decoded once per tile (a span of
+many rows on the 256-bit path: once for all tiles, :data:`.registry.DECODED_SPAN_BYTES`); the
+portable path decodes each block once for all rows into a small scratch and runs plain loops
+(block length passed at run time so that numba does not unroll them): a fallback, measured 10-20x
+slower than the vector path here.  Both keep, for every ``(m, n)``, one fixed sequence of
+operations whatever ``M``: bitwise batch-invariant.
 
 Activations (``q8``):
 
@@ -43,7 +44,8 @@ from ...dtypes import DType
 from ...kernels.quant import QK, _LEGACY
 from . import cpu
 from .cache import jit
-from .registry import CHUNKS, DECODED_SPAN_BYTES, LEGACY, SPAN_MIN_ROWS, WEIGHT_SPAN_BYTES, Drivers, Route, block_sums, joint_chunks, joint_part, joint_slots, run, serial
+from .registry import (CHUNKS, DECODED_SPAN_BYTES, LEGACY, SPAN_MIN_ROWS, WEIGHT_SPAN_BYTES, Drivers, Route,
+                       block_sums, joint_chunks, joint_part, joint_slots, run, serial)
 from .simd_int8 import FORMATS, GROUP, GROUP_BYTES, LANES, centre, unsigned_centre
 
 #: per format code: bits, centre, byte offset of the codes, affine (0/1), block bytes.
