@@ -408,8 +408,8 @@ DECODED_GROUP = 2 * PAIR_BYTES
 def _pair_fields(builder, blk0, blk1, fmt):
     """What :func:`q8_rows`' 256-bit step takes of two adjacent blocks: unsigned codes ``lo``,
     ``hi``; ``signs`` (Q8_0 without VNNI: the signed codes, whose signs the row's codes take; the
-    unsigned ones are then their absolute values, as ggml's AVX2 q8_0); ``d`` and ``m`` (affine)
-    as <8 x float>."""
+    unsigned ones are then their absolute values, as ggml's AVX2 q8_0); ``d`` as <8 x float>
+    (block 0's in lanes 0-3) and ``m`` (affine) as <2 x float>."""
     lo, hi = _pair_codes(builder, blk0, blk1, fmt)
     signs = None
     if fmt.bits == 8 and not cpu.VNNI:
