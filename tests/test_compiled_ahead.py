@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import dist_runtime.backends.program.vm as vm
-from dist_runtime.backends.compiled import ahead, cache
+from dist_runtime.backends.compiled import ahead, cache, cpu, launch
+from dist_runtime.backends.compiled import attention as compiled_attention
 
 from test_program import HEAD64, executors
 
@@ -58,10 +59,29 @@ def test_the_child_is_told_the_signatures_execute_compiles(monkeypatch):
     given = tuple(numba.typeof(a) for a in (code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts,
                                             positions, threads, spec, *kernels))
     prepared = vm._prepare.overloads[vm._prepare_types(given)]
-    work, launch = vm._signatures(given, prepared.signature.return_type)
-    assert work in vm._work.overloads and launch in vm._launch.overloads
+    work, launched = vm._signatures(given, prepared.signature.return_type)
+    assert work in vm._work.overloads and launched in launch._launch.overloads
     assert vm._loaded(given)
     assert not ahead.enabled() and vm.ready(*seen[0])  # a library caller: compiles on the call
+
+
+def test_the_attention_s_child_compiles_what_a_long_context_runs():
+    """compiled_attention._compiled gives the serial driver's, the threaded one's worker's and its
+    launch's argument types as a context past SERIAL_KV_BYTES runs them (read-only K/V, as a KV
+    cache hands them out): what warm() has a child compile is what the threaded pass loads."""
+    head_dim, heads, keys = 64, 4, 2048
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, heads * head_dim), dtype=np.float32)
+    k, v = (rng.standard_normal((keys, head_dim), dtype=np.float32) for _ in range(2))
+    k.flags.writeable = v.flags.writeable = False
+    out = np.empty_like(q)
+    assert not compiled_attention.serial(1, keys, k.nbytes) or numba.get_num_threads() == 1
+    compiled_attention.attention_rows(q, k, v, heads, 1, head_dim, True, 0, out)
+    compiled_attention.attention_rows(q, k[:5], v[:5], heads, 1, head_dim, True, 0, out)  # the serial driver
+    spec = compiled_attention.SPECS((cpu.PATH, head_dim))
+    given = tuple(numba.typeof(a) for a in (spec, q, k, v, heads, 1, head_dim, True, 0, out))
+    for dispatcher, signature in compiled_attention._compiled(given):
+        assert tuple(signature) in dispatcher.overloads, dispatcher
 
 
 def test_a_child_that_failed_leaves_the_compile_to_the_caller(monkeypatch, tmp_path):
@@ -75,15 +95,16 @@ def test_a_child_that_failed_leaves_the_compile_to_the_caller(monkeypatch, tmp_p
 
 SCRIPT = textwrap.dedent("""
     import json, sys, time
+    import numba
     import numpy as np
     sys.path.insert(0, sys.argv[1])
     from test_program import HEAD64, RUNS, executors, same_bits
     import dist_runtime.backends.program.vm as vm
-    from dist_runtime.backends.compiled import ahead
+    from dist_runtime.backends.compiled import ahead, launch
 
     calls = []
     real = vm.execute
-    vm.execute = lambda *args: (calls.append(len(calls)), real(*args))[1]
+    vm.execute = lambda *args: (calls.append(args), real(*args))[1]
     ahead.enable()
     ex, steps = executors(HEAD64)
     passes, first, deadline = 0, None, time.monotonic() + 600
@@ -98,8 +119,13 @@ SCRIPT = textwrap.dedent("""
         ex.reset(); steps.reset()
         assert time.monotonic() < deadline, "the child never made the program ready"
         time.sleep(0.2)
+    code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, threads, spec, kernels = calls[0]
+    given = tuple(numba.typeof(a) for a in (code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts,
+                                            positions, threads, spec, *kernels))
+    _, launched = vm._signatures(given, vm._prepare.overloads[vm._prepare_types(given)].signature.return_type)
+    # the program's launch alone: the attention's steps meanwhile compile their own in-process
     print(json.dumps({"first": first, "passes": passes, "calls": len(calls),
-                      "misses": sum(vm._work._cache_misses.values()) + sum(vm._launch._cache_misses.values())}))
+                      "misses": sum(vm._work._cache_misses.values()) + launch._launch._cache_misses.get(launched, 0)}))
 """)
 
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from dist_runtime.backends.compiled import cache, cpu, rows
+from dist_runtime.backends.compiled import cache, cpu, launch, rows
 from dist_runtime.backends.program import vm
 
 
 def test_every_kernel_is_cached_under_the_version_directory():
-    for fn in (rows.rms_rows, vm._work, vm._launch):
+    for fn in (rows.rms_rows, vm._work, launch._launch):
         path = Path(fn._cache._cache_path)
         assert path.parent == cache.DIRECTORY / "backends" or path.parent.parent == cache.DIRECTORY, path
     assert cache.DIRECTORY.name == f"{cache.digest(cache.SOURCES)[:16]}-{cpu.PATH}"

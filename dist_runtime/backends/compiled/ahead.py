@@ -74,13 +74,6 @@ def rebuild(obj) -> object:
     raise ValueError(f"not a described numba type: {obj!r}")
 
 
-def ready(module: str, functions: list, given: tuple) -> bool:
-    """Whether every dispatcher of ``functions`` is loaded for argument types ``given`` (from
-    this process or the cache); else a child compiles them (``module.compile_ahead``) and False
-    until it ends."""
-    return all(load(f, given) is not None for f in functions) or not running(module, [describe(t) for t in given])
-
-
 def load(dispatcher, signature: tuple):
     """``dispatcher``'s compiled code for ``signature``, from this process or numba's cache
     (added to the dispatcher as its own ``compile`` adds a cache hit), or None: never compiles."""

@@ -43,7 +43,7 @@ import math
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import prange, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -51,7 +51,7 @@ from ...attention_pieces import GROUP_ROWS, PIECES, SPLIT_KEYS
 from ...dtypes import DType
 from ...kernels.quant import dequantize
 from ...tensor import QuantizedArray
-from . import ahead, cpu, simd
+from . import ahead, cpu, launch, simd, spin
 from .cache import jit
 
 # Reassociation lets the reductions vectorise; no "nnan"/"ninf", so NaN and inf propagate as in
@@ -673,21 +673,44 @@ def _attention_serial(spec, q, k, v, num_heads, kv_heads, head_dim, causal, wind
     _merge(starts, sums, stats, num_heads, head_dim, out)
 
 
-@jit(nogil=True, parallel=True)
+@_jit
+def _attend_tasks(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, tasks, sums, stats, counter,
+                  threads):
+    """One of ``threads`` threads' share of :func:`_attention_threaded`: a contiguous run of the
+    tasks, the ``counter[0]``-th of ``threads`` (as ``prange`` hands them out: each thread reads
+    its own stretch of the keys; each task writes its own pieces' results, the same bits on any
+    thread)."""
+    me, count = spin.fetch_add(counter, 0), tasks.shape[0]
+    for task in range(me * count // threads, (me + 1) * count // threads):
+        _attend_task(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, tasks, task, sums, stats)
+
+
 def _attention_threaded(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, out):
-    """The pieces over the threads.  Pieces of keys, not parts of the kv heads: two threads
-    reading alternate halves of each row of K read 9-15 GB/s here, against 27-30 for halves of the
-    rows (each core's prefetcher fetches the other's lines too), and one row over 1024 keys split
-    by kv heads takes 146-151 us on two threads from memory, 157-185 on one; in pieces 90-97."""
+    """The pieces over the threads (:func:`_attend_tasks` on each, called by its address:
+    :mod:`.launch`).  Pieces of keys, not parts of the kv heads: two threads reading alternate
+    halves of each row of K read 9-15 GB/s here, against 27-30 for halves of the rows (each core's
+    prefetcher fetches the other's lines too), and one row over 1024 keys split by kv heads takes
+    146-151 us on two threads from memory, 157-185 on one; in pieces 90-97."""
     starts, sums, stats = _scratch(q.shape[0], k.shape[0], causal, window, num_heads, head_dim)
     tasks = _tasks(starts)
-    for task in prange(tasks.shape[0]):
-        _attend_task(spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, tasks, task, sums, stats)
+    threads = max(1, min(numba.get_num_threads(), tasks.shape[0]))
+    args = (spec, q, k, v, num_heads, kv_heads, head_dim, causal, window, starts, tasks, sums, stats,
+            np.zeros(1, np.int64), threads)
+    launch.run(_attend_tasks, args, threads)
     _merge(starts, sums, stats, num_heads, head_dim, out)
 
 
+def _compiled(given: tuple) -> list:
+    """What :func:`attention_rows` runs for argument types ``given`` (those of
+    :func:`_attention_serial`), as ``(dispatcher, signature)``: the serial driver, the threaded
+    one's worker and its launch."""
+    scratch = (types.int64[::1], types.int64[:, ::1], types.float32[:, ::1], types.float32[:, :, ::1], types.int64[::1],
+               types.int64)
+    worker = (*given[:9], *scratch)
+    return [(_attention_serial, given), (_attend_tasks, worker), (launch._launch, launch.signature(worker, types.int64))]
+
+
 _WARM: set[int] = set()
-_DRIVERS = (_attention_serial, _attention_threaded)
 
 
 def warm(head_dim: int) -> None:
@@ -708,17 +731,18 @@ def warm(head_dim: int) -> None:
     kv.flags.writeable = False  # as a KV cache hands them out: numba compiles read-only arrays apart
     args = (spec, q, kv, kv, 1, 1, head_dim, True, 0, out)
     if ahead.enabled():  # in a child, not holding up this process's first pass
-        ahead.ready(__name__, _DRIVERS, tuple(numba.typeof(a) for a in args))
+        given = tuple(numba.typeof(a) for a in args)
+        if not all(ahead.load(f, signature) is not None for f, signature in _compiled(given)):
+            ahead.running(__name__, [ahead.describe(t) for t in given])
         return
-    for driver in _DRIVERS:
-        driver(*args)
+    _attention_serial(*args)
+    _attention_threaded(*args)
 
 
 def compile_ahead(described: list) -> None:
     """The child's part of :func:`warm` (:func:`.ahead.main`)."""
-    given = tuple(ahead.rebuild(t) for t in described)
-    for driver in _DRIVERS:
-        driver.compile(given)
+    for f, signature in _compiled(tuple(ahead.rebuild(t) for t in described)):
+        f.compile(signature)
 
 
 def attention_rows(q, k, v, num_heads: int, kv_heads: int, head_dim: int, causal: bool, window: int,

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange, types
-from numba._dispatcher import compute_fingerprint
-from numba.core import cgutils
+from numba import types
 from numba.extending import intrinsic, overload
 
 from ..compiled import attention as compiled_attention
-from ..compiled import ahead, cpu, floats, kquants, legacy, spin
+from ..compiled import ahead, cpu, floats, kquants, launch, legacy, spin
 from ..compiled.cache import jit
 from ..compiled.registry import SERIAL_BYTES, block_sums, joint_chunks, joint_part
 from ..compiled.kv_q8 import row_elements
@@ -459,63 +457,18 @@ def _prepare(code, slots, weights, m, starts, positions, threads):
     return stages, pieces, np.empty(most, np.float32), np.empty(2 * most, np.float32), np.zeros(16, np.int64)
 
 
-@intrinsic
-def _call(typingctx, address, args):
-    """Call the compiled function at ``address`` (numba's calling convention, returning None:
-    :func:`_work_address`) with the tuple ``args``, its arguments in order; an exception it
-    raises goes on up."""
-    def codegen(context, builder, sig, llargs):
-        fnty = context.call_conv.get_function_type(types.none, args.types)
-        fn = builder.inttoptr(llargs[0], fnty.as_pointer())
-        status, _ = context.call_conv.call_function(builder, fn, types.none, args.types,
-                                                    cgutils.unpack_tuple(builder, llargs[1]))
-        with cgutils.if_unlikely(builder, status.is_error):
-            context.call_conv.return_status_propagate(builder, status)
-        return context.get_dummy_value()
-    return types.none(address, args), codegen
-
-
-@jit(nogil=True, parallel=True)
-def _launch(address, args, threads):
-    """:func:`_work` (at ``address``) on ``threads`` threads of numba's pool, each with ``args``."""
-    if threads == 1:
-        _call(address, args)
-    else:
-        for _ in prange(threads):
-            _call(address, args)
-
-
-#: :func:`_work`'s compiled code for its arguments' types, by their numba fingerprints.
-_WORK: dict[bytes, int] = {}
-
-
-def _work_address(args: tuple) -> int:
-    """The address of :func:`_work` compiled for ``args``' types (compiled, or loaded from numba's
-    cache, on first use).  :func:`_launch` calls it through this address rather than by name: numba
-    links a called function's code into its caller's and optimises it again there, and the
-    parallel launch is four such callers deep (the loop, numba's gufunc and its two wrappers):
-    called by name, the program's whole code would be optimised and compiled six times over, ~7 s
-    each on this 2-core machine."""
-    key = compute_fingerprint(args)
-    address = _WORK.get(key)
-    if address is None:
-        signature = numba.typeof(args).types
-        _work.compile(signature)
-        compiled = _work.overloads[signature]
-        address = _WORK[key] = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
-    return address
-
-
 def execute(code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, threads, attention_spec, kernels):
     """Every instruction of ``code`` in order (:class:`.runtime.Program` builds them), on ``threads`` threads that
     stay from the first task to the last (:func:`_work`), spinning between stages rather than
     going back to numba's pool: one launch a call, not one a product, and no sleeping thread to
-    wake after each stretch of serial work (~2-15 us each: :mod:`.compiled.threads`).  ``kernels``:
-    the product kernels the code calls (:data:`KERNELS`)."""
+    wake after each stretch of serial work (~2-15 us each: :mod:`.compiled.threads`); :func:`_work`
+    called by its address (:mod:`..compiled.launch`), so that its code compiles once, not once
+    more in each of the parallel launch's wrappers.  ``kernels``: the product kernels the code
+    calls (:data:`KERNELS`)."""
     stages, pieces, sums, stats, counters = _prepare(code, slots, weights, m, starts, positions, threads)
     args = (stages, counters, code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, attention_spec,
             pieces, sums, stats, *kernels)
-    _launch(_work_address(args), args, threads)
+    launch.run(_work, args, threads)
 
 
 def ready(code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, threads, attention_spec, kernels):
@@ -535,9 +488,9 @@ def compile_ahead(described: list) -> None:
     given = tuple(ahead.rebuild(t) for t in described)
     prepare = _prepare_types(given)
     _prepare.compile(prepare)
-    work, launch = _signatures(given, _prepare.overloads[prepare].signature.return_type)
+    work, launched = _signatures(given, _prepare.overloads[prepare].signature.return_type)
     _work.compile(work)
-    _launch.compile(launch)
+    launch._launch.compile(launched)
 
 
 def _loaded(given: tuple) -> bool:
@@ -546,8 +499,8 @@ def _loaded(given: tuple) -> bool:
     prepared = ahead.load(_prepare, _prepare_types(given))
     if prepared is None:
         return False
-    work, launch = _signatures(given, prepared.signature.return_type)
-    return ahead.load(_work, work) is not None and ahead.load(_launch, launch) is not None
+    work, launched = _signatures(given, prepared.signature.return_type)
+    return ahead.load(_work, work) is not None and ahead.load(launch._launch, launched) is not None
 
 
 def _prepare_types(given: tuple) -> tuple:
@@ -562,4 +515,4 @@ def _signatures(given: tuple, prepared) -> tuple:
     stages, pieces, sums, stats, counters = prepared.types
     work = (stages, counters, code, slots, weights, eps, kv, kv_like, cos, sin, arena, m, starts, positions, spec, pieces,
             sums, stats, *kernels)
-    return work, (types.int64, types.BaseTuple.from_types(work), threads)
+    return work, launch.signature(work, threads)
