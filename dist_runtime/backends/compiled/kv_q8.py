@@ -92,25 +92,3 @@ def _row_elements(like, width):
     if isinstance(like, types.Array) and like.dtype == types.uint8:
         return lambda like, width: width // QK * BLOCK_BYTES
     return lambda like, width: width
-
-
-@jit(nogil=True)
-def _segment_q8(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
-                num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out, s):
-    """:func:`.rows._segment_append_attend` over Q8_0 caches (rows of ``W / 32 * 34`` bytes)."""
-    lo, hi, width = starts[s], starts[s + 1], k.shape[1] // QK * BLOCK_BYTES
-    k_buf = numba.carray(element_at(kv_like, buffers[s, 0]), (rows[s], width))
-    v_buf = numba.carray(element_at(kv_like, buffers[s, 1]), (rows[s], width))
-    rope_append_attend_q8(spec, q[lo:hi], k[lo:hi], v[lo:hi], cos[lo:hi], sin[lo:hi], rope_head_dim, rope_dim,
-                          k_buf, v_buf, pos[s], num_heads, kv_heads, head_dim, causal, window, attend[s],
-                          q_rot[lo:hi], k_rot[lo:hi], out[lo:hi])
-
-
-@jit(nogil=True, parallel=True)
-def segments_append_attend_q8(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
-                              num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
-    """:func:`.rows.segments_append_attend` over Q8_0 caches: every segment, the threads taking
-    segments (each its own rows and cache: the same bits on any thread)."""
-    for s in numba.prange(starts.shape[0] - 1):
-        _segment_q8(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
-                    num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out, s)

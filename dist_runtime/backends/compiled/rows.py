@@ -13,6 +13,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import attention as compiled_attention
+from . import launch, spin
 from .cache import jit
 from .kv_q8 import row_elements, stored_rows
 
@@ -106,14 +107,27 @@ def _segment_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, sta
                        q_rot[lo:hi], k_rot[lo:hi], out[lo:hi])
 
 
-@jit(nogil=True, parallel=True)
-def segments_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
-                           num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
-    """:func:`_segment_append_attend` for every segment, the threads taking segments (each its
-    own rows and cache: the same bits on any thread)."""
-    for s in numba.prange(starts.shape[0] - 1):
+@_jit
+def _segments_work(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos, num_heads,
+                   kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out, counter):
+    """One thread's share of :func:`segments_append_attend`: the next segment from ``counter[0]``
+    until none is left (each its own rows and cache: the same bits on any thread)."""
+    while True:
+        s = spin.fetch_add(counter, 0)
+        if s >= starts.shape[0] - 1:
+            return
         _segment_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
                                num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out, s)
+
+
+def segments_append_attend(spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
+                           num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out):
+    """:func:`_segment_append_attend` for every segment, the threads taking segments
+    (:func:`_segments_work` on each, called by its address: :mod:`.launch`)."""
+    threads = max(1, min(numba.get_num_threads(), starts.shape[0] - 1))
+    launch.run(_segments_work, (spec, q, k, v, cos, sin, rope_head_dim, rope_dim, starts, buffers, kv_like, rows, pos,
+                                num_heads, kv_heads, head_dim, causal, window, attend, q_rot, k_rot, out,
+                                np.zeros(1, np.int64)), threads)
 
 
 @_jit
