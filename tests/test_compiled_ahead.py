@@ -75,7 +75,9 @@ def test_the_attention_s_child_compiles_what_a_long_context_runs():
     k, v = (rng.standard_normal((keys, head_dim), dtype=np.float32) for _ in range(2))
     k.flags.writeable = v.flags.writeable = False
     out = np.empty_like(q)
-    assert not compiled_attention.serial(1, keys, k.nbytes) or numba.get_num_threads() == 1
+    if numba.get_num_threads() == 1:
+        pytest.skip("one thread: every attention runs the serial driver")
+    assert not compiled_attention.serial(1, keys, k.nbytes)  # the threaded driver, then the serial one
     compiled_attention.attention_rows(q, k, v, heads, 1, head_dim, True, 0, out)
     compiled_attention.attention_rows(q, k[:5], v[:5], heads, 1, head_dim, True, 0, out)  # the serial driver
     spec = compiled_attention.SPECS((cpu.PATH, head_dim))
